@@ -1,3 +1,17 @@
-"""pipecore: pipeline-parallel training for PyTorch with first-class weight staleness."""
+"""pipecore: pipeline-parallel training for PyTorch with first-class weight staleness.
+
+Every algorithm is a schedule (per-stage action lists), a version policy (which weights each forward and
+backward reads) and an update rule. :func:`simulate` runs any of them symbolically and returns a
+:class:`Trace` of the versions every action read.
+"""
+
+from .algorithms import algorithm_names, get_algorithm
+from .schedule import Action, Schedule, ScheduleError, validate
+from .simulate import simulate
+from .trace import Trace
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "Action", "Schedule", "ScheduleError", "Trace", "algorithm_names", "get_algorithm", "simulate", "validate",
+]

@@ -1,0 +1,288 @@
+"""The vocabulary algorithms are written in: weight-read rules, update rules, and the algorithm spec.
+
+An algorithm is a schedule family + a version policy (which weights each F and each B reads) + an update
+rule (how many micro-batches' gradients one update accumulates, and any per-stage learning-rate scale).
+The runtime evaluates these objects; it never looks at an algorithm's name.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from ..schedule.generators import ScheduleFamily
+
+Options = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class WeightRead:
+    """The weights one F or B reads.
+
+    ``version`` is the version read, or the version a derived weight is computed from. Derived weights:
+    ``"interpolate"`` = ``W[version] + coef*(W[other] - W[version])`` (coef = alpha(d));
+    ``"predict"`` = ``W[version] - coef*lr*v`` (coef = horizon s, v = smoothed gradient);
+    ``"correct"`` = ``W[version] - coef*delta`` (coef = tau, delta = PipeMare's weight velocity).
+    """
+
+    version: int
+    derivation: str | None = None
+    other: int | None = None
+    coef: float | None = None
+
+    def __str__(self) -> str:
+        if self.derivation is None:
+            return f"v{self.version}"
+        if self.derivation == "interpolate":
+            return f"v{self.version}~interp(v{self.other},a={self.coef:.3g})"
+        if self.derivation == "predict":
+            return f"v{self.version}~pred(s={self.coef:g})"
+        return f"v{self.version}~corr(tau={self.coef:g})"
+
+
+@dataclass(frozen=True)
+class ReadContext:
+    """What a read rule may look at when an F or B runs at one stage."""
+
+    stage: int
+    num_stages: int
+    microbatch: int            # first micro-batch of the action
+    n_microbatches: int
+    live: int                  # the stage's live version now
+    tag: int | None            # version assigned at stage 0 (vertical sync), carried with the data
+    forward_version: int | None  # for B: the version this micro-batch's F read at this stage
+
+
+class ReadRule(ABC):
+    """Base class of weight-read rules. Subclasses define :meth:`resolve` and may set the flags."""
+
+    #: B rules that need the F's weights kept alive until the B (weight stashing) set this.
+    pins_forward_weights: bool = False
+
+    @abstractmethod
+    def resolve(self, ctx: ReadContext, options: Options) -> WeightRead:
+        """The weights an action reads in context ``ctx``."""
+
+    def oldest_needed(self, stage: int, live: int, latest_tag: int | None) -> int:
+        """Lowest version a future read of this rule may still name (older unpinned ones can be freed)."""
+        return live
+
+
+@dataclass(frozen=True)
+class Live(ReadRule):
+    """The stage's current weights."""
+
+    def resolve(self, ctx: ReadContext, options: Options) -> WeightRead:
+        return WeightRead(ctx.live)
+
+
+@dataclass(frozen=True)
+class SameAsForward(ReadRule):
+    """Weight stashing: the backward reads exactly the version its forward read."""
+
+    pins_forward_weights = True
+
+    def resolve(self, ctx: ReadContext, options: Options) -> WeightRead:
+        assert ctx.forward_version is not None, "SameAsForward is a backward rule"
+        return WeightRead(ctx.forward_version)
+
+
+@dataclass(frozen=True)
+class StageZeroTag(ReadRule):
+    """Vertical sync: the version the micro-batch was assigned when it entered stage 0."""
+
+    def resolve(self, ctx: ReadContext, options: Options) -> WeightRead:
+        assert ctx.tag is not None
+        return WeightRead(ctx.tag)
+
+    def oldest_needed(self, stage: int, live: int, latest_tag: int | None) -> int:
+        # Stage 0 hands out its live version as the tag. Later stages receive tags in non-decreasing order,
+        # so nothing older than the newest tag seen is named again.
+        return live if stage == 0 or latest_tag is None else min(live, latest_tag)
+
+
+@dataclass(frozen=True)
+class MinibatchDelay(ReadRule):
+    """2BW: micro-batch ``k`` reads version ``max(k // m - delay, 0)``."""
+
+    delay: int = 1
+
+    def resolve(self, ctx: ReadContext, options: Options) -> WeightRead:
+        return WeightRead(max(ctx.microbatch // ctx.n_microbatches - self.delay, 0))
+
+    def oldest_needed(self, stage: int, live: int, latest_tag: int | None) -> int:
+        return max(live - self.delay, 0)
+
+
+ALPHA_FUNCTIONS: dict[str, Callable[[float, float], float]] = {
+    "exp": lambda d, lam: math.exp(-lam * d),
+    "inverse": lambda d, lam: 1.0 / (1.0 + lam * d),
+    "constant": lambda d, lam: lam if d > 0 else 1.0,
+}
+
+
+@dataclass(frozen=True)
+class Interpolated(ReadRule):
+    """I-TiMePReSt: ``W_live + alpha(d)*(W_stash - W_live)``, ``d = live - forward version``.
+
+    Options: ``alpha`` (``"exp"``: ``exp(-lambda*d)``, ``"inverse"``: ``1/(1+lambda*d)``, ``"constant"``:
+    ``lambda`` for every ``d > 0``; or any callable ``d -> alpha``) and ``lam`` (lambda).
+    """
+
+    pins_forward_weights = True
+
+    def resolve(self, ctx: ReadContext, options: Options) -> WeightRead:
+        assert ctx.forward_version is not None
+        d = ctx.live - ctx.forward_version
+        fn = options["alpha"]
+        alpha = fn(d) if callable(fn) else ALPHA_FUNCTIONS[fn](d, options["lam"])
+        if d == 0:
+            return WeightRead(ctx.live)
+        return WeightRead(ctx.live, "interpolate", ctx.forward_version, float(alpha))
+
+
+@dataclass(frozen=True)
+class Predicted(ReadRule):
+    """SpecTrain: predict the weights ``s`` updates ahead, ``W - s*lr*v``.
+
+    ``horizon(stage, num_stages)`` gives ``s``; the option ``lookahead`` (a list, one ``s`` per stage)
+    overrides it.
+    """
+
+    horizon: Callable[[int, int], int]
+
+    def resolve(self, ctx: ReadContext, options: Options) -> WeightRead:
+        override = options.get("lookahead")
+        s = override[ctx.stage] if override is not None else self.horizon(ctx.stage, ctx.num_stages)
+        if s == 0:
+            return WeightRead(ctx.live)
+        return WeightRead(ctx.live, "predict", coef=float(s))
+
+
+@dataclass(frozen=True)
+class Corrected(ReadRule):
+    """PipeMare T2: ``W_live - tau*delta`` with ``tau`` = updates since this micro-batch's forward."""
+
+    def resolve(self, ctx: ReadContext, options: Options) -> WeightRead:
+        assert ctx.forward_version is not None
+        tau = ctx.live - ctx.forward_version
+        if tau == 0:
+            return WeightRead(ctx.live)
+        return WeightRead(ctx.live, "correct", coef=float(tau))
+
+
+BACKWARD_RULES = ("swap", "recompute", "stash")
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """One algorithm, declared. See the modules next to this one for examples.
+
+    ``update_every(n_microbatches, options)`` is the number of micro-batches whose gradients one update
+    accumulates. ``defaults`` lists every option the algorithm accepts (anything else is rejected).
+    ``constraints`` are ``(num_stages, n_microbatches, options) -> error message or None``.
+    ``lr_scale(stage, update_index, algorithm)`` scales the learning rate per stage (update_index from 0).
+    ``velocity_decay(stage, algorithm)``, when set, makes the stage keep a weight-velocity buffer
+    ``delta = decay*delta + (1-decay)*(W_new - W_old)`` updated with every step (PipeMare's T2).
+    """
+
+    name: str
+    schedule: ScheduleFamily
+    forward: ReadRule
+    backward: ReadRule
+    summary: str
+    update_every: Callable[[int, Options], int] = lambda m, options: m
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    constraints: tuple[Callable[[int, int, Options], str | None], ...] = ()
+    lr_scale: Callable[[int, int, "Algorithm"], float] | None = None
+    velocity_decay: Callable[[int, "Algorithm"], float] | None = None
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def option_names(self) -> tuple[str, ...]:
+        return tuple(sorted(self.defaults))
+
+    def configure(self, num_stages: int, n_microbatches: int, **options: Any) -> "Algorithm":
+        """Check sizes and options against this algorithm and return a configured :class:`Algorithm`."""
+        if num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+        if n_microbatches < 1:
+            raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
+        unknown = sorted(set(options) - set(self.defaults))
+        if unknown:
+            valid = ", ".join(self.option_names) or "none"
+            raise ValueError(f"unknown option(s) {unknown} for algorithm '{self.name}'; valid options: {valid}")
+        merged = {**self.defaults, **{k: v for k, v in options.items() if v is not None}}
+        rule = merged.get("backward_rule")
+        if rule is not None and rule not in BACKWARD_RULES:
+            raise ValueError(f"backward_rule must be one of {BACKWARD_RULES}, got {rule!r}")
+        alpha = merged.get("alpha")
+        if alpha is not None and not callable(alpha) and alpha not in ALPHA_FUNCTIONS:
+            raise ValueError(f"alpha must be one of {sorted(ALPHA_FUNCTIONS)} or a callable, got {alpha!r}")
+        lookahead = merged.get("lookahead")
+        if lookahead is not None and len(lookahead) != num_stages:
+            raise ValueError(f"lookahead needs one horizon per stage ({num_stages}), got {len(lookahead)}")
+        for check in self.constraints:
+            message = check(num_stages, n_microbatches, merged)
+            if message:
+                raise ValueError(f"{self.name}: {message}")
+        every = self.update_every(n_microbatches, merged)
+        if every < 1:
+            raise ValueError(f"{self.name}: update_every must be >= 1 micro-batch, got {every}")
+        return Algorithm(self, num_stages, n_microbatches, merged, every)
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """An algorithm configured for a pipeline shape: what the runtime consumes."""
+
+    spec: AlgorithmSpec
+    num_stages: int
+    n_microbatches: int
+    options: Mapping[str, Any]
+    update_every: int
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def schedule(self, n_minibatches: int):
+        """The full per-stage action list for ``n_minibatches`` mini-batches, updates included."""
+        base = self.spec.schedule(self.num_stages, self.n_microbatches, n_minibatches)
+        return base.with_updates(self.update_every)
+
+    def forward_read(self, ctx: ReadContext) -> WeightRead:
+        return self.spec.forward.resolve(ctx, self.options)
+
+    def backward_read(self, ctx: ReadContext, forward_read: WeightRead) -> WeightRead:
+        """The weights a backward uses. Under the ``stash`` rule that is whatever its forward read."""
+        if self.backward_rule == "stash":
+            return forward_read
+        return self.spec.backward.resolve(ctx, self.options)
+
+    def oldest_needed(self, stage: int, live: int, latest_tag: int | None) -> int:
+        """Lowest version a future read at ``stage`` may name; older versions are kept only while pinned."""
+        return min(
+            self.spec.forward.oldest_needed(stage, live, latest_tag),
+            self.spec.backward.oldest_needed(stage, live, latest_tag),
+        )
+
+    @property
+    def backward_rule(self) -> str:
+        """How a backward reads weights other than its forward's: ``swap``, ``recompute`` or ``stash``."""
+        return self.options.get("backward_rule", "stash")
+
+    @property
+    def pins_forward_weights(self) -> bool:
+        """Whether each forward's weights must stay alive until its backward."""
+        return self.spec.backward.pins_forward_weights or self.backward_rule == "stash"
+
+    def velocity_decay(self, stage: int) -> float | None:
+        return None if self.spec.velocity_decay is None else self.spec.velocity_decay(stage, self)
+
+    def lr_scale(self, stage: int, update_index: int) -> float:
+        if self.spec.lr_scale is None:
+            return 1.0
+        return self.spec.lr_scale(stage, update_index, self)

@@ -1,0 +1,75 @@
+"""PipeMare (Yang et al., MLSys 2021): asynchronous, no stashing, delay-aware corrections.
+
+Forward reads the live weights; the backward reads the live weights corrected towards the forward's,
+``W - tau*delta`` (T2), where ``tau`` is the number of updates the stage made since that micro-batch's
+forward and ``delta`` is an exponential average of the per-update weight change with decay
+``gamma_s = D**(1/tau_s)`` (``delta_decay`` fixes it instead). The learning rate of stage ``s`` is divided by
+its delay ``tau_s`` at the start and the division is annealed away over ``warmup_steps`` updates (T1):
+``lr * tau_s**-(1 - min(k/K, 1))`` (``lr_warmup="power"``) or
+``lr * (1/tau_s + (1 - 1/tau_s)*min(k/K, 1))`` (``"linear"``). The stage delay is
+``tau_s = max(ceil((P-1-s)/update_every), 1)``. One version per stage plus the velocity buffer.
+
+Defaults follow the spec's proposals (the paper's exact forms were not verified): ``D = 0.1``,
+``warmup_steps = 1000`` (the spec suggests five epochs of updates; ``pipecore train`` uses that).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..schedule import async_one_f_one_b
+from ._common import update_every_divides_minibatch, update_every_option
+from .base import Algorithm, AlgorithmSpec, Corrected, Live
+
+
+def stage_delay(stage: int, algorithm: Algorithm) -> int:
+    """Updates a stage makes between a micro-batch's F and B under async 1F1B (at least 1)."""
+    return max(math.ceil((algorithm.num_stages - 1 - stage) / algorithm.update_every), 1)
+
+
+def _lr_scale(stage: int, update_index: int, algorithm: Algorithm) -> float:
+    tau = stage_delay(stage, algorithm)
+    warmup = algorithm.options["warmup_steps"]
+    progress = 1.0 if warmup <= 0 else min(update_index / warmup, 1.0)
+    if algorithm.options["lr_warmup"] == "linear":
+        return 1.0 / tau + (1.0 - 1.0 / tau) * progress
+    return tau ** -(1.0 - progress)
+
+
+def _velocity_decay(stage: int, algorithm: Algorithm) -> float:
+    fixed = algorithm.options["delta_decay"]
+    if fixed is not None:
+        return float(fixed)
+    return algorithm.options["D"] ** (1.0 / stage_delay(stage, algorithm))
+
+
+def _check_options(num_stages: int, n_microbatches: int, options) -> str | None:
+    if options["lr_warmup"] not in ("power", "linear"):
+        return f"lr_warmup must be 'power' or 'linear', got {options['lr_warmup']!r}"
+    if not 0.0 <= options["D"] < 1.0:
+        return f"D must be in [0, 1), got {options['D']}"
+    decay = options["delta_decay"]
+    if decay is not None and not 0.0 <= decay < 1.0:
+        return f"delta_decay must be in [0, 1), got {decay}"
+    return None
+
+
+SPEC = AlgorithmSpec(
+    name="pipemare",
+    summary="async 1F1B, no stash; B reads live - tau*delta; per-stage LR warm-up; 1 version + delta",
+    schedule=async_one_f_one_b,
+    forward=Live(),
+    backward=Corrected(),
+    update_every=update_every_option,
+    defaults={
+        "update_every": None,
+        "backward_rule": "swap",
+        "warmup_steps": 1000,
+        "lr_warmup": "power",
+        "D": 0.1,
+        "delta_decay": None,
+    },
+    constraints=(update_every_divides_minibatch, _check_options),
+    lr_scale=_lr_scale,
+    velocity_decay=_velocity_decay,
+)

@@ -1,0 +1,85 @@
+"""The stage worker: one stage's version logic around three compute hooks.
+
+The executor hands a worker its actions in order. The worker asks its :class:`VersionBook` which weights
+each action reads, runs the compute hook, and reports what happened. The symbolic worker (simulator)
+has empty hooks; the tensor worker (training engine) fills them. Both go through this one class, so
+the simulator's trace is exactly what the runtime does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ..algorithms.base import Algorithm, WeightRead
+from ..schedule.ir import Action
+from ..versions import UpdateInfo, VersionBook
+
+
+@dataclass
+class Message:
+    """What travels between stages: a payload (activation or gradient) and the stage-0 version tag."""
+
+    payload: Any = None
+    tag: int | None = None
+
+
+@dataclass
+class ActionRecord:
+    """What one action did: the reads per micro-batch, the live version then, and update info."""
+
+    reads: dict[int, WeightRead] = field(default_factory=dict)
+    forward_reads: dict[int, WeightRead] = field(default_factory=dict)
+    live: int = 0
+    update: UpdateInfo | None = None
+
+
+class StageWorker:
+    """Runs one stage's actions. Subclasses override the ``compute_*`` hooks to do real work."""
+
+    def __init__(self, algorithm: Algorithm, stage: int):
+        self.algorithm = algorithm
+        self.stage = stage
+        self.book = VersionBook(algorithm, stage)
+
+    # Hooks: the symbolic stage does no compute.
+    def compute_forward(self, action: Action, read: WeightRead, payload: Any) -> Any:
+        return None
+
+    def compute_backward(
+        self, action: Action, reads: Sequence[WeightRead], forward_reads: Sequence[WeightRead], payloads: Sequence[Any]
+    ) -> list[Any]:
+        return [None] * len(reads)
+
+    def compute_update(self, action: Action, info: UpdateInfo) -> None:
+        return None
+
+    # The version logic, shared by every kind of stage.
+    def forward(self, action: Action, message: Message) -> tuple[Message, ActionRecord]:
+        live = self.book.live
+        read, tag = self.book.forward(action.index, message.tag)
+        payload = self.compute_forward(action, read, message.payload)
+        return Message(payload, tag), ActionRecord({action.index: read}, live=live)
+
+    def backward(self, action: Action, messages: Sequence[Message]) -> tuple[list[Message], ActionRecord]:
+        live = self.book.live
+        pairs = [self.book.backward(k) for k in action.microbatches]
+        reads = [p[0] for p in pairs]
+        forward_reads = [p[1] for p in pairs]
+        payloads = self.compute_backward(action, reads, forward_reads, [m.payload for m in messages])
+        self.book.release_backward()
+        record = ActionRecord(
+            dict(zip(action.microbatches, reads)), dict(zip(action.microbatches, forward_reads)), live=live
+        )
+        return [Message(p) for p in payloads], record
+
+    def update(self, action: Action) -> ActionRecord:
+        live = self.book.live
+        info = self.book.update()
+        if info.new_version != action.index:
+            raise RuntimeError(
+                f"stage {self.stage}: update {action} would produce version {info.new_version}; the schedule "
+                "and the stage disagree on the update count"
+            )
+        self.compute_update(action, info)
+        return ActionRecord(live=live, update=info)

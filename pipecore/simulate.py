@@ -1,0 +1,69 @@
+"""The simulator: the local executor over symbolic stages, yielding a :class:`~pipecore.trace.Trace`."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from .algorithms import Algorithm, get_algorithm
+from .runtime.executor import Costs, Executor
+from .runtime.worker import StageWorker
+from .schedule.validate import validate
+from .trace import Trace
+
+CostsLike = Costs | Mapping[str, Any] | Sequence[float] | None
+
+
+def make_costs(num_stages: int, costs: CostsLike) -> Costs:
+    """Normalise ``costs``: None (F=1, B=2), ``(F, B)``, a :class:`Costs`, or a mapping with per-stage
+    lists or scalars under ``forward``, ``backward`` and optionally ``update`` and ``send``."""
+    if costs is None:
+        return Costs.uniform(num_stages)
+    if isinstance(costs, Costs):
+        result = costs
+    elif isinstance(costs, Mapping):
+        unknown = set(costs) - {"forward", "backward", "update", "send"}
+        if unknown:
+            raise ValueError(f"unknown cost keys {sorted(unknown)}; use forward, backward, update, send")
+
+        def per_stage(key: str, default: float) -> tuple[float, ...]:
+            value = costs.get(key, default)
+            values = tuple(float(v) for v in value) if isinstance(value, Sequence) else (float(value),) * num_stages
+            if len(values) != num_stages:
+                raise ValueError(f"costs[{key!r}] has {len(values)} entries; the pipeline has {num_stages} stages")
+            return values
+
+        result = Costs(per_stage("forward", 1.0), per_stage("backward", 2.0), per_stage("update", 0.0),
+                       float(costs.get("send", 0.0)))
+    else:
+        values = tuple(float(v) for v in costs)
+        if len(values) not in (2, 3):
+            raise ValueError(f"costs as a sequence must be (forward, backward) or (forward, backward, send), got {values}")
+        result = Costs.uniform(num_stages, values[0], values[1], send=values[2] if len(values) == 3 else 0.0)
+    if min(result.forward + result.backward + result.update + (result.send,)) < 0:
+        raise ValueError("costs must be non-negative")
+    return result
+
+
+def simulate(
+    algorithm: str | Algorithm,
+    num_stages: int,
+    n_microbatches: int,
+    n_minibatches: int = 4,
+    costs: CostsLike = None,
+    **options: Any,
+) -> Trace:
+    """Run ``algorithm`` symbolically and return its timed version trace.
+
+    Micro-batches are numbered globally from 0 (mini-batch = index // n_microbatches). ``costs`` is None
+    (unit costs F=1, B=2), ``(F, B)`` or ``(F, B, send)``, or per-stage times (see :func:`make_costs`).
+    ``options`` are the algorithm's options (e.g. ``lam=0.5`` for I-TiMePReSt).
+    """
+    if isinstance(algorithm, str):
+        algorithm = get_algorithm(algorithm, num_stages, n_microbatches, **options)
+    elif options:
+        raise ValueError("pass options when naming the algorithm, not with a configured Algorithm")
+    schedule = validate(algorithm.schedule(n_minibatches))
+    workers = [StageWorker(algorithm, s) for s in range(num_stages)]
+    executor = Executor(schedule, workers, make_costs(num_stages, costs))
+    executor.run()
+    return Trace(algorithm, schedule, executor.events, [w.book.peak_versions for w in workers])

@@ -1,0 +1,208 @@
+"""Version traces: which weights every forward and backward read, when, and at what cost."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from typing import Sequence
+
+from .algorithms.base import Algorithm, WeightRead
+from .runtime.executor import Event
+from .schedule.ir import Action, B, F, Kind, U
+from .schedule.schedule import Schedule
+
+_COLOURS = {F: "#4c78a8", B: "#59a14f", U: "#9d9d9d"}
+
+
+@dataclass(frozen=True)
+class StageSummary:
+    """Per-stage figures of a trace."""
+
+    stage: int
+    busy: float
+    weight_versions: int
+    derived_weights: bool
+    peak_activations: int
+    mean_staleness: float
+    max_staleness: int
+    mean_delay: float
+    max_delay: int
+
+
+class Trace:
+    """The outcome of a simulation (or of a real run): timeline and version reads.
+
+    Staleness of a read = the stage's live version at that moment minus the version read (for derived
+    weights, minus the version they are derived from).
+    """
+
+    def __init__(self, algorithm: Algorithm, schedule: Schedule, events: Sequence[Event], peak_versions: Sequence[int]):
+        self.algorithm = algorithm
+        self.schedule = schedule
+        self.events = list(events)
+        self._peak_versions = list(peak_versions)
+        self._reads: dict[tuple[int, int, Kind], tuple[WeightRead, int]] = {}
+        self._forward_versions: dict[tuple[int, int], int] = {}
+        for e in self.events:
+            for k, read in e.record.reads.items():
+                self._reads[(e.action.stage, k, e.action.kind)] = (read, e.record.live)
+            for k, read in e.record.forward_reads.items():
+                self._forward_versions[(e.action.stage, k)] = read.version
+
+    @property
+    def num_stages(self) -> int:
+        return self.schedule.num_stages
+
+    def _lookup(self, stage: int, microbatch: int, kind: str | Kind) -> tuple[WeightRead, int]:
+        key = (stage, microbatch, Kind(kind))
+        if key not in self._reads:
+            raise KeyError(f"no {Kind(kind).value} of micro-batch {microbatch} at stage {stage} in this trace")
+        return self._reads[key]
+
+    def read(self, stage: int, microbatch: int, kind: str | Kind) -> WeightRead:
+        """The full read (version, derivation and its parameters) of an F or B."""
+        return self._lookup(stage, microbatch, kind)[0]
+
+    def version(self, stage: int, microbatch: int, kind: str | Kind) -> int:
+        """The version the F or B of ``microbatch`` reads at ``stage`` (derived weights: their base)."""
+        return self._lookup(stage, microbatch, kind)[0].version
+
+    def live_version(self, stage: int, microbatch: int, kind: str | Kind) -> int:
+        """The stage's live version when that F or B ran."""
+        return self._lookup(stage, microbatch, kind)[1]
+
+    def staleness(self, stage: int, microbatch: int, kind: str | Kind) -> int:
+        read, live = self._lookup(stage, microbatch, kind)
+        return live - read.version
+
+    def delay(self, stage: int, microbatch: int) -> int:
+        """Updates between a micro-batch's forward-read version and its backward at ``stage``: how old the
+        forward's weights are when the gradient they produced is applied."""
+        return self.live_version(stage, microbatch, B) - self._forward_versions[(stage, microbatch)]
+
+    def weight_versions(self, stage: int) -> int:
+        """Peak number of weight versions the stage holds (derived, transient weights not counted)."""
+        return self._peak_versions[stage]
+
+    def derived_weights(self, stage: int) -> bool:
+        """Whether the stage computes derived weights (prediction, interpolation, correction): one scratch buffer."""
+        return any(r.derivation for (s, _, _), (r, _) in self._reads.items() if s == stage)
+
+    def peak_activations(self, stage: int) -> int:
+        """Peak number of micro-batches whose forward ran at the stage and whose backward has not."""
+        in_flight = peak = 0
+        for e in self.events:
+            if e.action.stage != stage:
+                continue
+            if e.action.kind is F:
+                in_flight += 1
+                peak = max(peak, in_flight)
+            elif e.action.kind is B:
+                in_flight -= e.action.count
+        return peak
+
+    @property
+    def makespan(self) -> float:
+        return max((e.end for e in self.events), default=0.0)
+
+    def busy(self, stage: int) -> float:
+        return sum(e.end - e.start for e in self.events if e.action.stage == stage)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of ``num_stages * makespan``."""
+        total = self.num_stages * self.makespan
+        return 0.0 if total == 0 else 1.0 - sum(self.busy(s) for s in range(self.num_stages)) / total
+
+    def stage_summary(self, stage: int) -> StageSummary:
+        stale = [live - r.version for (s, _, _), (r, live) in self._reads.items() if s == stage]
+        delays = [self.delay(stage, k) for (s, k, kind) in self._reads if s == stage and kind is B]
+        return StageSummary(
+            stage, self.busy(stage), self.weight_versions(stage), self.derived_weights(stage),
+            self.peak_activations(stage), statistics.fmean(stale) if stale else 0.0, max(stale, default=0),
+            statistics.fmean(delays) if delays else 0.0, max(delays, default=0),
+        )
+
+    def _label(self, e: Event) -> str:
+        a = e.action
+        if a.kind is U:
+            return str(a)
+        versions = {str(r) for r in e.record.reads.values()}
+        tag = versions.pop() if len(versions) == 1 else "/".join(str(e.record.reads[k]) for k in a.microbatches)
+        return f"{a}@{tag}"
+
+    def grid(self) -> str:
+        """Text table: one row per stage, actions in order, F/B tagged with the version read."""
+        rows = [[] for _ in range(self.num_stages)]
+        for e in self.events:
+            rows[e.action.stage].append(self._label(e))
+        # Events arrive in execution order; a stage's own events are in its schedule order.
+        return "\n".join(f"stage {s}: " + " ".join(r) for s, r in enumerate(rows))
+
+    def summary(self) -> str:
+        """Bubble fraction, makespan and per-stage versions/staleness as text."""
+        lines = [
+            f"algorithm {self.algorithm.name}: {self.num_stages} stages, {self.schedule.n_microbatches} micro-batches "
+            f"x {self.schedule.n_minibatches} mini-batches",
+            f"makespan {self.makespan:g}, bubble fraction {self.bubble_fraction:.3f}",
+            "stage  versions  derived  activations  staleness(mean/max)  delay(mean/max)",
+        ]
+        for s in range(self.num_stages):
+            x = self.stage_summary(s)
+            lines.append(
+                f"{s:>5}  {x.weight_versions:>8}  {'yes' if x.derived_weights else 'no':>7}  {x.peak_activations:>11}  "
+                f"{x.mean_staleness:>14.2f}/{x.max_staleness:<4}  {x.mean_delay:>10.2f}/{x.max_delay}"
+            )
+        return "\n".join(lines)
+
+    def to_chrome_trace(self, path: str) -> None:
+        """Write a Chrome trace (open in Perfetto or chrome://tracing); one row per stage, 1 unit = 1 ms."""
+        events = [
+            {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"pipecore {self.algorithm.name}"}},
+        ]
+        for s in range(self.num_stages):
+            events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": f"stage {s}"}})
+        for e in self.events:
+            args = {"live": e.record.live}
+            if e.record.reads:
+                args["reads"] = {str(k): str(r) for k, r in e.record.reads.items()}
+                args["staleness"] = max(e.record.live - r.version for r in e.record.reads.values())
+            events.append({
+                "name": self._label(e), "cat": e.action.kind.value, "ph": "X", "pid": 0, "tid": e.action.stage,
+                "ts": e.start * 1000.0, "dur": max(e.end - e.start, 1e-3) * 1000.0, "args": args,
+            })
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+    def plot(self, path: str, title: str | None = None) -> None:
+        """Draw the timeline as a PNG: stages as rows, colour by action kind, darker = staler weights."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+
+        fig_w = min(max(8.0, self.makespan * 0.25), 40.0)
+        fig, ax = plt.subplots(figsize=(fig_w, 1.0 + 0.6 * self.num_stages))
+        max_stale = max((self.staleness(s, k, kind) for (s, k, kind) in self._reads), default=0) or 1
+        for e in self.events:
+            a = e.action
+            width = max(e.end - e.start, 0.15)
+            stale = max((e.record.live - r.version for r in e.record.reads.values()), default=0)
+            alpha = 0.45 + 0.55 * stale / max_stale
+            ax.barh(a.stage, width, left=e.start, height=0.8, color=_COLOURS[a.kind], alpha=alpha, edgecolor="white")
+            if a.kind is not U and width >= 0.6:
+                text = f"{a.index}" + (f"-{a.index + a.count - 1}" if a.count > 1 else "")
+                ax.text(e.start + width / 2, a.stage, text, ha="center", va="center", fontsize=7, color="white")
+        ax.set_yticks(range(self.num_stages), [f"stage {s}" for s in range(self.num_stages)])
+        ax.invert_yaxis()
+        ax.set_xlabel("time")
+        ax.set_title(title or f"{self.algorithm.name}: bubble {self.bubble_fraction:.1%}, "
+                              f"versions per stage {[self.weight_versions(s) for s in range(self.num_stages)]}")
+        ax.legend(handles=[Patch(color=_COLOURS[k], label=n) for k, n in ((F, "forward"), (B, "backward"), (U, "update"))]
+                  + [Patch(color="black", alpha=0.9, label="darker = staler weights")],
+                  loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=8, frameon=False)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)

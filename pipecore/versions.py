@@ -1,0 +1,106 @@
+"""Per-stage weight-version bookkeeping, shared by the simulator and the real runtime.
+
+A :class:`VersionBook` follows one stage through its actions: which version is live, which versions a
+forward or backward reads (asking the algorithm's version policy), which versions are pinned by
+in-flight micro-batches, and which versions must still be held. It knows nothing about tensors; the
+real stage uses its answers to pick ring slots, the symbolic stage records them as the trace.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from .algorithms.base import Algorithm, ReadContext, WeightRead
+
+
+class VersionError(RuntimeError):
+    """A version policy asked for weights the stage no longer (or does not yet) hold."""
+
+
+@dataclass(frozen=True)
+class UpdateInfo:
+    """The result of one update at a stage."""
+
+    new_version: int
+    keeps_previous: bool  # the previous live version is still needed, so the new one needs its own slot
+    lr_scale: float
+
+
+class VersionBook:
+    """Version state of one stage: live version, pins, held versions, and the reads of in-flight work."""
+
+    def __init__(self, algorithm: Algorithm, stage: int):
+        self.algorithm = algorithm
+        self.stage = stage
+        self.live = 0
+        self.held: set[int] = {0}
+        self.pins: Counter[int] = Counter()
+        self.forward_reads: dict[int, WeightRead] = {}
+        self.latest_tag: int | None = None
+        self.peak_versions = 1
+        self.updates = 0
+
+    def _context(self, microbatch: int, tag: int | None, forward_version: int | None) -> ReadContext:
+        a = self.algorithm
+        return ReadContext(self.stage, a.num_stages, microbatch, a.n_microbatches, self.live, tag, forward_version)
+
+    def _check_held(self, read: WeightRead, what: str) -> None:
+        for v in (read.version, read.other):
+            if v is not None and v not in self.held:
+                state = "not produced yet" if v > self.live else "no longer held"
+                raise VersionError(
+                    f"stage {self.stage}: {what} reads version {v}, which is {state} "
+                    f"(live v{self.live}, held {sorted(self.held)})"
+                )
+
+    def _refresh(self) -> None:
+        oldest = self.algorithm.oldest_needed(self.stage, self.live, self.latest_tag)
+        self.held = {v for v in self.held if v >= oldest or self.pins[v] > 0} | {self.live}
+        self.peak_versions = max(self.peak_versions, len(self.held))
+
+    def forward(self, microbatch: int, tag: int | None) -> tuple[WeightRead, int]:
+        """Resolve the weights the forward of ``microbatch`` reads. Returns the read and the tag to send on.
+
+        Stage 0 assigns the tag (its live version); later stages pass the received tag along.
+        """
+        if self.stage == 0 or tag is None:
+            tag = self.live
+        self.latest_tag = tag if self.latest_tag is None else max(self.latest_tag, tag)
+        read = self.algorithm.forward_read(self._context(microbatch, tag, None))
+        self._check_held(read, f"F of micro-batch {microbatch}")
+        self.forward_reads[microbatch] = read
+        if self.algorithm.pins_forward_weights:
+            self.pins[read.version] += 1
+        self._refresh()
+        return read, tag
+
+    def backward(self, microbatch: int) -> tuple[WeightRead, WeightRead]:
+        """Resolve the backward read of ``microbatch``; returns ``(backward read, forward read)``."""
+        forward_read = self.forward_reads.pop(microbatch, None)
+        if forward_read is None:
+            raise VersionError(f"stage {self.stage}: backward of micro-batch {microbatch} before its forward")
+        ctx = self._context(microbatch, None, forward_read.version)
+        read = self.algorithm.backward_read(ctx, forward_read)
+        self._check_held(read, f"B of micro-batch {microbatch}")
+        if self.algorithm.pins_forward_weights:
+            self.pins[forward_read.version] -= 1
+        return read, forward_read
+
+    def release_backward(self) -> None:
+        """Drop versions the finished backward no longer needs (call after its compute)."""
+        self._refresh()
+
+    def update(self) -> UpdateInfo:
+        """Advance the live version by one update."""
+        lr_scale = self.algorithm.lr_scale(self.stage, self.updates)
+        previous = self.live
+        self.live += 1
+        self.updates += 1
+        self.held.add(self.live)
+        self._refresh()
+        return UpdateInfo(self.live, previous in self.held, lr_scale)
+
+    def in_flight(self) -> int:
+        """Micro-batches forwarded here whose backward has not run yet."""
+        return len(self.forward_reads)

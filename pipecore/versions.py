@@ -40,10 +40,28 @@ class VersionBook:
         self.latest_tag: int | None = None
         self.peak_versions = 1
         self.updates = 0
+        self.base = 0
+
+    def restart(self) -> None:
+        """Start a new schedule (after a flush): micro-batch numbering and version offsets begin again."""
+        if self.forward_reads:
+            raise VersionError(f"stage {self.stage}: cannot restart with micro-batches in flight {sorted(self.forward_reads)}")
+        self.base = self.live
+        self.latest_tag = None
+
+    def load(self, live: int, updates: int) -> None:
+        """Adopt a restored state: one held version ``live`` and ``updates`` updates so far."""
+        self.restart()
+        self.live = self.base = live
+        self.updates = updates
+        self.held = {live}
+        self.pins.clear()
 
     def _context(self, microbatch: int, tag: int | None, forward_version: int | None) -> ReadContext:
         a = self.algorithm
-        return ReadContext(self.stage, a.num_stages, microbatch, a.n_microbatches, self.live, tag, forward_version)
+        return ReadContext(
+            self.stage, a.num_stages, microbatch, a.n_microbatches, self.live, tag, forward_version, self.base
+        )
 
     def _check_held(self, read: WeightRead, what: str) -> None:
         for v in (read.version, read.other):

@@ -8,9 +8,10 @@ The runtime evaluates these objects; it never looks at an algorithm's name.
 from __future__ import annotations
 
 import math
+import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from ..schedule.generators import ScheduleFamily
 
@@ -53,6 +54,7 @@ class ReadContext:
     live: int                  # the stage's live version now
     tag: int | None            # version assigned at stage 0 (vertical sync), carried with the data
     forward_version: int | None  # for B: the version this micro-batch's F read at this stage
+    base: int = 0              # the stage's live version when the current schedule started (after a flush)
 
 
 class ReadRule(ABC):
@@ -105,12 +107,12 @@ class StageZeroTag(ReadRule):
 
 @dataclass(frozen=True)
 class MinibatchDelay(ReadRule):
-    """2BW: micro-batch ``k`` reads version ``max(k // m - delay, 0)``."""
+    """2BW: micro-batch ``k`` reads version ``max(k // m - delay, 0)`` (counted from the schedule's start)."""
 
     delay: int = 1
 
     def resolve(self, ctx: ReadContext, options: Options) -> WeightRead:
-        return WeightRead(max(ctx.microbatch // ctx.n_microbatches - self.delay, 0))
+        return WeightRead(ctx.base + max(ctx.microbatch // ctx.n_microbatches - self.delay, 0))
 
     def oldest_needed(self, stage: int, live: int, latest_tag: int | None) -> int:
         return max(live - self.delay, 0)
@@ -176,6 +178,37 @@ class Corrected(ReadRule):
 BACKWARD_RULES = ("swap", "recompute", "stash")
 
 
+def _option_type_problem(key: str, value: Any, default: Any) -> str | None:
+    """What is wrong with the type of an option value (None if nothing), judged by its default's type.
+
+    Options whose default is None are checked by name; string options and ranges are checked against
+    their allowed values elsewhere.
+    """
+    def is_int(v: Any) -> bool:
+        return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+    if value is None:
+        return None
+    if key == "update_every" and not is_int(value):
+        return "must be an integer number of micro-batches"
+    if key == "lookahead" and (
+        isinstance(value, (str, bytes)) or not isinstance(value, Sequence)
+        or not all(is_int(v) and v >= 0 for v in value)
+    ):
+        return "must be a list of non-negative integer horizons, one per stage"
+    if default is None:
+        return None
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else "must be true or false"
+    if is_int(default):
+        return None if is_int(value) else f"must be an integer (default {default})"
+    if isinstance(default, float):
+        if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
+            return None
+        return f"must be a finite number (default {default})"
+    return None  # string options are checked against their allowed values
+
+
 @dataclass(frozen=True)
 class AlgorithmSpec:
     """One algorithm, declared. See the modules next to this one for examples.
@@ -215,6 +248,10 @@ class AlgorithmSpec:
             valid = ", ".join(self.option_names) or "none"
             raise ValueError(f"unknown option(s) {unknown} for algorithm '{self.name}'; valid options: {valid}")
         merged = {**self.defaults, **{k: v for k, v in options.items() if v is not None}}
+        for key, value in options.items():
+            problem = _option_type_problem(key, value, self.defaults[key])
+            if problem:
+                raise ValueError(f"{self.name}: option {key}={value!r}: {problem}")
         rule = merged.get("backward_rule")
         if rule is not None and rule not in BACKWARD_RULES:
             raise ValueError(f"backward_rule must be one of {BACKWARD_RULES}, got {rule!r}")

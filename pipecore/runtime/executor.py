@@ -62,6 +62,8 @@ class Executor:
     workers: Sequence[StageWorker]
     costs: Costs
     source: Callable[[int], Any] = lambda microbatch: None
+    keep_events: bool = True
+    on_event: Callable[[Event], None] | None = None
     events: list[Event] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -109,6 +111,9 @@ class Executor:
                     ready = self._ready_at(action)
                     if ready is None:
                         break
+                    need = upstream(action, P)
+                    if need is not None:
+                        del self.finished[need]  # each finish time is consumed by exactly one action
                     self._execute(action, max(ready, self.stage_free[s]))
                     self.cursor[s] += 1
                     progressed = True
@@ -136,6 +141,13 @@ class Executor:
             raise ValueError(f"the local executor runs F, B and U actions; lowered action {action} is not one")
         end = start + self.costs.of(action)
         self.stage_free[s] = end
-        for k in action.microbatches:
-            self.finished[(s, action.kind, k)] = end
-        self.events.append(Event(action, start, end, record))
+        # Record finish times only where a later action waits on them (see ``upstream``).
+        if action.kind is F and s < last:
+            self.finished[(s, F, action.index)] = end
+        elif action.kind is B and s > 0:
+            self.finished[(s, B, action.index + action.count - 1)] = end
+        event = Event(action, start, end, record)
+        if self.keep_events:
+            self.events.append(event)
+        if self.on_event is not None:
+            self.on_event(event)

@@ -76,9 +76,10 @@ class StageWorker:
     def update(self, action: Action) -> ActionRecord:
         live = self.book.live
         info = self.book.update()
-        if info.new_version != action.index:
+        if info.new_version != self.book.base + action.index:
             raise RuntimeError(
-                f"stage {self.stage}: update {action} would produce version {info.new_version}; the schedule "
+                f"stage {self.stage}: update {action} (schedule started at v{self.book.base}) would produce "
+                f"version {info.new_version}; the schedule "
                 "and the stage disagree on the update count"
             )
         self.compute_update(action, info)

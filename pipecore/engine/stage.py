@@ -1,0 +1,322 @@
+"""The tensor stage: a :class:`~pipecore.runtime.StageWorker` whose hooks run a module chunk on real tensors.
+
+Weights live in a :class:`~pipecore.ring.WeightRing`: each version is a slot; a forward runs the module
+with its parameters as views of the slot (or of a scratch buffer holding derived weights). Saved weight
+tensors are packed as references (``saved_tensors_hooks``), so at backward time the graph reads whichever
+weights the version policy chose: the forward's own (``stash``), the backward read substituted into the
+forward's graph (``swap``), or a fresh forward with the backward read on the saved input (``recompute``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from .. import ops
+from ..algorithms.base import Algorithm, WeightRead
+from ..ring import WeightRing
+from ..runtime.worker import StageWorker
+from ..schedule.ir import Action
+from ..versions import UpdateInfo
+from .flat import FlatLayout
+from .optim import StageOptimizer
+
+
+@dataclass
+class _InFlight:
+    """What a forward leaves for its backward."""
+
+    stage_input: torch.Tensor | None
+    weights_leaf: torch.Tensor | None
+    output: torch.Tensor | None
+    forward_weights: torch.Tensor | None  # kept only under the stash rule
+    rng_state: torch.Tensor | None        # kept only under the recompute rule
+    target: torch.Tensor | None = None    # last stage, recompute rule: the loss is recomputed too
+
+
+class _WeightRef:
+    """A saved weight tensor, recorded as its layout inside the flat weights it was a view of."""
+
+    __slots__ = ("size", "stride", "offset")
+
+    def __init__(self, size: torch.Size, stride: tuple[int, ...], offset: int):
+        self.size, self.stride, self.offset = size, stride, offset
+
+
+class NonFiniteLoss(FloatingPointError):
+    """A micro-batch's loss was NaN or infinite."""
+
+
+class TensorStage(StageWorker):
+    """One stage of a :class:`~pipecore.Pipeline`, computing on tensors."""
+
+    def __init__(
+        self,
+        algorithm: Algorithm,
+        stage: int,
+        module: nn.Module,
+        optimizer: StageOptimizer,
+        num_slots: int,
+        derived: bool,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+        target: Callable[[int], torch.Tensor] | None,
+        poisoned: set[int],
+        on_nonfinite: str,
+    ):
+        super().__init__(algorithm, stage)
+        self.module = module
+        self.layout = FlatLayout.of(module, stage)
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        flat = torch.zeros(self.layout.buffer_numel, dtype=self.layout.dtype, device=device)
+        self.layout.gather(module, flat)
+        self.ring = WeightRing.from_flat(flat, num_slots, version=0)
+        self.scratch = torch.empty_like(flat) if derived else None
+        decay = algorithm.velocity_decay(stage)
+        self.velocity = torch.zeros(self.layout.buffer_numel, dtype=_state_dtype(flat.dtype), device=device) if decay is not None else None
+        self.velocity_decay = decay
+        self.optimizer = optimizer
+        self.grad = torch.zeros_like(flat)
+        self.loss_fn = loss_fn
+        self.target = target
+        self.poisoned = poisoned
+        self.on_nonfinite = on_nonfinite
+        self.is_last = stage == algorithm.num_stages - 1
+        self.in_flight: dict[int, _InFlight] = {}
+        self.losses: dict[int, float] = {}
+        self.pinned_versions: set[int] = set()
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+        self._packing: torch.Tensor | None = None
+        self._unpack_target: torch.Tensor | None = None
+        self._bind_module_to_live()
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def slot_of(self, version: int) -> torch.Tensor:
+        i = self.ring.find(version)
+        if i is None:
+            raise RuntimeError(f"stage {self.stage}: weight version {version} is not in the ring ({self.ring!r})")
+        return self.ring.slot(i)
+
+    def materialize(self, read: WeightRead) -> torch.Tensor:
+        """The flat weights a read names; derived weights are written into the scratch buffer."""
+        base = self.slot_of(read.version)
+        if read.derivation is None:
+            return base
+        assert self.scratch is not None, "derived reads need the scratch buffer the simulation sized"
+        if read.derivation == "interpolate":
+            return ops.interpolate(base, self.slot_of(read.other), read.coef, out=self.scratch)
+        if read.derivation == "predict":
+            return ops.predict(base, self.optimizer.direction(base), read.coef * self.optimizer.lr, out=self.scratch)
+        if read.derivation == "correct":
+            assert self.velocity is not None
+            return ops.predict(base, self.velocity.to(base.dtype), read.coef, out=self.scratch)
+        raise ValueError(f"unknown weight derivation {read.derivation!r}")
+
+    def sync_ring(self) -> None:
+        """Pin exactly the non-live versions the version book still holds; the rest become reusable."""
+        wanted = self.book.held - {self.book.live}
+        for v in wanted - self.pinned_versions:
+            self.ring.pin(self.ring.find(v))
+        for v in self.pinned_versions - wanted:
+            self.ring.unpin(self.ring.find(v))
+        self.pinned_versions = wanted
+
+    def _bind_module_to_live(self) -> None:
+        # The user's modules see the latest weights (e.g. for evaluation), without a copy.
+        params = dict(self.module.named_parameters())
+        for name, view in self.layout.views(self.ring.live).items():
+            params[name].data = view
+
+    # -- saved-tensor hooks: weights are saved as references ------------------------------------
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        flat = self._packing
+        if flat is not None and t.device == flat.device and t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
+            offset = t.storage_offset() - flat.storage_offset()
+            if 0 <= offset < flat.numel():
+                return _WeightRef(t.size(), t.stride(), offset)
+        return t
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _WeightRef):
+            target = self._unpack_target
+            assert target is not None, "a saved weight was unpacked outside a backward"
+            return target.as_strided(packed.size, packed.stride, target.storage_offset() + packed.offset)
+        return packed
+
+    def _run_module(self, weights: torch.Tensor, x: Any) -> torch.Tensor:
+        return functional_call(self.module, self.layout.views(weights), (x,))
+
+    # -- compute hooks ---------------------------------------------------------------------------
+
+    def compute_forward(self, action: Action, read: WeightRead, payload: Any) -> Any:
+        t0 = time.perf_counter()
+        k = action.index
+        rule = self.algorithm.backward_rule
+        weights = self.materialize(read)
+        if rule == "stash" and read.derivation is not None:
+            weights = weights.clone()  # the scratch is reused; the backward needs these exact values
+        x = payload
+        if isinstance(x, torch.Tensor) and self.stage > 0:
+            self._check_input(x)
+            x = x.detach().requires_grad_(x.is_floating_point())
+        target = self.target(k) if self.is_last else None
+        if rule == "recompute":
+            rng = torch.get_rng_state()
+            with torch.no_grad():
+                y = self._forward_checked(weights, x)
+                if self.is_last:
+                    self._loss(k, y, target)
+            record = _InFlight(x, None, None, None, rng, target)
+        else:
+            leaf = weights.detach().requires_grad_(True)
+            self._packing = leaf
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                    y = self._forward_checked(leaf, x)
+                    loss = self._loss(k, y, target) if self.is_last else None
+            finally:
+                self._packing = None
+            record = _InFlight(x, leaf, loss if self.is_last else y, weights if rule == "stash" else None, None)
+        self.in_flight[k] = record
+        self.sync_ring()
+        self._timed("F", t0)
+        return None if self.is_last else y.detach()
+
+    def compute_backward(self, action: Action, reads: Sequence[WeightRead], forward_reads: Sequence[WeightRead],
+                         payloads: Sequence[Any]) -> list[Any]:
+        t0 = time.perf_counter()
+        outs = []
+        for k, read, grad_out in zip(action.microbatches, reads, payloads):
+            rec = self.in_flight.pop(k)
+            if self.algorithm.backward_rule == "recompute":
+                weights = self.materialize(read).detach().requires_grad_(True)
+                x = rec.stage_input
+                if isinstance(x, torch.Tensor):
+                    x = x.detach().requires_grad_(x.is_floating_point() and self.stage > 0)
+                with torch.random.fork_rng(devices=[]):
+                    torch.set_rng_state(rec.rng_state)
+                    y = self._run_module(weights, x)
+                    output = self._loss_fn(y, rec.target) / self.algorithm.update_every if self.is_last else y
+                leaf = weights
+            else:
+                leaf, output, x = rec.weights_leaf, rec.output, rec.stage_input
+                self._unpack_target = rec.forward_weights if rec.forward_weights is not None else self.materialize(read)
+            inputs = [leaf] + ([x] if isinstance(x, torch.Tensor) and x.requires_grad else [])
+            try:
+                # allow_unused: a stage without parameters (e.g. only an activation) has no weight gradient.
+                grads = torch.autograd.grad(output, inputs, grad_outputs=None if self.is_last else grad_out,
+                                            allow_unused=True)
+            finally:
+                self._unpack_target = None
+            if grads[0] is not None:
+                self.grad.add_(grads[0])
+            outs.append(grads[1] if len(grads) > 1 else None)
+        self._timed("B", t0)
+        return outs
+
+    def compute_update(self, action: Action, info: UpdateInfo) -> None:
+        t0 = time.perf_counter()
+        self.sync_ring()
+        live_slot = self.ring.live_slot
+        w = self.ring.slot(live_slot)
+        target_slot = self.ring.acquire() if info.keeps_previous else live_slot
+        out = self.ring.slot(target_slot)
+        group = action.index - 1
+        if group in self.poisoned:
+            if target_slot != live_slot:
+                out.copy_(w)  # skipped update: the new version carries the old weights unchanged
+        else:
+            self.optimizer.step(w, self.grad, out, info.lr_scale, self.velocity, self.velocity_decay)
+        if target_slot == live_slot:
+            self.ring.advance(info.new_version)
+        else:
+            self.ring.publish(target_slot, info.new_version)
+        self.grad.zero_()
+        self.sync_ring()
+        self._bind_module_to_live()
+        self._timed("U", t0)
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _timed(self, kind: str, t0: float) -> None:
+        self.seconds[kind] += time.perf_counter() - t0
+        self.counts[kind] += 1
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if x.is_floating_point() and x.dtype != self.layout.dtype and self.layout.numel:
+            raise ValueError(
+                f"stage {self.stage - 1} sends activations of dtype {x.dtype} (shape {tuple(x.shape)}) but stage "
+                f"{self.stage} has {self.layout.dtype} weights; give both stages one dtype"
+            )
+
+    def _forward_checked(self, weights: torch.Tensor, x: Any) -> torch.Tensor:
+        try:
+            return self._run_module(weights, x)
+        except RuntimeError as exc:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            source = f"stage {self.stage - 1}'s output" if self.stage > 0 else "the input micro-batch"
+            raise ValueError(
+                f"stage {self.stage} cannot take {source} of shape {shape} "
+                f"(dtype {getattr(x, 'dtype', None)}): {exc}"
+            ) from exc
+
+    def _loss_fn(self, y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        assert self.loss_fn is not None
+        return self.loss_fn(y, target)
+
+    def _loss(self, k: int, y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The micro-batch loss divided by the micro-batches per update (so accumulated gradients are a
+        mean, like plain training); records the undivided value and handles non-finite losses."""
+        try:
+            loss = self._loss_fn(y, target)
+        except RuntimeError as exc:
+            raise ValueError(
+                f"the loss function cannot take the last stage's output of shape {tuple(y.shape)} with the target "
+                f"of shape {tuple(target.shape)}: {exc}"
+            ) from exc
+        if loss.dim() != 0:
+            raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)} (use reduction='mean')")
+        value = float(loss.detach())
+        self.losses[k] = value
+        if not torch.isfinite(loss.detach()):
+            if self.on_nonfinite == "raise":
+                m = self.algorithm.n_microbatches
+                raise NonFiniteLoss(
+                    f"non-finite loss {value} at stage {self.stage}, micro-batch {k} (micro-batch {k % m} of "
+                    f"mini-batch {k // m} since the last flush); pass on_nonfinite='skip' to skip such updates"
+                )
+            self.poisoned.add(k // self.algorithm.update_every)
+        return loss / self.algorithm.update_every
+
+    # -- checkpoint ----------------------------------------------------------------------------
+
+    def live_parameters(self) -> dict[str, torch.Tensor]:
+        return {name: v.detach().clone() for name, v in self.layout.views(self.ring.live).items()}
+
+    def load(self, params: dict[str, torch.Tensor], version: int, updates: int, optimizer_state: dict,
+             velocity: torch.Tensor | None) -> None:
+        flat = torch.empty_like(self.grad)
+        for name, view in self.layout.views(flat).items():
+            view.copy_(params[name])
+        self.ring = WeightRing.from_flat(flat, self.ring.num_slots, version=version)
+        self.pinned_versions = set()
+        self.book.load(version, updates)
+        self.optimizer.load_state_dict(optimizer_state)
+        if (self.velocity is None) != (velocity is None):
+            raise ValueError(f"stage {self.stage}: checkpoint velocity buffer does not match the algorithm")
+        if velocity is not None:
+            self.velocity.copy_(velocity)
+        self.grad.zero_()
+        self._bind_module_to_live()
+
+
+def _state_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 
 from setuptools import find_packages, setup
 
@@ -30,7 +31,21 @@ def _sources(pattern: str) -> list[str]:
 
 
 def _extension():
-    cxx_flags = ["-O3", "-std=c++17"]
+    # No -std flag: BuildExtension adds the standard the installed torch's headers need.
+    # -fno-math-errno lets sqrt vectorize; -ffp-contract=off keeps a*b+c unfused so results do not
+    # depend on which instruction set the loader picks for the multi-versioned kernels.
+    cxx_flags = ["-O3", "-fvisibility=hidden", "-fno-math-errno", "-ffp-contract=off"]
+    # Let the loader find libc10/libtorch even when pipecore._C is imported before torch: next to
+    # an installed torch ($ORIGIN/../torch/lib), or the torch this was built against (editable
+    # installs, where _C sits in the source tree).
+    torch_lib = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "lib")
+    origin = "$ORIGIN" if sys.platform.startswith("linux") else "@loader_path"
+    link_flags = [] if sys.platform == "win32" else [f"-Wl,-rpath,{origin}/../torch/lib", f"-Wl,-rpath,{torch_lib}"]
+    # at::parallel_for is a header template: with torch's OpenMP backend the extension itself must
+    # be compiled with OpenMP, or every kernel silently runs on one thread.
+    if sys.platform.startswith("linux") and torch.backends.openmp.is_available():
+        cxx_flags.append("-fopenmp")
+        link_flags.append("-fopenmp")
     cpp = _sources("*.cpp")
     cuda = _sources("*.cu")
     with_cuda = bool(cuda) and torch.version.cuda is not None and CUDA_HOME is not None
@@ -42,8 +57,9 @@ def _extension():
             cpp + cuda,
             define_macros=[("PIPECORE_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--use_fast_math"]},
+            extra_link_args=link_flags,
         )
-    return CppExtension("pipecore._C", cpp, extra_compile_args={"cxx": cxx_flags})
+    return CppExtension("pipecore._C", cpp, extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags)
 
 
 setup(

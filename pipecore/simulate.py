@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Sequence
 
 from .algorithms import Algorithm, get_algorithm
@@ -39,8 +40,14 @@ def make_costs(num_stages: int, costs: CostsLike) -> Costs:
         if len(values) not in (2, 3):
             raise ValueError(f"costs as a sequence must be (forward, backward) or (forward, backward, send), got {values}")
         result = Costs.uniform(num_stages, values[0], values[1], send=values[2] if len(values) == 3 else 0.0)
-    if min(result.forward + result.backward + result.update + (result.send,)) < 0:
-        raise ValueError("costs must be non-negative")
+    for key in ("forward", "backward", "update"):
+        if len(getattr(result, key)) != num_stages:
+            raise ValueError(
+                f"costs.{key} has {len(getattr(result, key))} entries; the pipeline has {num_stages} stages"
+            )
+    values = result.forward + result.backward + result.update + (result.send,)
+    if not all(math.isfinite(v) and v >= 0 for v in values):
+        raise ValueError(f"costs must be finite and non-negative, got {result}")
     return result
 
 

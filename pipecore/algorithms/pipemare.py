@@ -16,6 +16,7 @@ Defaults follow the spec's proposals (the paper's exact forms were not verified)
 from __future__ import annotations
 
 import math
+import numbers
 
 from ..schedule import async_one_f_one_b
 from ._common import update_every_divides_minibatch, update_every_option
@@ -49,6 +50,8 @@ def _check_options(num_stages: int, n_microbatches: int, options) -> str | None:
     if not 0.0 <= options["D"] < 1.0:
         return f"D must be in [0, 1), got {options['D']}"
     decay = options["delta_decay"]
+    if decay is not None and (not isinstance(decay, numbers.Real) or isinstance(decay, bool)):
+        return f"delta_decay must be a number in [0, 1), got {decay!r}"
     if decay is not None and not 0.0 <= decay < 1.0:
         return f"delta_decay must be in [0, 1), got {decay}"
     return None

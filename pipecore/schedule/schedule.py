@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Collection, Iterable, Sequence
 
 from .ir import Action, B, F, Kind, U
 
@@ -43,14 +43,21 @@ class Schedule:
         """Stage ``stage``'s F and B actions (no updates, no communication)."""
         return tuple(a for a in self.stages[stage] if a.kind in (F, B))
 
-    def table(self, mark: Action | None = None, tags: dict[Action, str] | None = None) -> str:
-        """Text table, one row per stage. ``mark`` is bracketed as ``>>1B3<<``; ``tags`` adds ``@v..``."""
+    def table(
+        self,
+        mark: Action | None = None,
+        tags: dict[Action, str] | None = None,
+        mark_at: Collection[tuple[int, int]] = (),
+    ) -> str:
+        """Text table, one row per stage. ``mark`` is bracketed as ``>>1B3<<`` wherever it occurs;
+        ``mark_at`` brackets the actions at the given ``(stage, position)`` only; ``tags`` adds ``@v..``."""
+        marked = set(mark_at)
         lines = []
         for s, row in enumerate(self.stages):
             cells = []
-            for a in row:
+            for i, a in enumerate(row):
                 text = str(a) + (f"@{tags[a]}" if tags and a in tags else "")
-                cells.append(f">>{text}<<" if a == mark else text)
+                cells.append(f">>{text}<<" if a == mark or (s, i) in marked else text)
             lines.append(f"stage {s}: " + " ".join(cells))
         return "\n".join(lines)
 

@@ -1,0 +1,59 @@
+// Python bindings for pipecore._C. The typed, documented API is in pipecore/ring.py and pipecore/ops.
+#include <torch/extension.h>
+
+#include "ops_cpu.h"
+#include "ring.h"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "pipecore C++ extension: weight-version ring and fused CPU kernels";
+  // Tensor conversion needs torch's Python bindings initialised; importing torch here makes
+  // `import pipecore._C` work on its own (the loader finds libtorch through the rpath set in setup.py).
+  py::module_::import("torch");
+
+  py::class_<pipecore::WeightRing>(m, "WeightRing")
+      .def(py::init<int64_t, int64_t, at::ScalarType, at::Device>(), py::arg("numel"), py::arg("num_slots"),
+           py::arg("dtype"), py::arg("device"))
+      .def("slot", &pipecore::WeightRing::slot, py::arg("i"))
+      .def_property_readonly("buffer", &pipecore::WeightRing::buffer)
+      .def_property_readonly("numel", &pipecore::WeightRing::numel)
+      .def_property_readonly("num_slots", &pipecore::WeightRing::num_slots)
+      .def_property_readonly("slot_stride", &pipecore::WeightRing::slot_stride)
+      .def_property_readonly("nbytes", &pipecore::WeightRing::nbytes)
+      .def_property_readonly("live_slot", &pipecore::WeightRing::live_slot)
+      .def_property_readonly("live_version", &pipecore::WeightRing::live_version)
+      .def("version_of", &pipecore::WeightRing::version_of, py::arg("i"))
+      .def("pin_count", &pipecore::WeightRing::pin_count, py::arg("i"))
+      .def("is_acquired", &pipecore::WeightRing::is_acquired, py::arg("i"))
+      .def("state", &pipecore::WeightRing::state, py::arg("i"))
+      .def("find", &pipecore::WeightRing::find, py::arg("version"))
+      .def("acquire", &pipecore::WeightRing::acquire)
+      .def("publish", &pipecore::WeightRing::publish, py::arg("i"), py::arg("version"))
+      .def("advance", &pipecore::WeightRing::advance, py::arg("version"))
+      .def("release", &pipecore::WeightRing::release, py::arg("i"))
+      .def("pin", &pipecore::WeightRing::pin, py::arg("i"))
+      .def("unpin", &pipecore::WeightRing::unpin, py::arg("i"))
+      .def("__repr__", &pipecore::WeightRing::repr);
+
+  // Kernels release the GIL: they touch only tensor memory, and a pipeline runs several stages'
+  // updates from different threads.
+  m.def("interpolate", &pipecore::cpu::interpolate, py::arg("out"), py::arg("live"), py::arg("stale"),
+        py::arg("alpha"), py::call_guard<py::gil_scoped_release>());
+  m.def("predict", &pipecore::cpu::predict, py::arg("out"), py::arg("w"), py::arg("v"), py::arg("scale"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("sgd_step", &pipecore::cpu::sgd_step, py::arg("out"), py::arg("w"), py::arg("grad"),
+        py::arg("momentum_buf"), py::arg("delta"), py::arg("lr"), py::arg("momentum"), py::arg("dampening"),
+        py::arg("weight_decay"), py::arg("nesterov"), py::arg("first_step"), py::arg("delta_decay"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("adamw_step", &pipecore::cpu::adamw_step, py::arg("out"), py::arg("w"), py::arg("grad"),
+        py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("wd_factor"), py::arg("beta1"), py::arg("beta2"),
+        py::arg("eps"), py::arg("step_size"), py::arg("bias_correction2_sqrt"),
+        py::call_guard<py::gil_scoped_release>());
+  m.attr("with_cuda") =
+#ifdef PIPECORE_WITH_CUDA
+      true;
+#else
+      false;
+#endif
+}

@@ -72,7 +72,6 @@ class Pipeline:
         sizing = simulate(self.algorithm, num_stages, n_microbatches, n_minibatches=2 * num_stages + 2)
         self._targets: dict[int, torch.Tensor] = {}
         self._inputs: dict[int, torch.Tensor] = {}
-        self._poisoned: set[int] = set()
         self.stages: list[TensorStage] = []
         for s, module in enumerate(self.stage_modules):
             layout = FlatLayout.of(module, s)
@@ -80,7 +79,7 @@ class Pipeline:
             self.stages.append(TensorStage(
                 self.algorithm, s, module, build_optimizer(optimizer, layout, device),
                 sizing.weight_versions(s), sizing.derived_weights(s), loss_fn,
-                self._targets.pop, self._poisoned, on_nonfinite,
+                self._targets.pop, on_nonfinite,
             ))
         self._staleness = [_Tally() for _ in self.stages]
         self._delays = [_Tally() for _ in self.stages]
@@ -91,8 +90,7 @@ class Pipeline:
     def _restart(self) -> None:
         """Begin a fresh schedule (at construction and after every flush)."""
         for st in self.stages:
-            st.book.restart()
-        self._poisoned.clear()
+            st.restart()
         self._fed = 0  # mini-batches given since the schedule started
         self._horizon = 2
         schedule = validate(self.algorithm.schedule(self._horizon))

@@ -66,7 +66,6 @@ class TensorStage(StageWorker):
         derived: bool,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
         target: Callable[[int], torch.Tensor] | None,
-        poisoned: set[int],
         on_nonfinite: str,
     ):
         super().__init__(algorithm, stage)
@@ -84,7 +83,6 @@ class TensorStage(StageWorker):
         self.grad = torch.zeros_like(flat)
         self.loss_fn = loss_fn
         self.target = target
-        self.poisoned = poisoned
         self.on_nonfinite = on_nonfinite
         self.is_last = stage == algorithm.num_stages - 1
         self.in_flight: dict[int, _InFlight] = {}
@@ -230,7 +228,7 @@ class TensorStage(StageWorker):
         target_slot = self.ring.acquire() if info.keeps_previous else live_slot
         out = self.ring.slot(target_slot)
         group = action.index - 1
-        if group in self.poisoned:
+        if group in self.poisoned_groups:
             if target_slot != live_slot:
                 out.copy_(w)  # skipped update: the new version carries the old weights unchanged
         else:
@@ -293,7 +291,7 @@ class TensorStage(StageWorker):
                     f"non-finite loss {value} at stage {self.stage}, micro-batch {k} (micro-batch {k % m} of "
                     f"mini-batch {k // m} since the last flush); pass on_nonfinite='skip' to skip such updates"
                 )
-            self.poisoned.add(k // self.algorithm.update_every)
+            self.poisoned_groups.add(k // self.algorithm.update_every)
         return loss / self.algorithm.update_every
 
     # -- checkpoint ----------------------------------------------------------------------------

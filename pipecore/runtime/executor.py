@@ -1,9 +1,10 @@
 """The local executor: runs every stage's action list in one process, with a timing model.
 
-It picks, stage by stage, each next action whose input has arrived, hands it to that stage's worker,
-routes the produced messages, and computes when the action would start and end under the given costs
-(the stage is free and the input has arrived, plus a send time). Numerics do not depend on the global
-order, only on each stage's own order, which the schedule fixes.
+It first works out how far every stage can get (the dependency closure of the schedule), then runs
+each owned stage's actions up to there, handing each to that stage's worker and the produced messages to
+the transport, and computes when the action would start and end under the given costs (the stage is
+free and the input has arrived, plus a send time). Numerics do not depend on the global order, only on
+each stage's own order, which the schedule fixes.
 
 The executor can stop before the end: ``run(available=n)`` executes every action it can without a
 stage-0 forward of micro-batch ``n`` or later, so a pipeline can keep running across ``step()`` calls.
@@ -12,11 +13,13 @@ stage-0 forward of micro-batch ``n`` or later, so a pipeline can keep running ac
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping
 
-from ..schedule.ir import Action, B, F, Kind, U
+from ..schedule.ir import Action, B, F, U
+from ..schedule.progress import positions, runnable
 from ..schedule.schedule import Schedule, upstream
 from ..schedule.validate import ScheduleError
+from .transport import LocalTransport, Transport
 from .worker import ActionRecord, Message, StageWorker
 
 
@@ -56,24 +59,32 @@ class Event:
 
 @dataclass
 class Executor:
-    """Executes a schedule over one worker per stage. Reusable across calls; see :meth:`run`."""
+    """Executes a schedule over the workers of the stages this process owns. See :meth:`run`.
+
+    In one process ``workers`` holds every stage and the transport is a mailbox; under ``torch.distributed``
+    it holds this rank's stage and the transport sends tensors to the neighbouring ranks. Simulated times
+    travel with the messages (``Message.ready_at``), so the timeline is exact for the local case.
+    """
 
     schedule: Schedule
-    workers: Sequence[StageWorker]
+    workers: Mapping[int, StageWorker]
     costs: Costs
+    transport: Transport = field(default_factory=LocalTransport)
     source: Callable[[int], Any] = lambda microbatch: None
     keep_events: bool = True
     on_event: Callable[[Event], None] | None = None
     events: list[Event] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.workers, Mapping):
+            self.workers = dict(enumerate(self.workers))
         P = self.schedule.num_stages
-        if len(self.workers) != P:
-            raise ValueError(f"{P} stages need {P} workers, got {len(self.workers)}")
+        bad = [s for s in self.workers if not 0 <= s < P]
+        if bad:
+            raise ValueError(f"workers given for stages {bad}; the schedule has stages 0..{P - 1}")
         self.cursor = [0] * P
         self.stage_free = [0.0] * P
-        self.finished: dict[tuple[int, Kind, int], float] = {}
-        self.mailbox: dict[tuple[int, Kind, int], Message] = {}
+        self._index = positions(self.schedule)
 
     def extend(self, schedule: Schedule) -> None:
         """Continue with a longer (or drained) schedule that agrees with everything executed so far."""
@@ -82,70 +93,63 @@ class Executor:
             if tuple(row[: len(done)]) != tuple(done):
                 raise ValueError(f"stage {s}: the new schedule does not continue the executed prefix")
         self.schedule = schedule
+        self._index = positions(schedule)
 
     @property
     def done(self) -> bool:
-        return all(c == len(row) for c, row in zip(self.cursor, self.schedule.stages))
-
-    def _ready_at(self, action: Action) -> float | None:
-        """When the action's input is available, or None if it has not been produced yet."""
-        need = upstream(action, self.schedule.num_stages)
-        if need is None:
-            return 0.0
-        finished = self.finished.get(need)
-        return None if finished is None else finished + self.costs.send
+        return all(self.cursor[s] == len(self.schedule.stages[s]) for s in self.workers)
 
     def run(self, available: int | None = None) -> None:
-        """Run until every stage is finished or blocked; with ``available``, stage-0 forwards of
-        micro-batch ``available`` and later count as blocked (their input has not been given yet)."""
-        P = self.schedule.num_stages
+        """Run every action that can run; with ``available``, forwards of micro-batch ``available`` and
+        later cannot (their input has not been given yet). Without it, the schedule must finish."""
         rows = self.schedule.stages
+        target = runnable(self.schedule, self.cursor, available, self._index)
+        if available is None and any(t < len(rows[s]) for s, t in enumerate(target)):
+            blocked = next(rows[s][t] for s, t in enumerate(target) if t < len(rows[s]))
+            raise ScheduleError("deadlock: no stage can make progress", self.schedule, blocked)
         progressed = True
         while progressed:
             progressed = False
-            for s in range(P):
-                while self.cursor[s] < len(rows[s]):
+            for s in self.workers:
+                while self.cursor[s] < target[s]:
                     action = rows[s][self.cursor[s]]
-                    if available is not None and s == 0 and action.kind is F and action.index >= available:
+                    need = upstream(action, self.schedule.num_stages)
+                    if need is not None and not self.transport.ready(action.stage, action.kind, need[2]):
                         break
-                    ready = self._ready_at(action)
-                    if ready is None:
-                        break
-                    need = upstream(action, P)
-                    if need is not None:
-                        del self.finished[need]  # each finish time is consumed by exactly one action
-                    self._execute(action, max(ready, self.stage_free[s]))
+                    self._execute(action)
                     self.cursor[s] += 1
                     progressed = True
-        if available is None and not self.done:
-            blocked = next(rows[s][c] for s, c in enumerate(self.cursor) if c < len(rows[s]))
-            raise ScheduleError("deadlock: no stage can make progress", self.schedule, blocked)
+        # Other stages advance in other processes; the local cursors of stages not owned stay behind.
+        for s in range(len(rows)):
+            if s not in self.workers:
+                self.cursor[s] = target[s]
 
-    def _execute(self, action: Action, start: float) -> None:
+    def _execute(self, action: Action) -> None:
         worker = self.workers[action.stage]
         s, last = action.stage, self.schedule.num_stages - 1
+        transport = self.transport
         if action.kind is F:
-            incoming = self.mailbox.pop((s, F, action.index), None) if s > 0 else Message(self.source(action.index))
+            incoming = transport.receive(s, F, action.index) if s > 0 else Message(self.source(action.index))
+            start = max(self.stage_free[s], incoming.ready_at)
             out, record = worker.forward(action, incoming)
-            if s < last:
-                self.mailbox[(s + 1, F, action.index)] = out
         elif action.kind is B:
-            incoming = [self.mailbox.pop((s, B, k), Message()) for k in action.microbatches]
+            incoming = [transport.receive(s, B, k) if s < last else Message() for k in action.microbatches]
+            start = max([self.stage_free[s]] + [m.ready_at for m in incoming])
             outs, record = worker.backward(action, incoming)
-            if s > 0:
-                for k, out in zip(action.microbatches, outs):
-                    self.mailbox[(s - 1, B, k)] = out
         elif action.kind is U:
+            start = self.stage_free[s]
             record = worker.update(action)
         else:
-            raise ValueError(f"the local executor runs F, B and U actions; lowered action {action} is not one")
+            raise ValueError(f"the executor runs F, B and U actions; lowered action {action} is not one")
         end = start + self.costs.of(action)
         self.stage_free[s] = end
-        # Record finish times only where a later action waits on them (see ``upstream``).
         if action.kind is F and s < last:
-            self.finished[(s, F, action.index)] = end
+            out.ready_at = end + self.costs.send
+            transport.send(s + 1, F, action.index, out)
         elif action.kind is B and s > 0:
-            self.finished[(s, B, action.index + action.count - 1)] = end
+            for k, m in zip(action.microbatches, outs):
+                m.ready_at = end + self.costs.send
+                transport.send(s - 1, B, k, m)
         event = Event(action, start, end, record)
         if self.keep_events:
             self.events.append(event)

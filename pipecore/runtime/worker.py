@@ -22,6 +22,8 @@ class Message:
 
     payload: Any = None
     tag: int | None = None
+    ready_at: float = 0.0  # simulated time at which the message reaches its consumer
+    poisoned: bool = False  # the micro-batch had a non-finite loss; its update group must be skipped
 
 
 @dataclass
@@ -41,6 +43,9 @@ class StageWorker:
         self.algorithm = algorithm
         self.stage = stage
         self.book = VersionBook(algorithm, stage)
+        # Update groups (micro-batch // update_every, counted from the schedule's start) whose loss was
+        # non-finite; their updates are skipped. Learned from the backward messages, so it works across ranks.
+        self.poisoned_groups: set[int] = set()
 
     # Hooks: the symbolic stage does no compute.
     def compute_forward(self, action: Action, read: WeightRead, payload: Any) -> Any:
@@ -63,6 +68,10 @@ class StageWorker:
 
     def backward(self, action: Action, messages: Sequence[Message]) -> tuple[list[Message], ActionRecord]:
         live = self.book.live
+        every = self.algorithm.update_every
+        for k, m in zip(action.microbatches, messages):
+            if m.poisoned:
+                self.poisoned_groups.add(k // every)
         pairs = [self.book.backward(k) for k in action.microbatches]
         reads = [p[0] for p in pairs]
         forward_reads = [p[1] for p in pairs]
@@ -71,7 +80,13 @@ class StageWorker:
         record = ActionRecord(
             dict(zip(action.microbatches, reads)), dict(zip(action.microbatches, forward_reads)), live=live
         )
-        return [Message(p) for p in payloads], record
+        outs = [Message(p, poisoned=k // every in self.poisoned_groups) for k, p in zip(action.microbatches, payloads)]
+        return outs, record
+
+    def restart(self) -> None:
+        """Begin a new schedule after a flush: version offsets and update groups count from here."""
+        self.book.restart()
+        self.poisoned_groups.clear()
 
     def update(self, action: Action) -> ActionRecord:
         live = self.book.live

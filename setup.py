@@ -40,7 +40,10 @@ def _extension():
     # installs, where _C sits in the source tree).
     torch_lib = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "lib")
     origin = "$ORIGIN" if sys.platform.startswith("linux") else "@loader_path"
-    link_flags = [] if sys.platform == "win32" else [f"-Wl,-rpath,{origin}/../torch/lib", f"-Wl,-rpath,{torch_lib}"]
+    link_flags = [] if sys.platform == "win32" else [
+        f"-Wl,-rpath,{origin}/../torch/lib",
+        f"-Wl,-rpath,{torch_lib}",
+    ]
     # at::parallel_for is a header template: with torch's OpenMP backend the extension itself must
     # be compiled with OpenMP, or every kernel silently runs on one thread.
     if sys.platform.startswith("linux") and torch.backends.openmp.is_available():
@@ -65,6 +68,9 @@ def _extension():
 setup(
     packages=find_packages(include=["pipecore", "pipecore.*"]) + ["pipecore.kernels"],
     # The Triton kernels live at the top of the repository (kernels/) and install as pipecore.kernels.
+    # This also holds for editable installs run from the repository root: the source tree's
+    # pipecore/ is imported first, then setuptools' editable finder resolves pipecore.kernels to
+    # kernels/, and build_ext puts _C*.so in place inside pipecore/.
     package_dir={"pipecore.kernels": "kernels"},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

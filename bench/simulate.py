@@ -45,6 +45,7 @@ def machine() -> dict[str, object]:
         "platform": platform.platform(),
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
+        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "python": platform.python_version(),
         "torch": torch_version,
         "pipecore": pipecore.__version__,

@@ -12,6 +12,8 @@ take ``out`` first, like the C++ kernels in ``pipecore._C``.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -45,6 +47,13 @@ def _scalars(values: list[float], dtype: torch.dtype, device: torch.device) -> t
 
 def _grid(n: int, dtype: torch.dtype):
     return (triton.cdiv(n, block_size(dtype)),)
+
+
+def _on(device: torch.device):
+    """Make ``device`` current for the launch: Triton launches on the current device's stream."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 @triton.jit
@@ -160,9 +169,10 @@ def interpolate(out: torch.Tensor, live: torch.Tensor, stale: torch.Tensor, alph
     n = live.numel()
     if n == 0:
         return
-    scal = _scalars([alpha], live.dtype, live.device)
-    _interpolate_kernel[_grid(n, live.dtype)](out, live, stale, scal, n, BLOCK=block_size(live.dtype),
-                                              MATH=_tl_math(live.dtype), **_LAUNCH)
+    with _on(live.device):
+        scal = _scalars([alpha], live.dtype, live.device)
+        _interpolate_kernel[_grid(n, live.dtype)](out, live, stale, scal, n, BLOCK=block_size(live.dtype),
+                                                  MATH=_tl_math(live.dtype), **_LAUNCH)
 
 
 def predict(out: torch.Tensor, w: torch.Tensor, v: torch.Tensor, scale: float) -> None:
@@ -170,9 +180,10 @@ def predict(out: torch.Tensor, w: torch.Tensor, v: torch.Tensor, scale: float) -
     n = w.numel()
     if n == 0:
         return
-    scal = _scalars([scale], w.dtype, w.device)
-    _predict_kernel[_grid(n, w.dtype)](out, w, v, scal, n, BLOCK=block_size(w.dtype), MATH=_tl_math(w.dtype),
-                                       **_LAUNCH)
+    with _on(w.device):
+        scal = _scalars([scale], w.dtype, w.device)
+        _predict_kernel[_grid(n, w.dtype)](out, w, v, scal, n, BLOCK=block_size(w.dtype), MATH=_tl_math(w.dtype),
+                                           **_LAUNCH)
 
 
 def sgd_step(out: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, momentum_buf: torch.Tensor | None,
@@ -183,15 +194,16 @@ def sgd_step(out: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, momentum_bu
     if n == 0:
         return
     mom = momentum != 0.0
-    scal = _scalars([lr, momentum, 1.0 - dampening, weight_decay, delta_decay, 1.0 - delta_decay], w.dtype,
-                    w.device)
-    # Unused pointer arguments get a valid tensor; the constexpr flags keep them from being touched.
-    buf = momentum_buf if mom else scal
-    dl = delta if delta is not None else scal
-    _sgd_kernel[_grid(n, w.dtype)](out, w, grad, buf, dl, scal, n, BLOCK=block_size(w.dtype),
-                                   MATH=_tl_math(w.dtype), WD=weight_decay != 0.0, MOM=mom,
-                                   NESTEROV=bool(nesterov) and mom, FIRST=bool(first_step) and mom,
-                                   DELTA=delta is not None, **_LAUNCH)
+    with _on(w.device):
+        scal = _scalars([lr, momentum, 1.0 - dampening, weight_decay, delta_decay, 1.0 - delta_decay], w.dtype,
+                        w.device)
+        # Unused pointer arguments get a valid tensor; the constexpr flags keep them from being touched.
+        buf = momentum_buf if mom else scal
+        dl = delta if delta is not None else scal
+        _sgd_kernel[_grid(n, w.dtype)](out, w, grad, buf, dl, scal, n, BLOCK=block_size(w.dtype),
+                                       MATH=_tl_math(w.dtype), WD=weight_decay != 0.0, MOM=mom,
+                                       NESTEROV=bool(nesterov) and mom, FIRST=bool(first_step) and mom,
+                                       DELTA=delta is not None, **_LAUNCH)
 
 
 def adamw_step(out: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
@@ -203,9 +215,10 @@ def adamw_step(out: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, exp_avg: 
     if n == 0:
         return
     weight = 1.0 - beta1
-    scal = _scalars([wd_factor, weight, beta2, 1.0 - beta2, eps, -step_size, bias_correction2_sqrt], w.dtype,
-                    w.device)
     # Same test as torch's lerp, on the weight rounded to the math dtype.
     small = abs(float(torch.tensor(weight, dtype=_math_dtype(w.dtype)))) < 0.5
-    _adamw_kernel[_grid(n, w.dtype)](out, w, grad, exp_avg, exp_avg_sq, scal, n, BLOCK=block_size(w.dtype),
-                                     MATH=_tl_math(w.dtype), LERP_SMALL=small, **_LAUNCH)
+    with _on(w.device):
+        scal = _scalars([wd_factor, weight, beta2, 1.0 - beta2, eps, -step_size, bias_correction2_sqrt], w.dtype,
+                        w.device)
+        _adamw_kernel[_grid(n, w.dtype)](out, w, grad, exp_avg, exp_avg_sq, scal, n, BLOCK=block_size(w.dtype),
+                                         MATH=_tl_math(w.dtype), LERP_SMALL=small, **_LAUNCH)

@@ -7,6 +7,7 @@ backward reads) and an update rule. :func:`simulate` runs any of them symbolical
 
 from .algorithms import algorithm_names, get_algorithm
 from .engine import SGD, AdamW, NonFiniteLoss, Pipeline
+from .runtime.distributed import PeerError
 from .schedule import Action, Schedule, ScheduleError, validate
 from .simulate import simulate
 from .trace import Trace
@@ -14,5 +15,5 @@ from .trace import Trace
 __version__ = "0.1.0"
 
 __all__ = [
-    "AdamW", "NonFiniteLoss", "Pipeline", "SGD", "Action", "Schedule", "ScheduleError", "Trace", "algorithm_names", "get_algorithm", "simulate", "validate",
+    "AdamW", "NonFiniteLoss", "PeerError", "Pipeline", "SGD", "Action", "Schedule", "ScheduleError", "Trace", "algorithm_names", "get_algorithm", "simulate", "validate",
 ]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import math
-from typing import Any, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Sequence
 
 from .algorithms import Algorithm, get_algorithm
 from .runtime.executor import Costs, Executor
@@ -69,8 +71,26 @@ def simulate(
         algorithm = get_algorithm(algorithm, num_stages, n_microbatches, **options)
     elif options:
         raise ValueError("pass options when naming the algorithm, not with a configured Algorithm")
-    schedule = validate(algorithm.schedule(n_minibatches))
-    workers = [StageWorker(algorithm, s) for s in range(num_stages)]
-    executor = Executor(schedule, workers, make_costs(num_stages, costs))
-    executor.run()
-    return Trace(algorithm, schedule, executor.events, [w.book.peak_versions for w in workers])
+    resolved_costs = make_costs(num_stages, costs)
+    with _cyclic_gc_paused():
+        schedule = validate(algorithm.schedule(n_minibatches))
+        workers = [StageWorker(algorithm, s) for s in range(num_stages)]
+        executor = Executor(schedule, workers, resolved_costs)
+        executor.run()
+        return Trace(algorithm, schedule, executor.events, [w.book.peak_versions for w in workers])
+
+
+@contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector (reference counting still frees memory).
+
+    A simulation allocates a handful of small, acyclic objects per action; the full collections that this
+    triggers traverse every object of the process, which with torch loaded cost more than the simulation.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

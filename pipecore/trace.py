@@ -49,6 +49,13 @@ class Trace:
                 self._reads[(e.action.stage, k, e.action.kind)] = (read, e.record.live)
             for k, read in e.record.forward_reads.items():
                 self._forward_versions[(e.action.stage, k)] = read.version
+        # Per-stage views, so that per-stage figures cost one pass over that stage rather than the trace.
+        self._stage_events: list[list[Event]] = [[] for _ in range(self.num_stages)]
+        for e in self.events:
+            self._stage_events[e.action.stage].append(e)
+        self._stage_reads: list[list[tuple[int, Kind, WeightRead, int]]] = [[] for _ in range(self.num_stages)]
+        for (s, k, kind), (read, live) in self._reads.items():
+            self._stage_reads[s].append((k, kind, read, live))
 
     @property
     def num_stages(self) -> int:
@@ -87,14 +94,12 @@ class Trace:
 
     def derived_weights(self, stage: int) -> bool:
         """Whether the stage computes derived weights (prediction, interpolation, correction): one scratch buffer."""
-        return any(r.derivation for (s, _, _), (r, _) in self._reads.items() if s == stage)
+        return any(r.derivation for _, _, r, _ in self._stage_reads[stage])
 
     def peak_activations(self, stage: int) -> int:
         """Peak number of micro-batches whose forward ran at the stage and whose backward has not."""
         in_flight = peak = 0
-        for e in self.events:
-            if e.action.stage != stage:
-                continue
+        for e in self._stage_events[stage]:
             if e.action.kind is F:
                 in_flight += 1
                 peak = max(peak, in_flight)
@@ -107,7 +112,8 @@ class Trace:
         return max((e.end for e in self.events), default=0.0)
 
     def busy(self, stage: int) -> float:
-        return sum(e.end - e.start for e in self.events if e.action.stage == stage)
+        """Time the stage spends computing (sum of its actions' durations)."""
+        return sum(e.end - e.start for e in self._stage_events[stage])
 
     @property
     def bubble_fraction(self) -> float:
@@ -116,8 +122,10 @@ class Trace:
         return 0.0 if total == 0 else 1.0 - sum(self.busy(s) for s in range(self.num_stages)) / total
 
     def stage_summary(self, stage: int) -> StageSummary:
-        stale = [live - r.version for (s, _, _), (r, live) in self._reads.items() if s == stage]
-        delays = [self.delay(stage, k) for (s, k, kind) in self._reads if s == stage and kind is B]
+        """All per-stage figures: busy time, versions, derived weights, activations, staleness, delay."""
+        reads = self._stage_reads[stage]
+        stale = [live - r.version for _, _, r, live in reads]
+        delays = [live - self._forward_versions[(stage, k)] for k, kind, _, live in reads if kind is B]
         return StageSummary(
             stage, self.busy(stage), self.weight_versions(stage), self.derived_weights(stage),
             self.peak_activations(stage), statistics.fmean(stale) if stale else 0.0, max(stale, default=0),

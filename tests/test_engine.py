@@ -108,15 +108,15 @@ class Recorder:
     """Snapshots every stage's weights, update direction and velocity after each update."""
 
     def __init__(self, pipe: Pipeline):
-        self.weights = [{0: st.ring.live.clone()} for st in pipe.stages]
-        self.direction = [{0: _maybe(lambda st=st: st.optimizer.direction(st.ring.live).clone())} for st in pipe.stages]
-        self.velocity = [{0: None if st.velocity is None else st.velocity.clone()} for st in pipe.stages]
+        self.weights = [{0: st.ring.live.clone()} for st in pipe.stages.values()]
+        self.direction = [{0: _maybe(lambda st=st: st.optimizer.direction(st.ring.live).clone())} for st in pipe.stages.values()]
+        self.velocity = [{0: None if st.velocity is None else st.velocity.clone()} for st in pipe.stages.values()]
         self.applied_grads = [[] for _ in pipe.stages]
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.grad_in: dict[tuple[int, int], torch.Tensor] = {}
         self.grad_out: dict[tuple[int, int], torch.Tensor] = {}
-        for st in pipe.stages:
+        for st in pipe.stages.values():
             self._wrap(st)
 
     def _wrap(self, st: TensorStage) -> None:
@@ -344,7 +344,8 @@ def test_checkpoint_resumes_bit_identically_in_a_new_process(algorithm, tmp_path
     resumed = torch.load(out, weights_only=False)
     for key, value in uninterrupted.items():
         if key == "pipecore":
-            for a, b in zip(value["stages"], resumed[key]["stages"]):
+            for s, a in value["stages"].items():
+                b = resumed[key]["stages"][s]
                 assert (a["version"], a["updates"]) == (b["version"], b["updates"])
         else:
             assert torch.equal(value, resumed[key]), key
@@ -392,10 +393,10 @@ def test_nonfinite_loss_raises_naming_stage_and_microbatch():
     x[3, 0] = math.nan
     with pytest.raises(pipecore.NonFiniteLoss, match="stage 1, micro-batch 1"):
         pipe.step(x, torch.zeros(4, dtype=torch.long))
-    for st in pipe.stages:  # no update ran
+    for st in pipe.stages.values():  # no update ran
         assert st.book.live == 0
     params = {k: v for k, v in before.items() if k != "pipecore"}
-    for st in pipe.stages:
+    for st in pipe.stages.values():
         for name, value in st.live_parameters().items():
             assert torch.equal(value, params[name])
 
@@ -413,7 +414,7 @@ def test_nonfinite_loss_skip_leaves_weights_untouched(algorithm):
     for key, value in before.items():
         if key != "pipecore":
             assert torch.equal(value, after[key]), key
-    for st in pipe.stages:
+    for st in pipe.stages.values():
         assert st.optimizer.steps == 0  # optimizer state untouched too
     # and training continues normally afterwards
     assert math.isfinite(pipe.step(torch.randn(4, 5, dtype=torch.float64), torch.zeros(4, dtype=torch.long)))

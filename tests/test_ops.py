@@ -127,7 +127,7 @@ def test_sgd_step_matches_reference(dtype, n, config, with_delta):
     delta = rand(n, sdt(dtype), scale=0.01) if with_delta else None
     kw = dict(lr=0.1, delta_decay=0.7 if with_delta else None, **config)
     clones = lambda *ts: [None if t is None else t.clone() for t in ts]  # noqa: E731
-    rbuf, rdelta = clones(buf, delta)
+    rbuf, rdelta, d0 = clones(buf, delta, delta)
     out, rout = torch.empty_like(w), torch.empty_like(w)
     w0 = w.clone()
     assert ops.sgd_step(w, grad, buf, out=out, delta=delta, **kw) is out
@@ -137,7 +137,13 @@ def test_sgd_step_matches_reference(dtype, n, config, with_delta):
     if buf is not None:
         assert_matches(buf, rbuf)
     if delta is not None:
-        assert_matches(delta, rdelta)
+        if dtype in (torch.float64, torch.float32):
+            assert_matches(delta, rdelta)
+        else:
+            # out may differ from the reference by one bf16/fp16 ulp, and delta follows the stored
+            # out: check it against the formula on the values actually written.
+            s = sdt(dtype)
+            assert_matches(delta, 0.7 * d0 + (1 - 0.7) * (out.to(s) - w.to(s)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -163,7 +163,7 @@ def compare_table(num_stages: int, n_microbatches: int, n_minibatches: int, cost
     from ..simulate import simulate
 
     header = ("algorithm", "bubble", "makespan", "versions/stage", "staleness", "delay", "derived")
-    rows: list[tuple[str, ...] | tuple[str, str]] = []
+    rows: list[tuple[str, ...]] = []  # a full row, or (name, reason) for a rejected algorithm
     for name in algorithm_names():
         try:
             trace = simulate(name, num_stages, n_microbatches, n_minibatches, costs=costs)

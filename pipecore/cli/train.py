@@ -89,8 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-b", "--batch-size", type=_positive_int, default=64, metavar="N",
                         help="mini-batch size, divisible by --microbatches (default 64; the last partial "
                              "batch of an epoch is dropped)")
-    parser.add_argument("-e", "--epochs", type=_positive_int, default=10, metavar="E",
-                        help="total epochs, counting those of a resumed checkpoint (default 10)")
+    parser.add_argument("-e", "--epochs", type=_positive_int, default=20, metavar="E",
+                        help="total epochs, counting those of a resumed checkpoint (default 20)")
     parser.add_argument("--lr", type=_positive_float, metavar="LR",
                         help=f"learning rate (default {DEFAULT_LR['sgd']} for sgd, {DEFAULT_LR['adamw']} for adamw, "
                              "per update of a whole mini-batch; algorithms that update every k of the M "
@@ -104,7 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the split, the weights and the shuffling (default 0)")
     parser.add_argument("-o", "--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                         help="algorithm option, repeatable (e.g. warmup_steps=200, update_every=2)")
-    parser.add_argument("--threads", type=_positive_int, metavar="T", help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=_positive_int, default=1, metavar="T",
+                        help="torch threads (default 1: the MLP's matrices are too small to gain from more, "
+                             "and spare threads slow it down when the cores are busy)")
     parser.add_argument("--plot", metavar="PNG", help="plot loss and test accuracy per epoch to a PNG file")
     parser.add_argument("--save", metavar="PATH", help="save a checkpoint at the end (pipeline state, epoch, args)")
     parser.add_argument("--resume", metavar="PATH", help="continue from a --save checkpoint")
@@ -241,7 +243,8 @@ def _check_resume(settings: dict[str, Any], saved: dict[str, Any], epochs: int, 
         given = ", ".join(f"--{k.replace('_', '-')} {saved.get(k)}" for k in mismatched)
         raise ValueError(f"the checkpoint was trained with {given}; resume with the same settings")
     if epoch >= epochs:
-        raise ValueError(f"the checkpoint has already trained {epoch} epochs; --epochs is the total, pass more than {epoch}")
+        raise ValueError(f"the checkpoint has already trained {_plural(epoch, 'epoch')}; --epochs is the total, "
+                         f"pass more than {epoch}")
     return [
         f"note: --{k.replace('_', '-')} {settings[k]} differs from the checkpoint's {saved.get(k)}"
         for k in ("batch_size", "lr", "seed", "option") if settings[k] != saved.get(k)
@@ -264,6 +267,10 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Se
         return "  ".join(str(c).rjust(w) if i in right else str(c).ljust(w)
                          for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
     return "\n".join([line(header)] + [line(r) for r in rows])
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def stage_table(stats: list[dict[str, Any]]) -> str:
@@ -310,14 +317,23 @@ def plot_curves(path: str, history: list[dict[str, float]], title: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Execute ``pipecore train``."""
+    """Execute ``pipecore train`` (with ``--threads`` torch threads, restored afterwards)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _train(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
     import pipecore
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     if args.batch_size % args.microbatches:
         raise ValueError(
             f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}; "
@@ -367,7 +383,7 @@ def run(args: argparse.Namespace) -> int:
           f"{data.classes} classes; MLP {shape}")
     print(f"{algorithm.name}: {args.stages} stages, {args.microbatches} micro-batches of "
           f"{args.batch_size // args.microbatches} (batch {args.batch_size}, {steps_per_epoch} steps/epoch), "
-          f"{optimizer}, seed {args.seed}, {torch.get_num_threads()} threads")
+          f"{optimizer}, seed {args.seed}, {_plural(torch.get_num_threads(), 'thread')}")
     for note in notes:
         print(note)
     if ckpt is not None:
@@ -406,8 +422,8 @@ def run(args: argparse.Namespace) -> int:
 
     accuracy, correct = evaluate(model, data.x_test, data.y_test)
     print()
-    print(f"test accuracy {100 * accuracy:.2f}% ({correct}/{len(data.y_test)}) after {args.epochs} epochs")
-    print(f"time {elapsed:.2f}s for {args.epochs - start_epoch} epochs ({trained / elapsed:,.0f} samples/s)")
+    print(f"test accuracy {100 * accuracy:.2f}% ({correct}/{len(data.y_test)}) after {_plural(args.epochs, 'epoch')}")
+    print(f"time {elapsed:.2f}s for {_plural(args.epochs - start_epoch, 'epoch')} ({trained / elapsed:,.0f} samples/s)")
     print()
     print("per stage (staleness: versions behind live per weight read; delay: updates between a micro-batch's "
           "F and B; mean/max)")

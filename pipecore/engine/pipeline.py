@@ -1,7 +1,13 @@
-"""The user-facing :class:`Pipeline`: a model split into stages, trained by one algorithm."""
+"""The user-facing :class:`Pipeline`: a model split into stages, trained by one algorithm.
+
+In one process the pipeline owns every stage. When a ``torch.distributed`` process group is initialised
+(or the ``torchrun`` environment is present) it owns only this rank's stage, and messages travel to the
+neighbouring ranks; the executor, the schedule and the stage worker are the same either way.
+"""
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
@@ -11,6 +17,7 @@ from torch import nn
 
 from ..algorithms import get_algorithm
 from ..runtime.executor import Costs, Event, Executor
+from ..runtime.transport import LocalTransport, Transport
 from ..schedule.ir import B
 from ..schedule.validate import validate
 from ..simulate import simulate
@@ -34,6 +41,7 @@ class Pipeline:
         loss_fn: ``loss_fn(output, target)`` returning the mean loss of a micro-batch.
         partition: None (balanced by parameter count) or the first layer index of stages ``1..P-1``.
         on_nonfinite: ``"raise"`` (default) or ``"skip"`` (drop the update a NaN/inf loss belongs to).
+        timeout: seconds a rank waits for a neighbour before raising (multi-process runs only).
         **options: algorithm options (``backward_rule``, ``update_every``, ``lam``, ``alpha``, ...).
 
     Each micro-batch loss is divided by the number of micro-batches one update accumulates (``m`` for the
@@ -51,6 +59,7 @@ class Pipeline:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         partition: Sequence[int] | None = None,
         on_nonfinite: str = "raise",
+        timeout: float = 30.0,
         **options: Any,
     ):
         if on_nonfinite not in _NONFINITE:
@@ -59,44 +68,53 @@ class Pipeline:
             raise ValueError("loss_fn is required, e.g. torch.nn.CrossEntropyLoss()")
         self.algorithm = get_algorithm(algorithm, num_stages, n_microbatches, **options)
         self.model = model
+        self.num_stages = num_stages
+        self.n_microbatches = n_microbatches
         layers = as_layers(model)
         points = split_points(layers, num_stages, partition)
         bounds = list(zip([0] + points, points + [len(layers)]))
-        self.stage_modules = [nn.Sequential(OrderedDict(layers[a:b])) for a, b in bounds]
         self.stage_layers = [[name for name, _ in layers[a:b]] for a, b in bounds]
-        self.n_microbatches = n_microbatches
-        self.loss_fn = loss_fn
-        optimizer = optimizer if optimizer is not None else SGD(lr=0.01)
-        self._optimizer_spec = optimizer
+        self.rank = _join_process_group(num_stages, timeout)
+        owned = range(num_stages) if self.rank is None else [self.rank]
         # The ring of each stage holds exactly the versions the algorithm needs; the simulator says how many.
         sizing = simulate(self.algorithm, num_stages, n_microbatches, n_minibatches=2 * num_stages + 2)
+        optimizer = optimizer if optimizer is not None else SGD(lr=0.01)
         self._targets: dict[int, torch.Tensor] = {}
         self._inputs: dict[int, torch.Tensor] = {}
-        self.stages: list[TensorStage] = []
-        for s, module in enumerate(self.stage_modules):
+        self.stages: dict[int, TensorStage] = {}
+        for s in owned:
+            a, b = bounds[s]
+            module = nn.Sequential(OrderedDict(layers[a:b]))
+            if self.rank is not None and torch.distributed.get_backend() == "nccl":
+                module.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", self.rank))))
             layout = FlatLayout.of(module, s)
-            device = next((p.device for p in module.parameters()), torch.device("cpu"))
-            self.stages.append(TensorStage(
-                self.algorithm, s, module, build_optimizer(optimizer, layout, device),
-                sizing.weight_versions(s), sizing.derived_weights(s), loss_fn,
-                self._targets.pop, on_nonfinite,
-            ))
-        self._staleness = [_Tally() for _ in self.stages]
-        self._delays = [_Tally() for _ in self.stages]
+            self.stages[s] = TensorStage(
+                self.algorithm, s, module, build_optimizer(optimizer, layout, _device_of(module)),
+                sizing.weight_versions(s), sizing.derived_weights(s), loss_fn, self._targets.pop, on_nonfinite,
+            )
+        self._transport: Transport
+        if self.rank is None:
+            self._transport = LocalTransport()
+        else:
+            from ..runtime.distributed import DistributedTransport
+
+            self._transport = DistributedTransport(self.rank, num_stages, timeout, _device_of(self.stages[self.rank].module))
+        self._staleness = {s: _Tally() for s in self.stages}
+        self._delays = {s: _Tally() for s in self.stages}
         self._restart()
 
     # -- running ---------------------------------------------------------------------------------
 
     def _restart(self) -> None:
         """Begin a fresh schedule (at construction and after every flush)."""
-        for st in self.stages:
+        for st in self.stages.values():
             st.restart()
         self._fed = 0  # mini-batches given since the schedule started
         self._horizon = 2
         schedule = validate(self.algorithm.schedule(self._horizon))
         self._executor = Executor(
-            schedule, self.stages, Costs.uniform(len(self.stages)), source=self._inputs.pop,
-            keep_events=False, on_event=self._observe,
+            schedule, self.stages, Costs.uniform(self.num_stages), transport=self._transport,
+            source=self._inputs.pop, keep_events=False, on_event=self._observe,
         )
 
     def _observe(self, event: Event) -> None:
@@ -107,109 +125,128 @@ class Pipeline:
             for r in rec.forward_reads.values():
                 self._delays[s].add(rec.live - r.version)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def _owns(self, stage: int) -> bool:
+        return stage in self.stages
+
+    def step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> float:
         """Train on one mini-batch; returns its mean loss (the mean of its micro-batch losses).
 
-        Asynchronous algorithms leave later micro-batches' backwards in flight; :meth:`flush` drains them.
+        In a multi-process run only the first stage reads ``x`` and only the last reads ``y`` (others may
+        pass None); every rank gets the mini-batch loss. Asynchronous algorithms leave later micro-batches'
+        backwards in flight; :meth:`flush` drains them.
         """
         m = self.n_microbatches
-        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
-            raise TypeError("step(x, y) takes tensors (input batch, target batch)")
-        if x.shape[0] != y.shape[0]:
+        first_stage, last_stage = self._owns(0), self._owns(self.num_stages - 1)
+        needed = [("x", x, first_stage), ("y", y, last_stage)]
+        for name, value, required in needed:
+            if required and not isinstance(value, torch.Tensor):
+                raise TypeError(f"step(): {name} must be a tensor on the rank that runs "
+                                f"{'the first' if name == 'x' else 'the last'} stage, got {type(value).__name__}")
+        if first_stage and last_stage and x.shape[0] != y.shape[0]:
             raise ValueError(f"input batch has {x.shape[0]} samples but target batch has {y.shape[0]}")
-        if x.shape[0] % m:
-            raise ValueError(
-                f"batch of {x.shape[0]} samples is not divisible by n_microbatches={m}; pipecore does not re-chunk "
-                f"silently: use a batch size that is a multiple of {m} (e.g. drop_last=True in the DataLoader)"
-            )
-        size = x.shape[0] // m
         first = self._fed * m
-        for u, (xs, ys) in enumerate(zip(x.split(size), y.split(size))):
-            self._inputs[first + u] = xs
-            self._targets[first + u] = ys
+        for name, value, required in needed:
+            if not required:
+                continue
+            if value.shape[0] % m:
+                raise ValueError(
+                    f"batch of {value.shape[0]} samples is not divisible by n_microbatches={m}; pipecore does not "
+                    f"re-chunk silently: use a batch size that is a multiple of {m} (e.g. drop_last=True)"
+                )
+            store = self._inputs if name == "x" else self._targets
+            device = _device_of(self.stages[0 if name == "x" else self.num_stages - 1].module)
+            for u, chunk in enumerate(value.split(value.shape[0] // m)):
+                store[first + u] = chunk.to(device)
         self._fed += 1
         if self._fed + 1 > self._horizon:
             # Regenerate further ahead, doubling, so regeneration costs stay linear in the number of steps.
             self._horizon = max(2 * self._horizon, self._fed + 1)
             self._executor.extend(self.algorithm.schedule(self._horizon))
         self._executor.run(available=self._fed * m)
-        last = self.stages[-1]
-        try:
-            losses = [last.losses.pop(first + u) for u in range(m)]
-        except KeyError:  # pragma: no cover - guarded by the schedule families' structure
-            raise RuntimeError("the schedule did not run every forward of the mini-batch; this is a bug") from None
-        return statistics.fmean(losses)
+        loss = float("nan")
+        if last_stage:
+            losses = self.stages[self.num_stages - 1].losses
+            loss = statistics.fmean(losses.pop(first + u) for u in range(m))
+        if self.rank is not None:
+            loss = _broadcast_loss(loss, self.num_stages - 1, self._transport.device)
+        return loss
 
     def flush(self) -> None:
-        """Run every in-flight backward and update; afterwards no micro-batch is in flight."""
+        """Run every in-flight backward and update; afterwards no micro-batch is in flight on any rank."""
         if self._fed == 0:
             return
         self._executor.extend(self.algorithm.schedule(self._fed))
         self._executor.run()
+        if self.rank is not None:
+            self._transport.wait_sends()
         self._restart()
 
     @property
     def in_flight(self) -> int:
-        """Micro-batches whose backward has not run yet, summed over stages."""
-        return sum(st.book.in_flight() for st in self.stages)
+        """Micro-batches whose backward has not run yet, summed over this process's stages."""
+        return sum(st.book.in_flight() for st in self.stages.values())
 
     # -- checkpoints -----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The model's ``state_dict`` keys (live weights, buffers) plus ``"pipecore"`` (versions, optimizer)."""
+        """This process's stages: the model's ``state_dict`` keys (live weights, buffers) plus ``"pipecore"``
+        (versions and optimizer state per stage). In one process that is the whole model."""
         if self.in_flight:
             raise RuntimeError(
                 f"{self.in_flight} micro-batch backwards are in flight; call flush() before state_dict() so the "
                 "checkpoint holds one consistent version per stage"
             )
         state: dict[str, Any] = OrderedDict()
-        for st in self.stages:
+        meta = {}
+        for s, st in self.stages.items():
             params = st.live_parameters()
             for key, value in st.module.state_dict().items():
                 state[key] = params[key].clone() if key in params else value.detach().clone()
+            meta[s] = {
+                "version": st.book.live,
+                "updates": st.book.updates,
+                "optimizer": _clone(st.optimizer.state_dict()),
+                "velocity": None if st.velocity is None else st.velocity.clone(),
+            }
         state["pipecore"] = {
             "algorithm": self.algorithm.name,
-            "num_stages": len(self.stages),
+            "num_stages": self.num_stages,
             "n_microbatches": self.n_microbatches,
-            "stages": [
-                {
-                    "version": st.book.live,
-                    "updates": st.book.updates,
-                    "optimizer": _clone(st.optimizer.state_dict()),
-                    "velocity": None if st.velocity is None else st.velocity.clone(),
-                }
-                for st in self.stages
-            ],
+            "stage_layers": self.stage_layers,
+            "stages": meta,
         }
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`. Keys must match exactly; in-flight work must be flushed first."""
-        expected = {k for st in self.stages for k in st.module.state_dict()} | {"pipecore"}
+        """Restore a :meth:`state_dict` for this process's stages. Keys must match exactly."""
+        expected = {k for st in self.stages.values() for k in st.module.state_dict()} | {"pipecore"}
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
         if missing or extra:
             raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {extra}")
         meta = state["pipecore"]
-        mine = (self.algorithm.name, len(self.stages), self.n_microbatches)
+        mine = (self.algorithm.name, self.num_stages, self.n_microbatches)
         theirs = (meta["algorithm"], meta["num_stages"], meta["n_microbatches"])
         if mine != theirs:
             raise ValueError(f"checkpoint is for (algorithm, stages, micro-batches) {theirs}, this pipeline is {mine}")
+        if meta.get("stage_layers", self.stage_layers) != self.stage_layers:
+            raise ValueError(f"checkpoint splits the layers as {meta['stage_layers']}, this pipeline as {self.stage_layers}")
         if self.in_flight:
             raise RuntimeError("call flush() before load_state_dict()")
-        for st, sm in zip(self.stages, meta["stages"]):
-            names = st.layout.names
-            st.load({n: state[n] for n in names}, sm["version"], sm["updates"], sm["optimizer"], sm["velocity"])
-            buffers = {k: v for k, v in state.items() if k in dict(st.module.named_buffers())}
+        for s, st in self.stages.items():
+            sm = meta["stages"][s]
+            st.load({n: state[n] for n in st.layout.names}, sm["version"], sm["updates"], sm["optimizer"], sm["velocity"])
             for name, buf in st.module.named_buffers():
-                buf.copy_(buffers[name])
+                buf.copy_(state[name])
         self._restart()
 
     # -- introspection ---------------------------------------------------------------------------
 
     def stats(self) -> list[dict[str, Any]]:
-        """Per stage: layers, versions held, bytes of weight versions, staleness seen, time per action."""
+        """Per stage of this process: layers, versions held, bytes of weight versions, staleness seen
+        (``staleness``: live minus read version; ``delay``: updates between a forward's read and its backward),
+        and seconds per action kind."""
         out = []
-        for s, st in enumerate(self.stages):
+        for s, st in self.stages.items():
             stale, delay = self._staleness[s], self._delays[s]
             itemsize = st.grad.element_size()
             out.append({
@@ -219,7 +256,7 @@ class Pipeline:
                 "weight_versions": st.ring.num_slots,
                 "versions_held": len(st.book.held),
                 "weight_version_bytes": st.ring.num_slots * st.layout.numel * itemsize,
-                "scratch_bytes": 0 if st.scratch is None else st.scratch.numel() * itemsize,
+                "scratch_bytes": 0 if st.scratch is None else st.layout.numel * itemsize,
                 "live_version": st.book.live,
                 "staleness_mean": stale.mean,
                 "staleness_max": stale.max,
@@ -228,6 +265,42 @@ class Pipeline:
                 "seconds_per_action": {k: st.seconds[k] / st.counts[k] for k in st.counts},
             })
         return out
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
+
+
+def _join_process_group(num_stages: int, timeout: float) -> int | None:
+    """This process's rank when running one process per stage, else None (everything in this process)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return None
+    if not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "RANK" not in os.environ:
+            return None
+        import datetime
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    world = dist.get_world_size()
+    if world == 1:
+        return None
+    if world != num_stages:
+        raise ValueError(
+            f"the process group has {world} ranks but num_stages={num_stages}: pipecore runs one process per stage; "
+            f"launch with torchrun --nproc-per-node {num_stages} (or set num_stages={world})"
+        )
+    return dist.get_rank()
+
+
+def _broadcast_loss(loss: float, src: int, device: torch.device) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([loss], dtype=torch.float64, device=device)
+    dist.broadcast(t, src)
+    return float(t.item())
 
 
 class _Tally:

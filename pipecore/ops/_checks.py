@@ -95,6 +95,8 @@ def check(
                 continue
             if wname == "out" and name in out_may_alias and _same_memory(w, t):
                 continue
-            allowed = (f"; 'out' may only be exactly one of {', '.join(repr(a) for a in out_may_alias)}"
-                       if wname == "out" and out_may_alias else "")
+            allowed = ""
+            if wname == "out" and out_may_alias:
+                names = " or ".join(repr(a) for a in out_may_alias)
+                allowed = f"; 'out' may only be exactly {names} (same memory, same dtype)"
             raise ValueError(f"{op}: argument '{wname}' overlaps argument '{name}' in memory{allowed}")

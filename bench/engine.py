@@ -1,0 +1,281 @@
+"""Engine throughput: pipecore's local executor against plain sequential training of the same model.
+
+Usage: ``python bench/engine.py [--width 512] [--layers 8] [--batch 256] [--microbatches 8] [--stages 4]
+[--warmup 3] [--window 5] [--rounds 7] [--threads T] [--out bench/results/engine-cpu.json]
+[--profile ALGORITHM]``.
+
+The model is ``layers x (Linear(width, width) + ReLU)`` in float32 on the CPU, trained with cross-entropy on
+random data. *Sequential* is what a user writes without pipecore: per micro-batch forward, ``loss / m``,
+backward; then ``torch.optim.SGD(momentum=0.9, foreach=True).step()`` and ``zero_grad()`` (the same math as
+pipecore's ``gpipe``). Every pipecore algorithm trains its own copy of the model as ``--stages`` stages with
+``pipecore.SGD(momentum=0.9)``. All configurations run in one process with one thread count.
+
+Timing: ``--warmup`` steps per configuration are excluded; then ``--rounds`` rounds each time one window of
+``--window`` steps of every configuration in turn (interleaved, so that load from other processes hits all
+of them alike); a configuration's samples/s is the median over its windows, and its ratio is that over the
+sequential median. The local executor runs all stages in one process, so the ideal ratio is 1.0: what is
+lost is the engine's overhead (plus derived-weight work for the algorithms that compute it).
+
+It also checks ``Pipeline.stats()``'s weight-version bytes per stage against each algorithm's formula
+(versions per stage x parameters x 4 bytes; TiMePReSt and I-TiMePReSt: the versions the simulator
+reports), and that gpipe's weights equal sequential training's after a few steps.
+
+``--profile NAME`` instead runs cProfile over steps of one configuration (``sequential`` or an algorithm)
+and prints the functions with the most time per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import copy
+import json
+import os
+import platform
+import pstats
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import pipecore  # noqa: E402
+
+TARGET_RATIO = 0.9  # gpipe and 1f1b: engine overhead at most 10%
+TARGET_ALGORITHMS = ("gpipe", "1f1b")
+LR = 1e-3
+
+
+def machine() -> dict[str, object]:
+    """Platform, CPU, library versions and torch threads for the result file."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "pipecore": pipecore.__version__,
+    }
+
+
+def make_model(width: int, layers: int, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    modules: list[nn.Module] = []
+    for _ in range(layers):
+        modules += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*modules)
+
+
+@dataclass
+class Config:
+    """One timed configuration: a name and a function training one mini-batch."""
+
+    name: str
+    step: Callable[[torch.Tensor, torch.Tensor], object]
+    pipe: pipecore.Pipeline | None = None
+
+
+def sequential_trainer(model: nn.Module, m: int) -> Callable[[torch.Tensor, torch.Tensor], float]:
+    """Plain training with gradient accumulation over ``m`` micro-batches (gpipe's math)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, foreach=True)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        total = 0.0
+        for xs, ys in zip(x.chunk(m), y.chunk(m)):
+            loss = loss_fn(model(xs), ys)
+            (loss / m).backward()
+            total += float(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return total / m
+
+    return step
+
+
+def pipeline(name: str, model: nn.Module, stages: int, m: int) -> pipecore.Pipeline:
+    return pipecore.Pipeline(model, stages, algorithm=name, n_microbatches=m,
+                             optimizer=pipecore.SGD(lr=LR, momentum=0.9), loss_fn=nn.CrossEntropyLoss())
+
+
+def expected_versions(name: str, stages: int, m: int) -> list[int]:
+    """Weight versions per stage by each algorithm's formula (the simulator's count for TiMePReSt, I-TiMePReSt)."""
+    if name in ("gpipe", "1f1b", "pipemare", "spectrain", "v-timeprest"):
+        return [1] * stages
+    if name == "2bw":
+        return [2] * stages
+    if name == "pipedream":
+        return [stages - s for s in range(stages)]
+    trace = pipecore.simulate(name, stages, m, 4 * stages)
+    return [trace.weight_versions(s) for s in range(stages)]
+
+
+def check_bytes(pipe: pipecore.Pipeline, name: str, stages: int, m: int) -> dict[str, object]:
+    """Weight-version bytes per stage from stats() against the formula."""
+    stats = pipe.stats()
+    versions = expected_versions(name, stages, m)
+    expected = [v * st["parameters"] * 4 for v, st in zip(versions, stats)]
+    measured = [st["weight_version_bytes"] for st in stats]
+    return {"versions_per_stage": [st["weight_versions"] for st in stats], "expected_versions": versions,
+            "bytes_per_stage": measured, "expected_bytes": expected,
+            "check": "ok" if measured == expected else "MISMATCH"}
+
+
+def gpipe_matches_sequential(width: int, layers: int, batch: int, stages: int, m: int, steps: int = 3) -> float:
+    """Largest absolute weight difference between gpipe and sequential training after ``steps`` steps."""
+    reference, piped = make_model(width, layers), make_model(width, layers)
+    step = sequential_trainer(reference, m)
+    pipe = pipeline("gpipe", piped, stages, m)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(batch, width, generator=gen), torch.randint(0, width, (batch,), generator=gen)
+        step(x, y)
+        pipe.step(x, y)
+    ref, got = reference.state_dict(), pipe.state_dict()
+    return max(float((ref[k] - got[k]).abs().max()) for k in ref)
+
+
+def build(names: list[str], width: int, layers: int, stages: int, m: int) -> list[Config]:
+    """The sequential trainer and one pipeline per algorithm, each on its own copy of one initialisation."""
+    base = make_model(width, layers)
+    configs = [Config("sequential", sequential_trainer(copy.deepcopy(base), m))]
+    for name in names:
+        pipe = pipeline(name, copy.deepcopy(base), stages, m)
+        configs.append(Config(name, pipe.step, pipe))
+    return configs
+
+
+def measure(configs: list[Config], batch: int, width: int, warmup: int, window: int, rounds: int) -> dict[str, list[float]]:
+    """Samples/s of every window of every configuration, windows interleaved round by round."""
+    gen = torch.Generator().manual_seed(2)
+    data = [(torch.randn(batch, width, generator=gen), torch.randint(0, width, (batch,), generator=gen))
+            for _ in range(window)]
+    for c in configs:
+        for i in range(warmup):
+            c.step(*data[i % window])
+    rates: dict[str, list[float]] = {c.name: [] for c in configs}
+    for _ in range(rounds):
+        for c in configs:
+            start = time.perf_counter()
+            for x, y in data:
+                c.step(x, y)
+            rates[c.name].append(window * batch / (time.perf_counter() - start))
+    return rates
+
+
+def profile(config: Config, batch: int, width: int, steps: int, top: int = 25) -> None:
+    """cProfile ``steps`` steps of one configuration; print the top functions by own time, per step."""
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(batch, width, generator=gen), torch.randint(0, width, (batch,), generator=gen)
+    for _ in range(3):
+        config.step(x, y)
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        config.step(x, y)
+    profiler.disable()
+    elapsed = time.perf_counter() - start
+    print(f"{config.name}: {1e3 * elapsed / steps:.2f} ms per step under cProfile ({steps} steps)")
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]  # by tottime
+    print(f"{'ms/step own':>11}  {'ms/step cum':>11}  {'calls/step':>10}  function")
+    for (path, line, func), (_, calls, tottime, cumtime, _) in rows:
+        where = f"{Path(path).name}:{line}" if line else path
+        print(f"{1e3 * tottime / steps:>11.3f}  {1e3 * cumtime / steps:>11.3f}  {calls / steps:>10.1f}  {func} ({where})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8, help="Linear+ReLU blocks")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
+    parser.add_argument("--window", type=int, default=5, help="steps per timed window")
+    parser.add_argument("--rounds", type=int, default=7, help="timed windows per configuration")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--algorithms", help="comma-separated subset (default: all)")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine-cpu.json"))
+    parser.add_argument("--profile", metavar="NAME", help="profile one configuration instead of benchmarking")
+    parser.add_argument("--profile-steps", type=int, default=20)
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    names = args.algorithms.split(",") if args.algorithms else pipecore.algorithm_names()
+    P, m = args.stages, args.microbatches
+
+    if args.profile:
+        chosen = [] if args.profile == "sequential" else [args.profile]
+        config = next(c for c in build(chosen, args.width, args.layers, P, m) if c.name == args.profile)
+        profile(config, args.batch, args.width, args.profile_steps)
+        return 0
+
+    diff = gpipe_matches_sequential(args.width, args.layers, args.batch, P, m)
+    configs = build(names, args.width, args.layers, P, m)
+    rates = measure(configs, args.batch, args.width, args.warmup, args.window, args.rounds)
+    base = statistics.median(rates["sequential"])
+
+    results: dict[str, dict[str, object]] = {}
+    for c in configs:
+        median = statistics.median(rates[c.name])
+        entry: dict[str, object] = {"samples_per_s": round(median, 1), "ratio": round(median / base, 3),
+                                    "windows_samples_per_s": [round(r, 1) for r in rates[c.name]]}
+        if c.pipe is not None:
+            c.pipe.flush()
+            entry.update(check_bytes(c.pipe, c.name, P, m))
+        results[c.name] = entry
+
+    targets = {n: results[n]["ratio"] >= TARGET_RATIO for n in TARGET_ALGORITHMS if n in results}
+    report = {
+        "benchmark": "engine",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": "python bench/engine.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": machine(),
+        "model": f"{args.layers} x (Linear({args.width},{args.width}) + ReLU), cross-entropy",
+        "sizes": {"width": args.width, "layers": args.layers, "batch": args.batch, "microbatches": m,
+                  "stages": P, "parameters": sum(p.numel() for p in make_model(args.width, args.layers).parameters())},
+        "dtype": "float32",
+        "device": "cpu",
+        "timing": {"warmup_steps": args.warmup, "window_steps": args.window, "rounds": args.rounds,
+                   "statistic": "median samples/s over windows, configurations interleaved"},
+        "gpipe_vs_sequential_max_weight_diff": diff,
+        "target": {"ratio": TARGET_RATIO, "algorithms": list(TARGET_ALGORITHMS), "met": targets},
+        "results": results,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+    print(f"{report['model']}, batch {args.batch} = {m} micro-batches, {P} stages, float32, "
+          f"{torch.get_num_threads()} threads; median of {args.rounds} windows of {args.window} steps")
+    print(f"gpipe vs sequential weights after 3 steps: max |diff| = {diff:.2e}")
+    print(f"{'configuration':<13}  {'samples/s':>9}  {'ratio':>5}  {'versions/stage':<14}  {'bytes/stage':<40}  formula")
+    for name, r in results.items():
+        versions = " ".join(map(str, r.get("versions_per_stage", []))) or "-"
+        nbytes = " ".join(f"{b:,}" for b in r.get("bytes_per_stage", [])) or "-"
+        print(f"{name:<13}  {r['samples_per_s']:>9,.0f}  {r['ratio']:>5.2f}  {versions:<14}  {nbytes:<40}  "
+              f"{r.get('check', '-')}")
+    print("target (gpipe, 1f1b >= 0.9x sequential): " + ", ".join(f"{n} {'met' if ok else 'MISSED'}" for n, ok in targets.items()))
+    print(f"wrote {Path(args.out).relative_to(ROOT) if Path(args.out).resolve().is_relative_to(ROOT) else args.out}")
+    return 0 if all(r.get("check", "ok") == "ok" for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

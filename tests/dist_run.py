@@ -1,0 +1,97 @@
+"""A multi-process pipeline run for the tests: ``python dist_run.py MODE OUT_DIR [ALGORITHMS]``.
+
+Launched once per rank with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (as torchrun does); the
+pipeline joins the process group from that environment. The same functions build the one-process
+reference in the test, so both runs see identical models and data.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+import pipecore
+from pipecore import checkpoint
+
+MICROBATCHES = 4
+STEPS = 4
+
+
+def make_model(num_stages: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for i in range(2 * num_stages):
+        layers += [nn.Linear(6, 6), nn.Tanh()]
+    layers.append(nn.Linear(6, 3))
+    return nn.Sequential(*layers).double()
+
+
+def batches(steps: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g))
+            for _ in range(steps)]
+
+
+def make_pipeline(num_stages: int, algorithm: str, **kwargs) -> pipecore.Pipeline:
+    m = MICROBATCHES
+    return pipecore.Pipeline(make_model(num_stages), num_stages, algorithm, m,
+                             optimizer=pipecore.SGD(lr=0.1, momentum=0.9), loss_fn=nn.CrossEntropyLoss(), **kwargs)
+
+
+def train(pipe: pipecore.Pipeline, data, first: bool, last: bool) -> list[float]:
+    losses = [pipe.step(x if first else None, y if last else None) for x, y in data]
+    pipe.flush()
+    return losses
+
+
+def main() -> None:
+    mode, out = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    first, last = rank == 0, rank == world - 1
+    if mode == "compare":
+        for algorithm in sys.argv[3].split(","):
+            pipe = make_pipeline(world, algorithm, timeout=60)
+            losses = train(pipe, batches(STEPS), first, last)
+            torch.save({"losses": losses, "state": pipe.state_dict()}, os.path.join(out, f"{algorithm}-{rank}.pt"))
+    elif mode == "checkpoint":
+        # ranks train, save per-stage files; the test resumes them in one process
+        algorithm = sys.argv[3]
+        pipe = make_pipeline(world, algorithm, timeout=60)
+        train(pipe, batches(STEPS), first, last)
+        checkpoint.save(pipe, os.path.join(out, "ckpt"))
+        # and resume a checkpoint the one-process pipeline wrote, training further
+        pipe = make_pipeline(world, algorithm, timeout=60)
+        checkpoint.load(pipe, os.path.join(out, "local-ckpt"))
+        losses = train(pipe, batches(2, seed=5), first, last)
+        torch.save({"losses": losses, "state": pipe.state_dict()}, os.path.join(out, f"resumed-{rank}.pt"))
+    elif mode == "die":
+        pipe = make_pipeline(world, "pipedream", timeout=float(sys.argv[3]))
+        data = batches(STEPS)
+        pipe.step(data[0][0] if first else None, data[0][1] if last else None)
+        if rank == 1:
+            os._exit(0)  # dies mid-run, without a word to its neighbours
+        start = time.monotonic()
+        try:
+            for x, y in data[1:]:
+                pipe.step(x if first else None, y if last else None)
+            pipe.flush()
+        except pipecore.PeerError as exc:
+            with open(os.path.join(out, f"error-{rank}.txt"), "w") as f:
+                f.write(f"{time.monotonic() - start:.3f}\n{exc}")
+    elif mode == "mismatch":
+        try:
+            make_pipeline(world + 1, "1f1b")
+        except ValueError as exc:
+            with open(os.path.join(out, f"error-{rank}.txt"), "w") as f:
+                f.write(str(exc))
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Multi-process pipelines (gloo on loopback) against the one-process executor."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import pipecore
+from pipecore import checkpoint
+
+sys.path.insert(0, str(Path(__file__).parent))
+import dist_run  # noqa: E402
+
+SCRIPT = str(Path(__file__).parent / "dist_run.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world: int, *args: str, timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """Start ``world`` ranks the way torchrun does (environment variables) and wait for all of them."""
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, SCRIPT, *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    results = []
+    for p in procs:
+        out, _ = p.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out))
+    return results
+
+
+def local_run(world: int, algorithm: str):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ranks run with one thread each; keep reductions identical
+    try:
+        pipe = dist_run.make_pipeline(world, algorithm)
+        losses = dist_run.train(pipe, dist_run.batches(dist_run.STEPS), True, True)
+        return losses, pipe.state_dict(), pipe
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_ok(results):
+    for r in results:
+        assert r.returncode == 0, r.stdout
+
+
+@pytest.mark.parametrize("world,algorithms", [
+    (2, pipecore.algorithm_names()),
+    (4, ["1f1b", "pipedream", "2bw", "i-timeprest"]),
+])
+def test_multiprocess_is_bit_identical_to_one_process(world, algorithms, tmp_path):
+    _check_ok(launch(world, "compare", str(tmp_path), ",".join(algorithms)))
+    for algorithm in algorithms:
+        losses, state, _ = local_run(world, algorithm)
+        seen = set()
+        for rank in range(world):
+            got = torch.load(tmp_path / f"{algorithm}-{rank}.pt", weights_only=False)
+            assert got["losses"] == losses, f"{algorithm}: rank {rank} reports other losses"
+            for key, value in got["state"].items():
+                if key == "pipecore":
+                    assert set(value["stages"]) == {rank}
+                    mine = state["pipecore"]["stages"][rank]
+                    assert value["stages"][rank]["version"] == mine["version"]
+                    continue
+                assert torch.equal(value, state[key]), f"{algorithm}: {key} differs on rank {rank}"
+                seen.add(key)
+        assert seen == set(state) - {"pipecore"}, f"{algorithm}: the ranks together must hold the whole model"
+
+
+def test_checkpoints_move_between_ranks_and_one_process(tmp_path):
+    world, algorithm = 2, "pipedream"
+    # one process writes a checkpoint the ranks will resume
+    losses, _, pipe = local_run(world, algorithm)
+    checkpoint.save(pipe, tmp_path / "local-ckpt")
+    _check_ok(launch(world, "checkpoint", str(tmp_path), algorithm))
+    # the ranks' checkpoint, resumed in one process, continues exactly like the uninterrupted run
+    uninterrupted = dist_run.make_pipeline(world, algorithm)
+    resumed = dist_run.make_pipeline(world, algorithm)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dist_run.train(uninterrupted, dist_run.batches(dist_run.STEPS), True, True)
+        checkpoint.load(resumed, tmp_path / "ckpt")
+        for pipe in (uninterrupted, resumed):
+            dist_run.train(pipe, dist_run.batches(2, seed=5), True, True)
+    finally:
+        torch.set_num_threads(threads)
+    a, b = uninterrupted.state_dict(), resumed.state_dict()
+    for key in a:
+        if key != "pipecore":
+            assert torch.equal(a[key], b[key]), key
+    # and the ranks that resumed the one-process checkpoint match it too
+    for rank in range(world):
+        got = torch.load(tmp_path / f"resumed-{rank}.pt", weights_only=False)
+        for key, value in got["state"].items():
+            if key != "pipecore":
+                assert torch.equal(value, a[key]), key
+
+
+def test_a_dead_rank_is_reported_by_name_within_the_timeout(tmp_path):
+    timeout = 5.0
+    start = time.monotonic()
+    launch(2, "die", str(tmp_path), str(timeout), timeout=120)
+    elapsed, message = (tmp_path / "error-0.txt").read_text().split("\n", 1)
+    assert "rank 1" in message
+    assert float(elapsed) < timeout + 10
+    assert time.monotonic() - start < 120
+
+
+def test_world_size_must_equal_num_stages(tmp_path):
+    _check_ok(launch(2, "mismatch", str(tmp_path)))
+    message = (tmp_path / "error-0.txt").read_text()
+    assert "has 2 ranks but num_stages=3" in message and "torchrun --nproc-per-node 3" in message

@@ -33,7 +33,7 @@ class _InFlight:
     """What a forward leaves for its backward."""
 
     stage_input: torch.Tensor | None
-    weights_leaf: torch.Tensor | None
+    leaves: list[torch.Tensor] | None     # per-parameter autograd leaves (views of the weights read)
     output: torch.Tensor | None
     forward_weights: torch.Tensor | None  # kept only under the stash rule
     rng_state: torch.Tensor | None        # kept only under the recompute rule
@@ -81,6 +81,7 @@ class TensorStage(StageWorker):
         self.velocity_decay = decay
         self.optimizer = optimizer
         self.grad = torch.zeros_like(flat)
+        self._grad_views = list(self.layout.views(self.grad).values())
         self.loss_fn = loss_fn
         self.target = target
         self.on_nonfinite = on_nonfinite
@@ -149,8 +150,13 @@ class TensorStage(StageWorker):
             return target.as_strided(packed.size, packed.stride, target.storage_offset() + packed.offset)
         return packed
 
-    def _run_module(self, weights: torch.Tensor, x: Any) -> torch.Tensor:
-        return functional_call(self.module, self.layout.views(weights), (x,))
+    def _leaves(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One autograd leaf per parameter, each a view of ``weights``. Per-parameter leaves (rather than one
+        flat leaf) keep autograd from materialising a full-size zero gradient for every parameter slice."""
+        return {name: view.detach().requires_grad_(True) for name, view in self.layout.views(weights).items()}
+
+    def _run_module(self, params: dict[str, torch.Tensor], x: Any) -> torch.Tensor:
+        return functional_call(self.module, params, (x,))
 
     # -- compute hooks ---------------------------------------------------------------------------
 
@@ -169,20 +175,21 @@ class TensorStage(StageWorker):
         if rule == "recompute":
             rng = torch.get_rng_state()
             with torch.no_grad():
-                y = self._forward_checked(weights, x)
+                y = self._forward_checked(self.layout.views(weights), x)
                 if self.is_last:
                     self._loss(k, y, target)
             record = _InFlight(x, None, None, None, rng, target)
         else:
-            leaf = weights.detach().requires_grad_(True)
-            self._packing = leaf
+            leaves = self._leaves(weights)
+            self._packing = weights
             try:
                 with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                    y = self._forward_checked(leaf, x)
+                    y = self._forward_checked(leaves, x)
                     loss = self._loss(k, y, target) if self.is_last else None
             finally:
                 self._packing = None
-            record = _InFlight(x, leaf, loss if self.is_last else y, weights if rule == "stash" else None, None)
+            record = _InFlight(x, list(leaves.values()), loss if self.is_last else y,
+                               weights if rule == "stash" else None, None)
         self.in_flight[k] = record
         self.sync_ring()
         self._timed("F", t0)
@@ -195,28 +202,33 @@ class TensorStage(StageWorker):
         for k, read, grad_out in zip(action.microbatches, reads, payloads):
             rec = self.in_flight.pop(k)
             if self.algorithm.backward_rule == "recompute":
-                weights = self.materialize(read).detach().requires_grad_(True)
+                params = self._leaves(self.materialize(read))
                 x = rec.stage_input
                 if isinstance(x, torch.Tensor):
                     x = x.detach().requires_grad_(x.is_floating_point() and self.stage > 0)
                 with torch.random.fork_rng(devices=[]):
                     torch.set_rng_state(rec.rng_state)
-                    y = self._run_module(weights, x)
+                    y = self._run_module(params, x)
                     output = self._loss_fn(y, rec.target) / self.algorithm.update_every if self.is_last else y
-                leaf = weights
+                leaves = list(params.values())
             else:
-                leaf, output, x = rec.weights_leaf, rec.output, rec.stage_input
+                leaves, output, x = rec.leaves, rec.output, rec.stage_input
                 self._unpack_target = rec.forward_weights if rec.forward_weights is not None else self.materialize(read)
-            inputs = [leaf] + ([x] if isinstance(x, torch.Tensor) and x.requires_grad else [])
+            wants_input_grad = isinstance(x, torch.Tensor) and x.requires_grad
+            inputs = leaves + ([x] if wants_input_grad else [])
+            if not inputs:  # nothing to differentiate: no parameters and no input gradient to send
+                outs.append(None)
+                continue
             try:
-                # allow_unused: a stage without parameters (e.g. only an activation) has no weight gradient.
+                # allow_unused: a parameter may not take part (e.g. a stage that only applies an activation).
                 grads = torch.autograd.grad(output, inputs, grad_outputs=None if self.is_last else grad_out,
                                             allow_unused=True)
             finally:
                 self._unpack_target = None
-            if grads[0] is not None:
-                self.grad.add_(grads[0])
-            outs.append(grads[1] if len(grads) > 1 else None)
+            for acc, g in zip(self._grad_views, grads):
+                if g is not None:
+                    acc.add_(g)
+            outs.append(grads[-1] if wants_input_grad else None)
         self._timed("B", t0)
         return outs
 
@@ -255,9 +267,9 @@ class TensorStage(StageWorker):
                 f"{self.stage} has {self.layout.dtype} weights; give both stages one dtype"
             )
 
-    def _forward_checked(self, weights: torch.Tensor, x: Any) -> torch.Tensor:
+    def _forward_checked(self, params: dict[str, torch.Tensor], x: Any) -> torch.Tensor:
         try:
-            return self._run_module(weights, x)
+            return self._run_module(params, x)
         except RuntimeError as exc:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             source = f"stage {self.stage - 1}'s output" if self.stage > 0 else "the input micro-batch"

@@ -9,7 +9,7 @@ from typing import Sequence
 
 from .algorithms.base import Algorithm, WeightRead
 from .runtime.executor import Event
-from .schedule.ir import Action, B, F, Kind, U
+from .schedule.ir import B, F, Kind, U
 from .schedule.schedule import Schedule
 
 _COLOURS = {F: "#4c78a8", B: "#59a14f", U: "#9d9d9d"}
@@ -152,7 +152,7 @@ class Trace:
         """Bubble fraction, makespan and per-stage versions/staleness as text."""
         lines = [
             f"algorithm {self.algorithm.name}: {self.num_stages} stages, {self.schedule.n_microbatches} micro-batches "
-            f"x {self.schedule.n_minibatches} mini-batches",
+            f"x {self.schedule.n_minibatches} mini-batch{'es' if self.schedule.n_minibatches != 1 else ''}",
             f"makespan {self.makespan:g}, bubble fraction {self.bubble_fraction:.3f}",
             "stage  versions  derived  activations  staleness(mean/max)  delay(mean/max)",
         ]

@@ -73,7 +73,8 @@ class VersionBook:
                 )
 
     def _refresh(self) -> None:
-        oldest = self.algorithm.oldest_needed(self.stage, self.live, self.latest_tag)
+        # Reads after a restart are counted from ``base``, so nothing older than it is named again.
+        oldest = max(self.algorithm.oldest_needed(self.stage, self.live, self.latest_tag), self.base)
         self.held = {v for v in self.held if v >= oldest or self.pins[v] > 0} | {self.live}
         self.peak_versions = max(self.peak_versions, len(self.held))
 

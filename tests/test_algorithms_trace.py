@@ -35,7 +35,8 @@ def grid_sizes(min_m=lambda P: 1):
                     yield P, m, n
 
 
-def reads(t, P, T):
+def reads(P: int, T: int):
+    """Every (stage, micro-batch) pair."""
     for s in range(P):
         for k in range(T):
             yield s, k
@@ -133,7 +134,7 @@ def test_bad_option_values_say_what_is_allowed(name, options, expected):
 def test_synchronous_reads_minibatch_version_and_holds_one(name):
     for P, m, n in grid_sizes():
         t = trace(name, P, m, n)
-        for s, k in reads(t, P, m * n):
+        for s, k in reads(P, m * n):
             assert t.version(s, k, F) == t.version(s, k, B) == k // m
             assert t.staleness(s, k, F) == t.staleness(s, k, B) == t.delay(s, k) == 0
         assert [t.weight_versions(s) for s in range(P)] == [1] * P
@@ -176,7 +177,7 @@ def test_async_delay_with_an_update_every_backward():
     # Steady state (k >= P-1-s): the delay is exactly P-1-s; during warm-up it is k.
     for P, m, n in grid_sizes():
         t = trace("pipedream", P, m, n)
-        for s, k in reads(t, P, m * n):
+        for s, k in reads(P, m * n):
             assert t.delay(s, k) == min(k, P - 1 - s)
         for s in range(P):
             if m * n > P - 1 - s:
@@ -188,7 +189,7 @@ def test_async_delay_with_update_every():
         for every in [d for d in range(1, m + 1) if m % d == 0]:
             t = trace("pipedream", P, m, n, update_every=every)
             T = m * n
-            for s, k in reads(t, P, T):
+            for s, k in reads(P, T):
                 assert t.delay(s, k) == expected_async_delay(P, s, k, every)
             for s in range(P):
                 w = P - 1 - s
@@ -201,7 +202,7 @@ def test_pipedream_backward_reads_its_forward_version():
     for P, m, n in grid_sizes():
         for every in (1, m):
             t = trace("pipedream", P, m, n, update_every=every)
-            for s, k in reads(t, P, m * n):
+            for s, k in reads(P, m * n):
                 w = P - 1 - s
                 assert t.version(s, k, F) == t.live_version(s, k, F) == max(k - w, 0) // every
                 assert t.version(s, k, B) == t.version(s, k, F)
@@ -231,7 +232,7 @@ def test_pipedream_versions_per_stage():
 def test_2bw_reads_previous_minibatch_version():
     for P, m, n in grid_sizes(min_m=lambda P: P):
         t = trace("2bw", P, m, n)
-        for s, k in reads(t, P, m * n):
+        for s, k in reads(P, m * n):
             assert t.version(s, k, F) == t.version(s, k, B) == max(k // m - 1, 0)
             # theta(t+1) = theta(t) - lr * grad(theta(t-1)): a constant delay of 1 after the first mini-batch.
             assert t.delay(s, k) == min(k // m, 1)
@@ -242,7 +243,7 @@ def test_pipemare_backward_corrects_the_live_weights():
     seen_correction = False
     for P, m, n in grid_sizes():
         t = trace("pipemare", P, m, n)
-        for s, k in reads(t, P, m * n):
+        for s, k in reads(P, m * n):
             f, b = t.read(s, k, F), t.read(s, k, B)
             assert f.derivation is None and f.version == t.live_version(s, k, F)
             tau = t.live_version(s, k, B) - f.version
@@ -282,7 +283,7 @@ def test_pipemare_lr_warmup():
 def test_spectrain_horizons():
     for P, m, n in grid_sizes():
         t = trace("spectrain", P, m, n)
-        for s, k in reads(t, P, m * n):
+        for s, k in reads(P, m * n):
             f, b = t.read(s, k, F), t.read(s, k, B)
             assert f.version == t.live_version(s, k, F) and b.version == t.live_version(s, k, B)
             assert t.delay(s, k) == min(k, P - 1 - s)  # an update after every backward
@@ -307,7 +308,7 @@ def test_spectrain_lookahead_overrides_the_forward_horizon_only():
 def test_timeprest_vertical_sync_and_live_backward():
     for P, m, n in grid_sizes():
         t = trace("timeprest", P, m, n)
-        for s, k in reads(t, P, m * n):
+        for s, k in reads(P, m * n):
             assert t.version(s, k, F) == t.version(0, k, F)  # the stage-0 tag, at every stage
             assert t.version(s, k, B) == t.live_version(s, k, B)
         for k in range(m * n):
@@ -365,14 +366,14 @@ def test_nf1b_backward_recurs_every_n_plus_one_slots():
 
 def test_timeprest_stash_rule():
     t = simulate("timeprest", 3, 2, 3, backward_rule="stash")
-    for s, k in reads(t, 3, 6):
+    for s, k in reads(3, 6):
         assert t.version(s, k, B) == t.version(s, k, F)
 
 
 def test_v_timeprest_is_staleness_free():
     for P, m, n in grid_sizes(min_m=lambda P: P - 1):
         t = trace("v-timeprest", P, m, n)
-        for s, k in reads(t, P, m * n):
+        for s, k in reads(P, m * n):
             for kind in (F, B):
                 assert t.version(s, k, kind) == t.live_version(s, k, kind)
                 assert t.staleness(s, k, kind) == 0 and t.read(s, k, kind).derivation is None
@@ -397,7 +398,7 @@ def test_i_timeprest_interpolates_towards_the_live_weights(options, alpha):
         if P > 5:
             continue
         t = simulate("i-timeprest", P, m, n, **options)
-        for s, k in reads(t, P, m * n):
+        for s, k in reads(P, m * n):
             f, b = t.read(s, k, F), t.read(s, k, B)
             assert f.derivation is None and f.version == t.live_version(s, k, F)
             live = t.live_version(s, k, B)

@@ -10,6 +10,7 @@ import doctest
 import json
 import os
 import re
+import runpy
 import shlex
 import subprocess
 import sys
@@ -198,9 +199,14 @@ def test_python_dash_m():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("stage 0: 0F0@v0 0B0@v0 0U1\nstage 1: 1F0@v0 1B0@v0 1U1\n")
-    done = subprocess.run([sys.executable, "-m", "pipecore", "simulate", "-a", "nope", "-p", "2", "-m", "1"],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
-    assert done.returncode == 2 and done.stderr.startswith("pipecore simulate: error: unknown algorithm 'nope'")
+
+
+def test_python_dash_m_exit_code(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["pipecore", "simulate", "-a", "nope", "-p", "2", "-m", "1"])
+    with pytest.raises(SystemExit) as info:
+        runpy.run_module("pipecore", run_name="__main__")
+    assert info.value.code == 2
+    assert capsys.readouterr().err.startswith("pipecore simulate: error: unknown algorithm 'nope'")
 
 
 # --------------------------------------------------------------------------- docs examples

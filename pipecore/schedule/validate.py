@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .ir import Action, B, F, Kind, U
+from .progress import runnable
 from .schedule import Schedule, upstream
 
 
@@ -94,36 +95,21 @@ def validate(schedule: Schedule) -> Schedule:
 
 def _check_runs_to_completion(schedule: Schedule) -> None:
     P = schedule.num_stages
-    done: set[tuple[int, Kind, int]] = set()
-    cursor = [0] * P
     rows = schedule.stages
-    remaining = sum(len(r) for r in rows)
-    while remaining:
-        progressed = False
-        for s in range(P):
-            while cursor[s] < len(rows[s]):
-                a = rows[s][cursor[s]]
-                need = upstream(a, P)
-                if need is not None and need not in done:
-                    break
-                for k in a.microbatches:
-                    done.add((s, a.kind, k))
-                cursor[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            heads = [(s, cursor[s]) for s in range(P) if cursor[s] < len(rows[s])]
-            waits = ", ".join(f"{rows[s][i]} waits for {_describe(upstream(rows[s][i], P))}" for s, i in heads)
-            culprits = [(s, i, why) for s, i in heads if (why := _out_of_order(schedule, s, i))]
-            if culprits:
-                s, i, _ = culprits[0]
-                reasons = "; ".join(why for _, _, why in culprits)
-                raise ScheduleError(
-                    f"deadlock: no stage can make progress ({waits}); {reasons}",
-                    schedule, rows[s][i], [(s, i) for s, i, _ in culprits],
-                )
-            s, i = heads[0]
-            raise ScheduleError(f"deadlock: no stage can make progress ({waits})", schedule, rows[s][i], heads)
+    cursor = runnable(schedule, [0] * P)
+    if any(cursor[s] < len(rows[s]) for s in range(P)):
+        heads = [(s, cursor[s]) for s in range(P) if cursor[s] < len(rows[s])]
+        waits = ", ".join(f"{rows[s][i]} waits for {_describe(upstream(rows[s][i], P))}" for s, i in heads)
+        culprits = [(s, i, why) for s, i in heads if (why := _out_of_order(schedule, s, i))]
+        if culprits:
+            s, i, _ = culprits[0]
+            reasons = "; ".join(why for _, _, why in culprits)
+            raise ScheduleError(
+                f"deadlock: no stage can make progress ({waits}); {reasons}",
+                schedule, rows[s][i], [(s, i) for s, i, _ in culprits],
+            )
+        s, i = heads[0]
+        raise ScheduleError(f"deadlock: no stage can make progress ({waits})", schedule, rows[s][i], heads)
 
 
 def _out_of_order(schedule: Schedule, stage: int, position: int) -> str | None:

@@ -31,9 +31,11 @@ def make_model(num_stages: int) -> nn.Sequential:
 
 
 def batches(steps: int, seed: int = 1):
+    """Batches of 4, 8 and 12 samples in turn: activation shapes change between steps (shape exchange)."""
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g))
-            for _ in range(steps)]
+    sizes = [MICROBATCHES * (1 + i % 3) for i in range(steps)]
+    return [(torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g))
+            for n in sizes]
 
 
 def make_pipeline(num_stages: int, algorithm: str, **kwargs) -> pipecore.Pipeline:

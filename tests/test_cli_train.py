@@ -204,6 +204,7 @@ def test_threads_are_set_and_restored(capsys: pytest.CaptureFixture[str]) -> Non
     (["--epochs", "0"], "must be an integer >= 1"),
     (["--lr", "-1"], "must be a positive number"),
     (["--resume", "does-not-exist.pt"], "no such file"),
+    (["--save", "no-such-dir/ckpt.pt"], "--save: the directory of no-such-dir/ckpt.pt does not exist"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
     code, out, err = train(capsys, *argv, "--epochs", "1") if "--epochs" not in argv else train(capsys, *argv)

@@ -13,13 +13,12 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:  # heavy imports stay inside run() so that ``pipecore --help`` is fast
     import torch
     from torch import nn
-
-    from ..engine import Pipeline
 
 HELP = "train an MLP on scikit-learn's digits with a pipeline (progress, accuracy, staleness, checkpoints)"
 
@@ -101,7 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="width of the hidden layers (default 128)")
     parser.add_argument("--depth", type=_positive_int, metavar="L",
                         help="hidden layers (default max(3, stages - 1), so every stage gets a Linear layer)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the split, the weights and the shuffling (default 0)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the split, the weights and the shuffling (default 0)")
     parser.add_argument("-o", "--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                         help="algorithm option, repeatable (e.g. warmup_steps=200, update_every=2)")
     parser.add_argument("--threads", type=_positive_int, default=1, metavar="T",
@@ -339,6 +339,10 @@ def _train(args: argparse.Namespace) -> int:
             f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}; "
             f"use a multiple of {args.microbatches}"
         )
+    for flag, path in (("--save", args.save), ("--plot", args.plot)):
+        # Fail before training, not after it.
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"{flag}: the directory of {path} does not exist")
     args.depth = args.depth if args.depth is not None else max(3, args.stages - 1)
     options = dict(args.option)
 
@@ -423,12 +427,15 @@ def _train(args: argparse.Namespace) -> int:
     accuracy, correct = evaluate(model, data.x_test, data.y_test)
     print()
     print(f"test accuracy {100 * accuracy:.2f}% ({correct}/{len(data.y_test)}) after {_plural(args.epochs, 'epoch')}")
-    print(f"time {elapsed:.2f}s for {_plural(args.epochs - start_epoch, 'epoch')} ({trained / elapsed:,.0f} samples/s)")
+    print(f"time {elapsed:.2f}s for {_plural(args.epochs - start_epoch, 'epoch')} "
+          f"({trained / elapsed:,.0f} samples/s)")
     print()
     print("per stage (staleness: versions behind live per weight read; delay: updates between a micro-batch's "
           "F and B; mean/max)")
     print(stage_table(pipe.stats()))
 
+    if args.save or args.plot:
+        print()
     if args.save:
         state = {"pipeline": pipe.state_dict(), "epoch": args.epochs, "args": settings, "history": history}
         try:
@@ -438,5 +445,5 @@ def _train(args: argparse.Namespace) -> int:
         print(f"saved checkpoint (epoch {args.epochs}) to {args.save}")
     if args.plot:
         plot_curves(args.plot, history, f"pipecore train: {algorithm.name}, {args.stages} stages, MLP {shape}")
-        print(f"\nwrote loss and accuracy curves to {args.plot}")
+        print(f"wrote loss and accuracy curves to {args.plot}")
     return 0

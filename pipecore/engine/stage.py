@@ -16,7 +16,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from .. import ops
 from ..algorithms.base import Algorithm, WeightRead
@@ -82,6 +81,15 @@ class TensorStage(StageWorker):
         self.optimizer = optimizer
         self.grad = torch.zeros_like(flat)
         self._grad_views = list(self.layout.views(self.grad).values())
+        self._view_cache: dict[int, list[torch.Tensor]] = {}
+        self._stable_storages = {self.ring.buffer.untyped_storage().data_ptr()}
+        if self.scratch is not None:
+            self._stable_storages.add(self.scratch.untyped_storage().data_ptr())
+        index = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
+        self._parameter_slots = [
+            (module.get_submodule(full.rpartition(".")[0]), full.rpartition(".")[2], index[id(p)])
+            for full, p in module.named_parameters(remove_duplicate=False)
+        ]
         self.loss_fn = loss_fn
         self.target = target
         self.on_nonfinite = on_nonfinite
@@ -150,13 +158,33 @@ class TensorStage(StageWorker):
             return target.as_strided(packed.size, packed.stride, target.storage_offset() + packed.offset)
         return packed
 
-    def _leaves(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _views(self, weights: torch.Tensor) -> list[torch.Tensor]:
+        """Parameter-shaped views of ``weights``, cached for ring slots and the scratch buffer (they never move)."""
+        key = weights.data_ptr()
+        views = self._view_cache.get(key)
+        if views is None:
+            views = list(self.layout.views(weights).values())
+            if weights.untyped_storage().data_ptr() in self._stable_storages:
+                self._view_cache[key] = views
+        return views
+
+    def _leaves(self, weights: torch.Tensor) -> list[torch.Tensor]:
         """One autograd leaf per parameter, each a view of ``weights``. Per-parameter leaves (rather than one
         flat leaf) keep autograd from materialising a full-size zero gradient for every parameter slice."""
-        return {name: view.detach().requires_grad_(True) for name, view in self.layout.views(weights).items()}
+        return [view.detach().requires_grad_(True) for view in self._views(weights)]
 
-    def _run_module(self, params: dict[str, torch.Tensor], x: Any) -> torch.Tensor:
-        return functional_call(self.module, params, (x,))
+    def _run_module(self, params: Sequence[torch.Tensor], x: Any) -> torch.Tensor:
+        # Swap the given tensors in as the module's parameters for one call (what torch.func.functional_call
+        # does, without re-resolving names on every call).
+        slots = self._parameter_slots
+        originals = [sub._parameters[name] for sub, name, _ in slots]
+        try:
+            for sub, name, i in slots:
+                sub._parameters[name] = params[i]
+            return self.module(x)
+        finally:
+            for (sub, name, _), original in zip(slots, originals):
+                sub._parameters[name] = original
 
     # -- compute hooks ---------------------------------------------------------------------------
 
@@ -175,21 +203,26 @@ class TensorStage(StageWorker):
         if rule == "recompute":
             rng = torch.get_rng_state()
             with torch.no_grad():
-                y = self._forward_checked(self.layout.views(weights), x)
+                y = self._forward_checked(self._views(weights), x)
                 if self.is_last:
                     self._loss(k, y, target)
             record = _InFlight(x, None, None, None, rng, target)
         else:
             leaves = self._leaves(weights)
-            self._packing = weights
-            try:
-                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                    y = self._forward_checked(leaves, x)
-                    loss = self._loss(k, y, target) if self.is_last else None
-            finally:
-                self._packing = None
-            record = _InFlight(x, list(leaves.values()), loss if self.is_last else y,
-                               weights if rule == "stash" else None, None)
+            if rule == "swap":
+                # Saved weights become references, resolved to the backward's weights when it runs.
+                self._packing = weights
+                try:
+                    with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                        y = self._forward_checked(leaves, x)
+                        loss = self._loss(k, y, target) if self.is_last else None
+                finally:
+                    self._packing = None
+            else:
+                # stash: the graph keeps the forward's own weights, which stay pinned until the backward.
+                y = self._forward_checked(leaves, x)
+                loss = self._loss(k, y, target) if self.is_last else None
+            record = _InFlight(x, leaves, loss if self.is_last else y, weights if rule == "stash" else None, None)
         self.in_flight[k] = record
         self.sync_ring()
         self._timed("F", t0)
@@ -210,10 +243,11 @@ class TensorStage(StageWorker):
                     torch.set_rng_state(rec.rng_state)
                     y = self._run_module(params, x)
                     output = self._loss_fn(y, rec.target) / self.algorithm.update_every if self.is_last else y
-                leaves = list(params.values())
+                leaves = params
             else:
                 leaves, output, x = rec.leaves, rec.output, rec.stage_input
-                self._unpack_target = rec.forward_weights if rec.forward_weights is not None else self.materialize(read)
+                if rec.forward_weights is None:
+                    self._unpack_target = self.materialize(read)
             wants_input_grad = isinstance(x, torch.Tensor) and x.requires_grad
             inputs = leaves + ([x] if wants_input_grad else [])
             if not inputs:  # nothing to differentiate: no parameters and no input gradient to send
@@ -267,7 +301,7 @@ class TensorStage(StageWorker):
                 f"{self.stage} has {self.layout.dtype} weights; give both stages one dtype"
             )
 
-    def _forward_checked(self, params: dict[str, torch.Tensor], x: Any) -> torch.Tensor:
+    def _forward_checked(self, params: Sequence[torch.Tensor], x: Any) -> torch.Tensor:
         try:
             return self._run_module(params, x)
         except RuntimeError as exc:
@@ -317,6 +351,9 @@ class TensorStage(StageWorker):
         for name, view in self.layout.views(flat).items():
             view.copy_(params[name])
         self.ring = WeightRing.from_flat(flat, self.ring.num_slots, version=version)
+        self._view_cache.clear()
+        self._stable_storages = {self.ring.buffer.untyped_storage().data_ptr()} | (
+            {self.scratch.untyped_storage().data_ptr()} if self.scratch is not None else set())
         self.pinned_versions = set()
         self.book.load(version, updates)
         self.optimizer.load_state_dict(optimizer_state)

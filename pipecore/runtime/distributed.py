@@ -11,15 +11,19 @@ its neighbour produces first, and schedules are validated deadlock-free. Each li
 message in one direction (activations to ``s+1``, gradients to ``s-1``), in schedule order, which is the
 order in which the receiver posts its receives.
 
-Latency hiding: a receive is posted one message ahead on each link (``plan``), and the payload's receive is
-posted together with its header's, sized like the previous payload on that link. Sender and receiver track
-that size identically; when it changes, the sender first sends a placeholder of the old size, then the real
-payload, so the pre-posted receive is always matched.
+Latency hiding: each link's next receive is posted one message ahead (``plan``), and a message travels
+as one buffer, the tensor's bytes followed by the header, sized like the previous tensor on that link.
+Sender and receiver track that size identically. When it changes (or there is no tensor), the sender
+first fills the pre-posted buffer with a header that announces the new layout, then sends the tensor in a
+buffer of the new size; the first message on a link is announced the same way.
 """
 
 from __future__ import annotations
 
 import datetime
+import queue
+import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -35,10 +39,26 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 _MAX_DIMS = 8
 _HEADER = 8 + _MAX_DIMS  # kind, microbatch, tag, poisoned, dtype, ndim, has_payload, reserved, shape...
 _KIND_CODE = {F: 0, B: 1}
-_HEADER_TAG = {F: 10, B: 20}
-_PAYLOAD_TAG = {F: 11, B: 21}
+_TAG = {F: 10, B: 20}
+_HEADER_BYTES = _HEADER * 8
 
 Layout = tuple[tuple[int, ...], torch.dtype]
+
+
+_ITEMSIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _DTYPES}
+
+
+def _raw_bytes(layout: Layout) -> int:
+    shape, dtype = layout
+    n = _ITEMSIZE[dtype]
+    for d in shape:
+        n *= d
+    return n
+
+
+def _payload_bytes(layout: Layout | None) -> int:
+    """Bytes of a tensor with this layout, padded to 8 so the int64 header after it stays aligned."""
+    return 0 if layout is None else (_raw_bytes(layout) + 7) // 8 * 8
 
 
 class PeerError(RuntimeError):
@@ -50,10 +70,9 @@ class _Posted:
     """Receives posted for one expected message."""
 
     microbatch: int
-    header: torch.Tensor
-    header_work: Any
-    payload: torch.Tensor | None
-    payload_work: Any
+    buffer: torch.Tensor
+    work: Any
+    layout: Layout | None  # the layout the buffer was sized for
 
 
 class DistributedTransport:
@@ -64,7 +83,12 @@ class DistributedTransport:
         self.num_stages = num_stages
         self.timeout = datetime.timedelta(seconds=timeout)
         self.device = device or torch.device("cpu")
-        self._pending: list[tuple[Any, Any]] = []  # (work, tensor kept alive until the send completes)
+        # Posted sends are completed by a helper thread, in order: gloo reports a send as completed only once
+        # someone waits on it, and the buffer must stay alive until then.
+        self._sends: queue.Queue[tuple[Any, torch.Tensor, int] | None] = queue.Queue()
+        self._send_error: PeerError | None = None
+        self._reaper = threading.Thread(target=self._complete_sends, name=f"pipecore-sends-rank{rank}", daemon=True)
+        self._reaper.start()
         self._sent_layout: dict[Kind, Layout] = {}
         self._recv_layout: dict[Kind, Layout] = {}
         self._posted: dict[Kind, _Posted] = {}
@@ -80,40 +104,70 @@ class DistributedTransport:
         payload = message.payload
         if payload is not None and not isinstance(payload, torch.Tensor):
             raise TypeError(f"rank {self.rank}: stages exchange tensors, got {type(payload).__name__}")
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[0] = _KIND_CODE[kind]
-        header[1] = microbatch
-        header[2] = -1 if message.tag is None else message.tag
-        header[3] = int(message.poisoned)
+        fields = [_KIND_CODE[kind], microbatch, -1 if message.tag is None else message.tag, int(message.poisoned)]
         layout = None
-        if payload is not None:
+        if payload is None:
+            fields += [0, 0, 0, 0]
+        else:
             if payload.dim() > _MAX_DIMS:
                 raise ValueError(f"rank {self.rank}: activations may have at most {_MAX_DIMS} dimensions")
-            if payload.dtype not in _DTYPES:
+            if payload.dtype not in _ITEMSIZE:
                 raise ValueError(f"rank {self.rank}: cannot send dtype {payload.dtype}")
             layout = (tuple(payload.shape), payload.dtype)
-            header[4] = _DTYPES.index(payload.dtype)
-            header[5] = payload.dim()
-            header[6] = 1
-            header[8: 8 + payload.dim()] = torch.tensor(payload.shape, dtype=torch.int64)
-        self._isend(header.to(self.device), stage, _HEADER_TAG[kind])
+            fields += [_DTYPES.index(payload.dtype), payload.dim(), 1, 0, *layout[0]]
+        header = torch.tensor(fields + [0] * (_HEADER - len(fields)), dtype=torch.int64)
         previous = self._sent_layout.get(kind)
-        if previous is not None and layout != previous:
-            # The receiver pre-posted a payload receive of the previous layout: satisfy it with a placeholder.
-            self._isend(torch.zeros(previous[0], dtype=previous[1], device=self.device), stage, _PAYLOAD_TAG[kind])
-        if payload is not None:
-            self._isend(payload.detach().contiguous(), stage, _PAYLOAD_TAG[kind])
+        if layout is None or layout != previous:
+            # The receiver's posted buffer has the previous size: fill it with the announcing header.
+            self._isend(self._pack(header, None, previous), stage, _TAG[kind])
+        if layout is not None:
+            self._isend(self._pack(header, payload, layout), stage, _TAG[kind])
             self._sent_layout[kind] = layout
-        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+
+    def _pack(self, header: torch.Tensor, payload: torch.Tensor | None, layout: Layout | None) -> torch.Tensor:
+        size = _payload_bytes(layout)
+        buffer = torch.empty(size + _HEADER_BYTES, dtype=torch.uint8, device=self.device)
+        if payload is not None:
+            raw = payload.detach().contiguous().reshape(-1).view(torch.uint8)
+            buffer[: raw.numel()].copy_(raw)
+            buffer[raw.numel(): size].zero_()
+        else:
+            buffer[:size].zero_()
+        buffer[size:].view(torch.int64).copy_(header)
+        return buffer
 
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        self._pending.append((dist.isend(tensor, dst, tag=tag), tensor))
+        if self._send_error is not None:
+            raise self._send_error
+        self._sends.put((dist.isend(tensor, dst, tag=tag), tensor, dst))
+
+    def _complete_sends(self) -> None:
+        while True:
+            item = self._sends.get()
+            if item is None:
+                return
+            work, _, dst = item
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                detail = str(exc).splitlines()[0] if str(exc) else "no detail"
+                self._send_error = PeerError(f"rank {self.rank}: sending to rank {dst} failed ({detail}); "
+                                             f"rank {dst} died or stopped answering")
+            finally:
+                self._sends.task_done()
 
     def wait_sends(self) -> None:
         """Complete every posted send (before a flush ends or the process exits)."""
-        for work, _ in self._pending:
-            self._wait(work, "delivering a message to a neighbour", None)
-        self._pending.clear()
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while self._sends.unfinished_tasks:
+            if self._send_error is not None:
+                raise self._send_error
+            if time.monotonic() > deadline:
+                raise PeerError(f"rank {self.rank}: a neighbouring rank did not take its messages within "
+                                f"{self.timeout.total_seconds():g} s")
+            time.sleep(0.0005)
+        if self._send_error is not None:
+            raise self._send_error
 
     # Receiving -------------------------------------------------------------------------------------
 
@@ -128,15 +182,13 @@ class DistributedTransport:
         if kind in self._posted or not self._expected[kind]:
             return
         k = self._expected[kind].popleft()
-        src = self._peer(stage, kind)
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        header_work = dist.irecv(header, src, tag=_HEADER_TAG[kind])
-        payload, payload_work = None, None
         layout = self._recv_layout.get(kind)
-        if layout is not None:
-            payload = torch.empty(layout[0], dtype=layout[1], device=self.device)
-            payload_work = dist.irecv(payload, src, tag=_PAYLOAD_TAG[kind])
-        self._posted[kind] = _Posted(k, header, header_work, payload, payload_work)
+        buffer, work = self._irecv(layout, stage, kind)
+        self._posted[kind] = _Posted(k, buffer, work, layout)
+
+    def _irecv(self, layout: Layout | None, stage: int, kind: Kind) -> tuple[torch.Tensor, Any]:
+        buffer = torch.empty(_payload_bytes(layout) + _HEADER_BYTES, dtype=torch.uint8, device=self.device)
+        return buffer, dist.irecv(buffer, self._peer(stage, kind), tag=_TAG[kind])
 
     def ready(self, stage: int, kind: Kind, microbatch: int) -> bool:
         return True  # receive blocks (with a timeout) until the message is there
@@ -150,28 +202,28 @@ class DistributedTransport:
         posted = self._posted.pop(kind)
         if posted.microbatch != microbatch:
             raise RuntimeError(f"rank {self.rank}: receives out of plan ({microbatch} vs {posted.microbatch}); a bug")
-        self._wait(posted.header_work, what, src)
-        header = posted.header.cpu()
-        got_kind, got_mb = int(header[0]), int(header[1])
+        self._wait(posted.work, what, src)
+        buffer = posted.buffer
+        header = buffer[-_HEADER_BYTES:].view(torch.int64).tolist()
+        got_kind, got_mb = header[0], header[1]
         if (got_kind, got_mb) != (_KIND_CODE[kind], microbatch):
             raise PeerError(
                 f"rank {self.rank} expected {what} from rank {src} but received kind {got_kind} of micro-batch "
                 f"{got_mb}: the ranks run different schedules (same algorithm, stages and micro-batches everywhere?)"
             )
         layout = None
-        if int(header[6]):
-            layout = (tuple(int(d) for d in header[8: 8 + int(header[5])]), _DTYPES[int(header[4])])
+        if header[6]:
+            layout = (tuple(header[8: 8 + header[5]]), _DTYPES[header[4]])
         payload = None
-        if posted.payload_work is not None:
-            self._wait(posted.payload_work, what, src)
-            payload = posted.payload if layout == self._recv_layout.get(kind) else None  # else a placeholder
-        if layout is not None and payload is None:
-            payload = torch.empty(layout[0], dtype=layout[1], device=self.device)
-            self._wait(dist.irecv(payload, src, tag=_PAYLOAD_TAG[kind]), what, src)
         if layout is not None:
-            self._recv_layout[kind] = layout
+            if layout != posted.layout:  # the posted buffer held the announcement; the tensor follows
+                buffer, work = self._irecv(layout, stage, kind)
+                self._wait(work, what, src)
+                self._recv_layout[kind] = layout
+            shape, dtype = layout
+            payload = buffer[: _raw_bytes(layout)].view(dtype).view(shape)
         self._post_next(stage, kind)
-        tag = int(header[2])
+        tag = header[2]
         return Message(payload, None if tag < 0 else tag, poisoned=bool(header[3]))
 
     def _wait(self, work: Any, what: str, peer: int | None) -> None:

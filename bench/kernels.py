@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -65,8 +66,10 @@ class Timer:
     affect both sides of a comparison alike.
     """
 
-    def __init__(self, device: torch.device, warmup: int, reps: int) -> None:
+    def __init__(self, device: torch.device, warmup: int, reps: int, min_time: float = 0.2, max_reps: int = 200
+                 ) -> None:
         self.device, self.warmup, self.reps = device, warmup, reps
+        self.min_time, self.max_reps = min_time, max_reps
 
     def _once(self, fn: Callable[[], Any]) -> float:
         if self.device.type == "cuda":
@@ -81,13 +84,13 @@ class Timer:
         return time.perf_counter() - t0
 
     def pair(self, a: Callable[[], Any], b: Callable[[], Any]) -> tuple[float, float]:
-        for _ in range(self.warmup):
-            a()
-            b()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        est = 0.0
+        for _ in range(max(self.warmup, 1)):
+            est = self._once(a) + self._once(b)
+        # At least `reps` pairs, more for fast ops: about min_time per side, at most max_reps.
+        reps = max(self.reps, min(self.max_reps, math.ceil(2 * self.min_time / max(est, 1e-9))))
         ta, tb = [], []
-        for _ in range(self.reps):
+        for _ in range(reps):
             ta.append(self._once(a))
             tb.append(self._once(b))
         return statistics.median(ta), statistics.median(tb)
@@ -204,6 +207,12 @@ def copy_bandwidth(n: int, dtype: torch.dtype, device: torch.device, timer: Time
     return 2 * n * src.element_size() / t / 1e9
 
 
+def _streaming_threshold() -> int:
+    from pipecore import _C
+
+    return _C._streaming_threshold()
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -243,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weight storage dtype")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
-    p.add_argument("--reps", type=int, default=10, help="timed repetitions (median reported)")
+    p.add_argument("--reps", type=int, default=10, help="minimum timed repetitions (median reported)")
+    p.add_argument("--min-time", type=float, default=0.2,
+                   help="repeat fast ops until each side ran about this many seconds (up to 200 repetitions)")
     p.add_argument("--warmup", type=int, default=3, help="untimed repetitions first")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU); default: torch's")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/kernels-<device>[-<dtype>].json)")
@@ -257,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = DTYPES[args.dtype]
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     names = [s.strip() for s in args.ops.split(",") if s.strip()]
-    timer = Timer(device, args.warmup, args.reps)
+    timer = Timer(device, args.warmup, args.reps, args.min_time)
 
     copy_gbps = None
     if device.type == "cuda":
@@ -286,9 +297,15 @@ def main(argv: list[str] | None = None) -> int:
         "sizes": sizes,
         "threads": torch.get_num_threads(),
         "reps": args.reps,
+        "min_time_s": args.min_time,
         "warmup": args.warmup,
-        "timing": "median; CUDA events" if device.type == "cuda" else "median; time.perf_counter",
+        "timing": ("median of alternating fused/composite runs; "
+                   + ("CUDA events" if device.type == "cuda" else "time.perf_counter")),
         "copy_gbps": copy_gbps,
+        # CPU only: the vector ISA torch dispatches to, and the call size (bytes moved) from which the
+        # C++ kernels write `out` with streaming stores.
+        "cpu_capability": torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else None,
+        "streaming_threshold_bytes": _streaming_threshold() if device.type == "cpu" else None,
         "results": results,
         "targets": targets(results, device, copy_gbps),
     }

@@ -50,6 +50,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("wd_factor"), py::arg("beta1"), py::arg("beta2"),
         py::arg("eps"), py::arg("step_size"), py::arg("bias_correction2_sqrt"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("_args_ok", &pipecore::cpu::args_ok, py::arg("tensors"), py::arg("n_weights"), py::arg("written_mask"),
+        py::arg("out_index"), py::arg("alias_mask"));
+  m.def("_streaming_threshold", &pipecore::cpu::streaming_threshold);
+  m.def("_set_streaming_threshold", &pipecore::cpu::set_streaming_threshold, py::arg("bytes"));
   m.attr("with_cuda") =
 #ifdef PIPECORE_WITH_CUDA
       true;

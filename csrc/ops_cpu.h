@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <vector>
 
 namespace pipecore::cpu {
 
@@ -32,5 +33,18 @@ void sgd_step(const at::Tensor& out, const at::Tensor& w, const at::Tensor& grad
 void adamw_step(const at::Tensor& out, const at::Tensor& w, const at::Tensor& grad, const at::Tensor& exp_avg,
                 const at::Tensor& exp_avg_sq, double wd_factor, double beta1, double beta2, double eps,
                 double step_size, double bias_correction2_sqrt);
+
+// Cheap validity test for the Python layer's argument checks: true when all tensors are defined,
+// contiguous, of one shape and device, the first n_weights share a float64/float32/bfloat16/float16
+// dtype and the rest have the matching state dtype, and no tensor whose bit is set in written_mask
+// overlaps another one, except tensor out_index being exactly a tensor whose bit is set in
+// alias_mask. False means "not certainly valid": the caller then runs its detailed checks.
+bool args_ok(const std::vector<at::Tensor>& tensors, int64_t n_weights, int64_t written_mask, int64_t out_index,
+             int64_t alias_mask);
+
+// Calls moving at least this many bytes write `out` with non-temporal (cache-bypassing) stores;
+// -1 disables them. Defaults to three times the last-level cache. Results do not depend on it.
+int64_t streaming_threshold();
+void set_streaming_threshold(int64_t bytes);
 
 }  // namespace pipecore::cpu

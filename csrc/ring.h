@@ -18,6 +18,7 @@ namespace pipecore {
 //     +----release-------+          stale with pin count 0 is free again <------+
 //
 // A free slot may still carry the version it last held (find() reports it) until acquire() reuses it.
+// advance(v) relabels an unpinned live slot that was updated in place.
 class WeightRing {
  public:
   WeightRing(int64_t numel, int64_t num_slots, at::ScalarType dtype, at::Device device);

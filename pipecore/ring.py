@@ -13,8 +13,9 @@ Slot states::
       ^                    |                                                         |
       +----release(i)------+                         stale and unpinned: free again  <+
 
-``pin``/``unpin`` count references on any slot that holds a version (live, stale, or free but not
-yet reused). ``acquire`` never returns the live slot, a pinned slot or a slot another ``acquire``
+``advance(v)`` records an in-place update of an unpinned live slot (it stays live, now as version
+``v``). ``pin``/``unpin`` count references on any slot that holds a version (live, stale, or free but
+not yet reused). ``acquire`` never returns the live slot, a pinned slot or a slot another ``acquire``
 handed out; it prefers never-used slots, then the oldest version, and drops the version tag of the
 slot it returns. Misuse (publishing a slot that was not acquired, unpinning more than pinning,
 acquiring when every slot is in use) raises ``RuntimeError`` with the ring's state in the message;

@@ -10,6 +10,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pipecore._C as _C
 import pipecore.ops as ops
@@ -289,6 +291,51 @@ def test_results_do_not_depend_on_thread_count():
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+def _all_ops(dtype: torch.dtype, n: int, offset: int, in_place: bool) -> list[torch.Tensor]:
+    """Runs every op (and SGD variant) once on fixed data; returns everything written."""
+    torch.manual_seed(0)
+    w, v = rand(n, dtype), rand(n, dtype)
+    results = []
+
+    def out_buffer() -> torch.Tensor:
+        if in_place:
+            return w.clone()
+        return torch.empty(n + offset, dtype=dtype)[offset:]  # misaligned start for offset > 0
+
+    o = out_buffer()
+    results.append(ops.interpolate(o if in_place else w, v, 0.3, out=o))
+    o = out_buffer()
+    results.append(ops.predict(o if in_place else w, v, 0.1, out=o))
+    for cfg in (dict(), dict(momentum=0.9, weight_decay=0.1), dict(momentum=0.9, nesterov=True, first_step=True)):
+        buf, delta = rand(n, sdt(dtype)), rand(n, sdt(dtype))
+        o = out_buffer()
+        results += [ops.sgd_step(o if in_place else w, v, buf, lr=0.1, out=o, delta=delta, delta_decay=0.5, **cfg),
+                    buf, delta]
+    m, s2 = rand(n, sdt(dtype)), rand(n, sdt(dtype), positive=True)
+    o = out_buffer()
+    results += [ops.adamw_step(o if in_place else w, v, m, s2, step=2, lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8,
+                               weight_decay=0.1, out=o), m, s2]
+    return results
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset, in_place", [(0, False), (1, False), (3, False), (0, True)])
+def test_streaming_stores_give_identical_results(dtype, offset, in_place):
+    """Large calls write `out` with non-temporal stores through a tile buffer; force that path on
+    small tensors (unaligned starts, several tiles and a tail) and compare with ordinary stores."""
+    n = 3 * 8192 + 5
+    old = _C._streaming_threshold()
+    try:
+        _C._set_streaming_threshold(-1)
+        plain = _all_ops(dtype, n, offset, in_place)
+        _C._set_streaming_threshold(0)
+        streamed = _all_ops(dtype, n, offset, in_place)
+    finally:
+        _C._set_streaming_threshold(old)
+    for a, b in zip(plain, streamed):
+        assert torch.equal(a, b)
+
+
 def test_written_tensors_get_their_autograd_version_bumped():
     w, grad = rand(10, torch.float32), rand(10, torch.float32)
     buf, delta, out = torch.zeros(10), torch.zeros(10), torch.empty(10)
@@ -426,6 +473,43 @@ def test_extension_checks_arguments_too():
         _C.adamw_step(out, torch.ones(10), torch.ones(10), torch.zeros(10, dtype=torch.float64), torch.zeros(10),
                       1.0, 0.9, 0.99, 1e-8, 0.1, 1.0)
     assert torch.count_nonzero(out) == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["fresh", "alias", "shifted", "strided", "long"]),
+                          st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.int32]),
+                          st.integers(0, 2)), min_size=3, max_size=5))
+def test_native_fast_check_agrees_with_detailed_checks(specs):
+    """The extension's one-call check (used first on every op call) says yes exactly when the
+    detailed Python checks accept the arguments."""
+    from pipecore.ops import _checks
+
+    pool = torch.zeros(64, dtype=torch.float64)
+    tensors = []
+    for kind, dtype, ref in specs:
+        if kind == "alias" and tensors:
+            t = tensors[ref % len(tensors)]
+        elif kind == "shifted" and tensors and tensors[ref % len(tensors)].dtype == torch.float64:
+            t = pool[1:9]
+        elif kind == "strided":
+            t = torch.zeros(16, dtype=dtype)[::2]
+        elif kind == "long":
+            t = torch.zeros(9, dtype=dtype)
+        else:
+            t = pool[:8] if dtype == torch.float64 and ref == 0 else torch.zeros(8, dtype=dtype)
+        tensors.append(t)
+    n_weights = 3
+    names = ("w", "grad", "out", "momentum_buf", "delta")[:len(tensors)]
+    sig = _checks.Signature("sgd_step", names[:n_weights], names[n_weights:], written=("out", *names[n_weights:]),
+                            out_may_alias=("w",))
+    try:
+        _checks.check(sig.op, list(zip(sig.weights, tensors[:n_weights])), list(zip(sig.states, tensors[n_weights:])),
+                      sig.written, sig.out_may_alias)
+        valid = True
+    except ValueError:
+        valid = False
+    fast = _C._args_ok(tensors, n_weights, sig._written_mask, sig._out_index, sig._alias_mask)
+    assert fast == valid
 
 
 # -- CUDA: Triton through the dispatch (runs on GPU machines) -----------------------------------------

@@ -186,6 +186,26 @@ def test_publish_version_must_increase():
         ring.publish(c, -1)
 
 
+def test_advance_updates_the_live_slot_in_place():
+    ring = WeightRing(4, 2)
+    with pytest.raises(RuntimeError, match="WeightRing.advance: no live slot yet"):
+        ring.advance(0)
+    a = ring.acquire()
+    ring.publish(a, 0)
+    ring.advance(1)  # e.g. synchronous training updates the single live copy in place
+    assert ring.live_slot == a and ring.live_version == 1 and ring.find(0) is None and ring.find(1) == a
+    with pytest.raises(ValueError, match=re.escape("WeightRing.advance: version 1 is not newer than the live "
+                                                   "version 1 (slot 0)")):
+        ring.advance(1)
+    ring.pin(a)
+    with pytest.raises(RuntimeError, match=re.escape("WeightRing.advance: the live slot 0 is pinned (slot 0 v1 x1)")):
+        ring.advance(2)
+    assert ring.live_version == 1
+    ring.unpin(a)
+    ring.advance(2)
+    assert ring.live_version == 2
+
+
 def test_unpinning_twice_is_an_error():
     ring = WeightRing(4, 2)
     a = ring.acquire()
@@ -323,7 +343,7 @@ def test_cuda_ring():
     i = ring.acquire()
     ring.slot(i).fill_(1.5)
     ring.publish(i, 0)
-    assert ring.live.sum().item() == 1500.0
+    assert ring.live.float().sum().item() == 1500.0
 
 
 class RingModel(RuleBasedStateMachine):
@@ -367,6 +387,20 @@ class RingModel(RuleBasedStateMachine):
         self.version[i] = version
         self.live = i
         self.next_version = version + 1
+
+    @rule(skip=st.integers(0, 2))
+    def advance(self, skip):
+        version = self.next_version + skip
+        if self.live is None:
+            with pytest.raises(RuntimeError, match="no live slot yet"):
+                self.ring.advance(version)
+        elif self.pins[self.live]:
+            with pytest.raises(RuntimeError, match="is pinned"):
+                self.ring.advance(version)
+        else:
+            self.ring.advance(version)
+            self.version[self.live] = version
+            self.next_version = version + 1
 
     @rule(i=st.integers(0, K - 1))
     def release(self, i):

@@ -24,7 +24,6 @@ an in-place torch op would, so autograd still detects use of a tensor that was o
 
 from __future__ import annotations
 
-import numbers
 from types import ModuleType
 
 import torch
@@ -45,28 +44,44 @@ def backend_for(t: torch.Tensor) -> str:
     return "reference"
 
 
+_modules: dict[str, ModuleType] = {}
+
+
 def _cpp() -> ModuleType:
-    try:
-        from pipecore import _C
-    except ImportError as exc:  # pragma: no cover - only on a broken build
-        raise ImportError(
-            "pipecore._C (the C++ extension) is not built; reinstall with "
-            "`pip install --no-build-isolation -e .`"
-        ) from exc
-    return _C
+    mod = _modules.get("cpp")
+    if mod is None:
+        try:
+            from pipecore import _C as mod
+        except ImportError as exc:  # pragma: no cover - only on a broken build
+            raise ImportError(
+                "pipecore._C (the C++ extension) is not built; reinstall with "
+                "`pip install --no-build-isolation -e .`"
+            ) from exc
+        _modules["cpp"] = mod
+    return mod
 
 
 def _triton() -> ModuleType:
     # Imported on first CUDA use: importing Triton costs time and CPU-only users never need it.
-    import pipecore.kernels as kernels
+    mod = _modules.get("triton")
+    if mod is None:
+        import pipecore.kernels as mod
 
-    return kernels
+        _modules["triton"] = mod
+    return mod
 
 
-def _bump(*tensors: torch.Tensor | None) -> None:
-    written = [t for t in tensors if t is not None and not t.is_inference()]
-    if written:
-        torch.autograd.graph.increment_version(written)
+def _impl(t: torch.Tensor) -> ModuleType | None:
+    """The kernel module for ``t``'s device, or None for the reference (attribute reads are cheap;
+    ``t.device.type`` is not)."""
+    if t.is_cpu:
+        return _cpp()
+    if t.is_cuda:
+        return _triton()
+    return None
+
+
+_bump = torch.autograd.graph.increment_version
 
 
 def interpolate(live: torch.Tensor, stale: torch.Tensor, alpha: float, out: torch.Tensor | None = None
@@ -82,16 +97,11 @@ def interpolate(live: torch.Tensor, stale: torch.Tensor, alpha: float, out: torc
     Returns:
         ``out``.
     """
-    alpha = _checks.real("interpolate", "alpha", alpha)
-    if out is None:
-        _checks.check("interpolate", [("live", live), ("stale", stale)])
-        out = torch.empty_like(live)
-    _checks.check("interpolate", [("live", live), ("stale", stale), ("out", out)], written=["out"],
-                  out_may_alias=["live", "stale"])
-    backend = backend_for(live)
-    if backend == "reference":
+    alpha, out = _checks.interpolate_args(live, stale, alpha, out)
+    impl = _impl(live)
+    if impl is None:
         return reference.interpolate(live, stale, alpha, out=out)
-    (_triton() if backend == "triton" else _cpp()).interpolate(out, live, stale, alpha)
+    impl.interpolate(out, live, stale, alpha)
     _bump(out)
     return out
 
@@ -111,52 +121,13 @@ def predict(w: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor | 
     Returns:
         ``out``.
     """
-    scale = _checks.real("predict", "scale", scale)
-    if out is None:
-        _checks.check("predict", [("w", w), ("v", v)])
-        out = torch.empty_like(w)
-    _checks.check("predict", [("w", w), ("v", v), ("out", out)], written=["out"], out_may_alias=["w", "v"])
-    backend = backend_for(w)
-    if backend == "reference":
+    scale, out = _checks.predict_args(w, v, scale, out)
+    impl = _impl(w)
+    if impl is None:
         return reference.predict(w, v, scale, out=out)
-    (_triton() if backend == "triton" else _cpp()).predict(out, w, v, scale)
+    impl.predict(out, w, v, scale)
     _bump(out)
     return out
-
-
-def _sgd_args(w, grad, momentum_buf, lr, momentum, dampening, weight_decay, nesterov, out, delta, delta_decay):
-    op = "sgd_step"
-    lr = _checks.real(op, "lr", lr)
-    momentum = _checks.real(op, "momentum", momentum)
-    dampening = _checks.real(op, "dampening", dampening)
-    weight_decay = _checks.real(op, "weight_decay", weight_decay)
-    if lr < 0.0:
-        raise ValueError(f"{op}: invalid learning rate lr={lr}")
-    if momentum < 0.0:
-        raise ValueError(f"{op}: invalid momentum={momentum}")
-    if weight_decay < 0.0:
-        raise ValueError(f"{op}: invalid weight_decay={weight_decay}")
-    if nesterov and (momentum <= 0.0 or dampening != 0.0):
-        raise ValueError(f"{op}: nesterov momentum requires momentum > 0 and dampening == 0 "
-                         f"(got momentum={momentum}, dampening={dampening})")
-    if momentum != 0.0 and momentum_buf is None:
-        raise ValueError(f"{op}: argument 'momentum_buf' is required when momentum != 0 (momentum={momentum})")
-    if delta is not None:
-        if delta_decay is None:
-            raise ValueError(f"{op}: argument 'delta_decay' is required when 'delta' is given")
-        delta_decay = _checks.real(op, "delta_decay", delta_decay)
-    else:
-        delta_decay = 0.0
-    if out is None:
-        out = w
-    states = []
-    if momentum != 0.0:
-        states.append(("momentum_buf", momentum_buf))
-    if delta is not None:
-        states.append(("delta", delta))
-    _checks.check(op, [("w", w), ("grad", grad), ("out", out)], states,
-                  written=["out", *(n for n, _ in states)], out_may_alias=["w"])
-    return out, lr, momentum, dampening, weight_decay, delta_decay
 
 
 def sgd_step(w: torch.Tensor, grad: torch.Tensor, momentum_buf: torch.Tensor | None, *, lr: float,
@@ -192,50 +163,20 @@ def sgd_step(w: torch.Tensor, grad: torch.Tensor, momentum_buf: torch.Tensor | N
     Returns:
         ``out``.
     """
-    out, lr, momentum, dampening, weight_decay, delta_decay = _sgd_args(
+    out, lr, momentum, dampening, weight_decay, delta_decay = _checks.sgd_args(
         w, grad, momentum_buf, lr, momentum, dampening, weight_decay, nesterov, out, delta, delta_decay)
-    backend = backend_for(w)
-    if backend == "reference":
+    impl = _impl(w)
+    if impl is None:
         return reference.sgd_step(w, grad, momentum_buf, lr=lr, momentum=momentum, dampening=dampening,
                                   weight_decay=weight_decay, nesterov=nesterov, first_step=first_step, out=out,
                                   delta=delta, delta_decay=delta_decay if delta is not None else None)
     buf = momentum_buf if momentum != 0.0 else None
-    if backend == "triton":
-        _triton().sgd_step(out, w, grad, buf, delta, lr=lr, momentum=momentum, dampening=dampening,
-                           weight_decay=weight_decay, nesterov=bool(nesterov), first_step=bool(first_step),
-                           delta_decay=delta_decay)
-    else:
-        _cpp().sgd_step(out, w, grad, buf, delta, lr, momentum, dampening, weight_decay, bool(nesterov),
-                        bool(first_step), delta_decay)
-    _bump(out, buf, delta)
+    # pipecore._C and pipecore.kernels take the same arguments.
+    impl.sgd_step(out, w, grad, buf, delta, lr=lr, momentum=momentum, dampening=dampening,
+                  weight_decay=weight_decay, nesterov=bool(nesterov), first_step=bool(first_step),
+                  delta_decay=delta_decay)
+    _bump([t for t in (out, buf, delta) if t is not None])
     return out
-
-
-def _adamw_args(w, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, out):
-    op = "adamw_step"
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
-        raise ValueError(f"{op}: argument 'step' must be an integer >= 1 (the step count after this update), "
-                         f"got {step!r}")
-    lr = _checks.real(op, "lr", lr)
-    beta1 = _checks.real(op, "beta1", beta1)
-    beta2 = _checks.real(op, "beta2", beta2)
-    eps = _checks.real(op, "eps", eps)
-    weight_decay = _checks.real(op, "weight_decay", weight_decay)
-    if lr < 0.0:
-        raise ValueError(f"{op}: invalid learning rate lr={lr}")
-    if not 0.0 <= beta1 < 1.0:
-        raise ValueError(f"{op}: invalid beta1={beta1}; expected 0 <= beta1 < 1")
-    if not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"{op}: invalid beta2={beta2}; expected 0 <= beta2 < 1")
-    if eps < 0.0:
-        raise ValueError(f"{op}: invalid eps={eps}")
-    if weight_decay < 0.0:
-        raise ValueError(f"{op}: invalid weight_decay={weight_decay}")
-    if out is None:
-        out = w
-    _checks.check(op, [("w", w), ("grad", grad), ("out", out)], [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)],
-                  written=["out", "exp_avg", "exp_avg_sq"], out_may_alias=["w"])
-    return out, int(step), lr, beta1, beta2, eps, weight_decay
 
 
 def adamw_step(w: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
@@ -263,20 +204,16 @@ def adamw_step(w: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
     Returns:
         ``out``.
     """
-    out, step, lr, beta1, beta2, eps, weight_decay = _adamw_args(
+    out, step, lr, beta1, beta2, eps, weight_decay = _checks.adamw_args(
         w, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, out)
-    backend = backend_for(w)
-    if backend == "reference":
+    impl = _impl(w)
+    if impl is None:
         return reference.adamw_step(w, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2,
                                     eps=eps, weight_decay=weight_decay, out=out)
     wd_factor = 1.0 - lr * weight_decay
     step_size = lr / (1.0 - beta1**step)
     bias_correction2_sqrt = (1.0 - beta2**step) ** 0.5
-    if backend == "triton":
-        _triton().adamw_step(out, w, grad, exp_avg, exp_avg_sq, wd_factor=wd_factor, beta1=beta1, beta2=beta2,
-                             eps=eps, step_size=step_size, bias_correction2_sqrt=bias_correction2_sqrt)
-    else:
-        _cpp().adamw_step(out, w, grad, exp_avg, exp_avg_sq, wd_factor, beta1, beta2, eps, step_size,
-                          bias_correction2_sqrt)
-    _bump(out, exp_avg, exp_avg_sq)
+    impl.adamw_step(out, w, grad, exp_avg, exp_avg_sq, wd_factor=wd_factor, beta1=beta1, beta2=beta2, eps=eps,
+                    step_size=step_size, bias_correction2_sqrt=bias_correction2_sqrt)
+    _bump([out, exp_avg, exp_avg_sq])
     return out

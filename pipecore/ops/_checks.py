@@ -1,6 +1,10 @@
 """Argument checks shared by every backend of ``pipecore.ops``.
 
 All checks run before anything is written, so a rejected call leaves every tensor unchanged.
+A :class:`Signature` describes one op's tensor arguments; :meth:`Signature.check` first asks the
+extension for a cheap yes (one call: this runs before every kernel, and on small buffers the
+checks would otherwise cost as much as the kernel), and only when that is not a clear yes runs the
+detailed checks, which raise ``ValueError`` naming the argument.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ def state_dtype(weight_dtype: torch.dtype) -> torch.dtype:
 
 
 def real(op: str, name: str, value: object) -> float:
+    if type(value) is float:
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{op}: argument '{name}' must be a real number, got {type(value).__name__}")
     return float(value)
@@ -43,6 +49,17 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and _byte_range(a) == _byte_range(b) and a.dtype == b.dtype
 
 
+def _load_args_ok():
+    try:
+        from pipecore._C import _args_ok
+    except ImportError:  # pragma: no cover - the extension is part of every install
+        return None
+    return _args_ok
+
+
+_args_ok = _load_args_ok()
+
+
 def check(
     op: str,
     weights: Sequence[tuple[str, object]],
@@ -50,7 +67,7 @@ def check(
     written: Sequence[str] = (),
     out_may_alias: Sequence[str] = (),
 ) -> None:
-    """Validate the tensor arguments of one op call.
+    """Validate the tensor arguments of one op call (the detailed checks).
 
     ``weights`` are tensors in the weight storage dtype (the first one sets dtype, device and shape
     for all others), ``states`` are optimizer-state tensors in :func:`state_dtype`. ``written``
@@ -100,3 +117,130 @@ def check(
                 names = " or ".join(repr(a) for a in out_may_alias)
                 allowed = f"; 'out' may only be exactly {names} (same memory, same dtype)"
             raise ValueError(f"{op}: argument '{wname}' overlaps argument '{name}' in memory{allowed}")
+
+
+class Signature:
+    """The tensor arguments of one op: names of weight-dtype and state-dtype tensors, which ones the
+    op writes, and which inputs ``out`` may be exactly."""
+
+    def __init__(self, op: str, weights: Sequence[str], states: Sequence[str] = (), written: Sequence[str] = (),
+                 out_may_alias: Sequence[str] = ()) -> None:
+        self.op = op
+        self.weights, self.states = tuple(weights), tuple(states)
+        self.written, self.out_may_alias = tuple(written), tuple(out_may_alias)
+        names = self.weights + self.states
+        self._n_weights = len(self.weights)
+        self._written_mask = sum(1 << i for i, n in enumerate(names) if n in self.written)
+        self._alias_mask = sum(1 << i for i, n in enumerate(names) if n in self.out_may_alias)
+        self._out_index = names.index("out") if "out" in names else -1
+
+    def check(self, *tensors: object) -> None:
+        """Validate ``tensors``, given in the order weights then states; raise ``ValueError`` if bad."""
+        if _args_ok is not None:
+            try:
+                if _args_ok(list(tensors), self._n_weights, self._written_mask, self._out_index, self._alias_mask):
+                    return
+            except TypeError:  # an argument is not a tensor: the detailed checks say which
+                pass
+        n = self._n_weights
+        check(self.op, list(zip(self.weights, tensors[:n])), list(zip(self.states, tensors[n:])), self.written,
+              self.out_may_alias)
+
+
+# -- per-op argument handling, shared by the dispatch and the reference ------------------------------
+
+_INTERPOLATE = Signature("interpolate", ("live", "stale", "out"), written=("out",), out_may_alias=("live", "stale"))
+_INTERPOLATE_NEW = Signature("interpolate", ("live", "stale"))
+_PREDICT = Signature("predict", ("w", "v", "out"), written=("out",), out_may_alias=("w", "v"))
+_PREDICT_NEW = Signature("predict", ("w", "v"))
+_SGD = {
+    (has_buf, has_delta): Signature(
+        "sgd_step", ("w", "grad", "out"),
+        ("momentum_buf",) * has_buf + ("delta",) * has_delta,
+        written=("out",) + ("momentum_buf",) * has_buf + ("delta",) * has_delta,
+        out_may_alias=("w",))
+    for has_buf in (False, True) for has_delta in (False, True)
+}
+_ADAMW = Signature("adamw_step", ("w", "grad", "out"), ("exp_avg", "exp_avg_sq"),
+                   written=("out", "exp_avg", "exp_avg_sq"), out_may_alias=("w",))
+
+
+def interpolate_args(live, stale, alpha, out):
+    """Checks the arguments of ``interpolate``; allocates ``out`` when None. Returns (alpha, out)."""
+    alpha = real("interpolate", "alpha", alpha)
+    if out is None:
+        _INTERPOLATE_NEW.check(live, stale)
+        out = torch.empty_like(live)
+    _INTERPOLATE.check(live, stale, out)
+    return alpha, out
+
+
+def predict_args(w, v, scale, out):
+    """Checks the arguments of ``predict``; allocates ``out`` when None. Returns (scale, out)."""
+    scale = real("predict", "scale", scale)
+    if out is None:
+        _PREDICT_NEW.check(w, v)
+        out = torch.empty_like(w)
+    _PREDICT.check(w, v, out)
+    return scale, out
+
+
+def sgd_args(w, grad, momentum_buf, lr, momentum, dampening, weight_decay, nesterov, out, delta, delta_decay):
+    """Checks and normalises the arguments of ``sgd_step``; returns (out, lr, momentum, dampening,
+    weight_decay, delta_decay)."""
+    op = "sgd_step"
+    lr = real(op, "lr", lr)
+    momentum = real(op, "momentum", momentum)
+    dampening = real(op, "dampening", dampening)
+    weight_decay = real(op, "weight_decay", weight_decay)
+    if lr < 0.0:
+        raise ValueError(f"{op}: invalid learning rate lr={lr}")
+    if momentum < 0.0:
+        raise ValueError(f"{op}: invalid momentum={momentum}")
+    if weight_decay < 0.0:
+        raise ValueError(f"{op}: invalid weight_decay={weight_decay}")
+    if nesterov and (momentum <= 0.0 or dampening != 0.0):
+        raise ValueError(f"{op}: nesterov momentum requires momentum > 0 and dampening == 0 "
+                         f"(got momentum={momentum}, dampening={dampening})")
+    if momentum != 0.0 and momentum_buf is None:
+        raise ValueError(f"{op}: argument 'momentum_buf' is required when momentum != 0 (momentum={momentum})")
+    if delta is not None:
+        if delta_decay is None:
+            raise ValueError(f"{op}: argument 'delta_decay' is required when 'delta' is given")
+        delta_decay = real(op, "delta_decay", delta_decay)
+    else:
+        delta_decay = 0.0
+    if out is None:
+        out = w
+    has_buf = momentum != 0.0
+    states = ((momentum_buf,) if has_buf else ()) + ((delta,) if delta is not None else ())
+    _SGD[has_buf, delta is not None].check(w, grad, out, *states)
+    return out, lr, momentum, dampening, weight_decay, delta_decay
+
+
+def adamw_args(w, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, out):
+    """Checks and normalises the arguments of ``adamw_step``; returns (out, step, lr, beta1, beta2,
+    eps, weight_decay)."""
+    op = "adamw_step"
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
+        raise ValueError(f"{op}: argument 'step' must be an integer >= 1 (the step count after this update), "
+                         f"got {step!r}")
+    lr = real(op, "lr", lr)
+    beta1 = real(op, "beta1", beta1)
+    beta2 = real(op, "beta2", beta2)
+    eps = real(op, "eps", eps)
+    weight_decay = real(op, "weight_decay", weight_decay)
+    if lr < 0.0:
+        raise ValueError(f"{op}: invalid learning rate lr={lr}")
+    if not 0.0 <= beta1 < 1.0:
+        raise ValueError(f"{op}: invalid beta1={beta1}; expected 0 <= beta1 < 1")
+    if not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"{op}: invalid beta2={beta2}; expected 0 <= beta2 < 1")
+    if eps < 0.0:
+        raise ValueError(f"{op}: invalid eps={eps}")
+    if weight_decay < 0.0:
+        raise ValueError(f"{op}: invalid weight_decay={weight_decay}")
+    if out is None:
+        out = w
+    _ADAMW.check(w, grad, out, exp_avg, exp_avg_sq)
+    return out, int(step), lr, beta1, beta2, eps, weight_decay

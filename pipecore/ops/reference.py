@@ -18,12 +18,7 @@ __all__ = ["adamw_step", "interpolate", "predict", "sgd_step"]
 def interpolate(live: torch.Tensor, stale: torch.Tensor, alpha: float, out: torch.Tensor | None = None
                 ) -> torch.Tensor:
     """``out = live + alpha * (stale - live)``."""
-    alpha = _checks.real("interpolate", "alpha", alpha)
-    if out is None:
-        _checks.check("interpolate", [("live", live), ("stale", stale)])
-        out = torch.empty_like(live)
-    _checks.check("interpolate", [("live", live), ("stale", stale), ("out", out)], written=["out"],
-                  out_may_alias=["live", "stale"])
+    alpha, out = _checks.interpolate_args(live, stale, alpha, out)
     md = _checks.state_dtype(live.dtype)
     with torch.no_grad():
         lv = live.to(md)
@@ -34,11 +29,7 @@ def interpolate(live: torch.Tensor, stale: torch.Tensor, alpha: float, out: torc
 
 def predict(w: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """``out = w - scale * v``."""
-    scale = _checks.real("predict", "scale", scale)
-    if out is None:
-        _checks.check("predict", [("w", w), ("v", v)])
-        out = torch.empty_like(w)
-    _checks.check("predict", [("w", w), ("v", v), ("out", out)], written=["out"], out_may_alias=["w", "v"])
+    scale, out = _checks.predict_args(w, v, scale, out)
     md = _checks.state_dtype(w.dtype)
     with torch.no_grad():
         res = w.to(md) - scale * v.to(md)
@@ -51,9 +42,7 @@ def sgd_step(w: torch.Tensor, grad: torch.Tensor, momentum_buf: torch.Tensor | N
              first_step: bool = False, out: torch.Tensor | None = None, delta: torch.Tensor | None = None,
              delta_decay: float | None = None) -> torch.Tensor:
     """torch.optim.SGD step written to ``out`` (default: ``w``); see :func:`pipecore.ops.sgd_step`."""
-    from . import _sgd_args
-
-    out, lr, momentum, dampening, weight_decay, delta_decay = _sgd_args(
+    out, lr, momentum, dampening, weight_decay, delta_decay = _checks.sgd_args(
         w, grad, momentum_buf, lr, momentum, dampening, weight_decay, nesterov, out, delta, delta_decay)
     md = _checks.state_dtype(w.dtype)
     with torch.no_grad():
@@ -88,9 +77,7 @@ def adamw_step(w: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
                step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """torch.optim.AdamW step written to ``out`` (default: ``w``); see :func:`pipecore.ops.adamw_step`."""
-    from . import _adamw_args
-
-    out, step, lr, beta1, beta2, eps, weight_decay = _adamw_args(
+    out, step, lr, beta1, beta2, eps, weight_decay = _checks.adamw_args(
         w, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, out)
     md = _checks.state_dtype(w.dtype)
     with torch.no_grad():

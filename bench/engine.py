@@ -34,7 +34,6 @@ import cProfile
 import copy
 import json
 import os
-import platform
 import pstats
 import statistics
 import sys
@@ -51,30 +50,11 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import pipecore  # noqa: E402
+from _machine import machine  # noqa: E402
 
 TARGET_RATIO = 0.9  # gpipe and 1f1b: engine overhead at most 10%
 TARGET_ALGORITHMS = ("gpipe", "1f1b")
 LR = 1e-3
-
-
-def machine() -> dict[str, object]:
-    """Platform, CPU, library versions and torch threads for the result file."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "pipecore": pipecore.__version__,
-    }
 
 
 def make_model(width: int, layers: int, seed: int = 0) -> nn.Sequential:

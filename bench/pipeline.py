@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -23,6 +22,8 @@ import time
 
 import torch
 from torch import nn
+
+from _machine import machine
 
 BATCH, MICRO, WIDTH, DEPTH = 256, 8, 512, 8
 PIPECORE = ["1f1b", "gpipe", "2bw", "pipedream", "pipemare", "spectrain", "v-timeprest", "i-timeprest", "timeprest"]
@@ -186,8 +187,7 @@ def main() -> None:
         print(f"{r['system']:<28}{r['samples_per_s']:>12.1f}{r['vs_single_process']:>13.2f}x{vs_ref:>17}")
     report = {
         "benchmark": "pipeline", "device": "cpu", "backend": "gloo", "dtype": "float32",
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpu_count": os.cpu_count(),
-                    "python": platform.python_version(), "torch": torch.__version__},
+        "machine": machine(),
         "ranks": args.ranks, "threads_per_rank": 1, "batch": BATCH, "n_microbatches": MICRO,
         "model": f"{DEPTH} x (Linear({WIDTH},{WIDTH}) + ReLU) + Linear({WIDTH},10)",
         "steps_per_window": args.steps, "windows": args.windows, "results": results,

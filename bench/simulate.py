@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -21,35 +19,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-import pipecore  # noqa: E402
+from _machine import machine  # noqa: E402
 from pipecore import algorithm_names, simulate  # noqa: E402
 
 TARGET_SECONDS = 0.5
-
-
-def machine() -> dict[str, object]:
-    """Platform, CPU and library versions for the result file."""
-    try:
-        import torch
-
-        torch_version = torch.__version__
-    except ImportError:  # the simulator does not need torch
-        torch_version = None
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        "python": platform.python_version(),
-        "torch": torch_version,
-        "pipecore": pipecore.__version__,
-    }
 
 
 def time_one(name: str, P: int, m: int, n: int, repeats: int) -> dict[str, object]:

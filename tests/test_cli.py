@@ -23,7 +23,7 @@ import pipecore
 from pipecore import algorithm_names, simulate
 from pipecore import cli
 from pipecore.cli import main
-from pipecore.cli.simulate import parse_option_value
+from pipecore.cli._args import parse_option_value
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "docs" / "simulator.md", ROOT / "docs" / "algorithms.md"]

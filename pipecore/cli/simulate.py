@@ -6,6 +6,8 @@ import argparse
 import math
 from typing import Any, Sequence
 
+from ._args import algorithm_option, positive_int
+
 HELP = "simulate an algorithm's schedule and weight versions (grid, summary, PNG, Chrome trace)"
 
 DESCRIPTION = """\
@@ -23,16 +25,6 @@ examples:
   pipecore simulate -a 1f1b -p 4 -m 8 --forward-costs 1,1,2,1 --backward-costs 2,2,4,2 --png 1f1b.png
   pipecore simulate --compare --stages 4 --microbatches 4
 """
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
 
 
 def _cost(text: str) -> float:
@@ -53,41 +45,15 @@ def _cost_list(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"{error} (expected comma-separated numbers, e.g. 1,2)") from None
 
 
-def parse_option_value(text: str) -> Any:
-    """``--option`` values: int, float, ``true``/``false``, ``none`` (= the default), comma-separated
-    lists of those (e.g. SpecTrain's ``lookahead=3,2,1,0``), otherwise the string itself."""
-    if "," in text:
-        return [parse_option_value(part) for part in text.split(",")]
-    lowered = text.strip().lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered == "none":
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def _option(text: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` (argparse type)."""
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip() or not value.strip():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. lam=0.5), got {text!r}")
-    return key.strip(), parse_option_value(value.strip())
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``simulate`` arguments."""
     parser.add_argument("-a", "--algorithm", metavar="NAME",
                         help="algorithm name or alias (see --compare for the list)")
-    parser.add_argument("-p", "--stages", type=_positive_int, required=True, metavar="P",
+    parser.add_argument("-p", "--stages", type=positive_int, required=True, metavar="P",
                         help="number of pipeline stages")
-    parser.add_argument("-m", "--microbatches", type=_positive_int, required=True, metavar="M",
+    parser.add_argument("-m", "--microbatches", type=positive_int, required=True, metavar="M",
                         help="micro-batches per mini-batch")
-    parser.add_argument("-n", "--minibatches", type=_positive_int, default=4, metavar="N",
+    parser.add_argument("-n", "--minibatches", type=positive_int, default=4, metavar="N",
                         help="mini-batches to simulate (default 4)")
     parser.add_argument("--costs", type=_cost_list, metavar="F,B",
                         help="forward and backward time of one micro-batch on every stage (default 1,2)")
@@ -99,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="optimizer update time: one value, or one per stage (default 0)")
     parser.add_argument("--send-cost", type=_cost_list, metavar="T",
                         help="time to move one activation or gradient between stages (default 0)")
-    parser.add_argument("-o", "--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+    parser.add_argument("-o", "--option", type=algorithm_option, action="append", default=[], metavar="KEY=VALUE",
                         help="algorithm option, repeatable (e.g. lam=0.5, alpha=inverse, update_every=2)")
     parser.add_argument("--png", metavar="PATH", help="draw the timeline to a PNG file")
     parser.add_argument("--chrome", metavar="PATH", help="write a Chrome trace (Perfetto, chrome://tracing)")

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from ._args import algorithm_option, positive_int
+
 if TYPE_CHECKING:  # heavy imports stay inside run() so that ``pipecore --help`` is fast
     import torch
     from torch import nn
@@ -47,16 +49,6 @@ _STRUCTURAL = ("algorithm", "stages", "microbatches", "hidden", "depth", "optimi
 PIPEMARE_WARMUP_EPOCHS = 5
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
-
-
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -67,28 +59,18 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _option(text: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` (argparse type); values are parsed as int, float, bool, list or string."""
-    from .simulate import parse_option_value
-
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip() or not value.strip():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. warmup_steps=200), got {text!r}")
-    return key.strip(), parse_option_value(value.strip())
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``train`` arguments."""
     parser.add_argument("-a", "--algorithm", default="1f1b", metavar="NAME",
                         help="algorithm name or alias (default 1f1b; see `pipecore simulate --compare`)")
-    parser.add_argument("-p", "--stages", type=_positive_int, default=4, metavar="P",
+    parser.add_argument("-p", "--stages", type=positive_int, default=4, metavar="P",
                         help="pipeline stages (default 4)")
-    parser.add_argument("-m", "--microbatches", type=_positive_int, default=4, metavar="M",
+    parser.add_argument("-m", "--microbatches", type=positive_int, default=4, metavar="M",
                         help="micro-batches per mini-batch (default 4)")
-    parser.add_argument("-b", "--batch-size", type=_positive_int, default=64, metavar="N",
+    parser.add_argument("-b", "--batch-size", type=positive_int, default=64, metavar="N",
                         help="mini-batch size, divisible by --microbatches (default 64; the last partial "
                              "batch of an epoch is dropped)")
-    parser.add_argument("-e", "--epochs", type=_positive_int, default=20, metavar="E",
+    parser.add_argument("-e", "--epochs", type=positive_int, default=20, metavar="E",
                         help="total epochs, counting those of a resumed checkpoint (default 20)")
     parser.add_argument("--lr", type=_positive_float, metavar="LR",
                         help=f"learning rate (default {DEFAULT_LR['sgd']} for sgd, {DEFAULT_LR['adamw']} for adamw, "
@@ -96,15 +78,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "micro-batches default to that times k/M)")
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
                         help="sgd (momentum 0.9) or adamw (default sgd)")
-    parser.add_argument("--hidden", type=_positive_int, default=128, metavar="H",
+    parser.add_argument("--hidden", type=positive_int, default=128, metavar="H",
                         help="width of the hidden layers (default 128)")
-    parser.add_argument("--depth", type=_positive_int, metavar="L",
+    parser.add_argument("--depth", type=positive_int, metavar="L",
                         help="hidden layers (default max(3, stages - 1), so every stage gets a Linear layer)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the split, the weights and the shuffling (default 0)")
-    parser.add_argument("-o", "--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+    parser.add_argument("-o", "--option", type=algorithm_option, action="append", default=[], metavar="KEY=VALUE",
                         help="algorithm option, repeatable (e.g. warmup_steps=200, update_every=2)")
-    parser.add_argument("--threads", type=_positive_int, default=1, metavar="T",
+    parser.add_argument("--threads", type=positive_int, default=1, metavar="T",
                         help="torch threads (default 1: the MLP's matrices are too small to gain from more, "
                              "and spare threads slow it down when the cores are busy)")
     parser.add_argument("--plot", metavar="PNG", help="plot loss and test accuracy per epoch to a PNG file")

@@ -95,10 +95,6 @@ class Executor:
         self.schedule = schedule
         self._index = positions(schedule)
 
-    @property
-    def done(self) -> bool:
-        return all(self.cursor[s] == len(self.schedule.stages[s]) for s in self.workers)
-
     def run(self, available: int | None = None) -> None:
         """Run every action that can run; with ``available``, forwards of micro-batch ``available`` and
         later cannot (their input has not been given yet). Without it, the schedule must finish."""

@@ -39,10 +39,6 @@ class Schedule:
     def __len__(self) -> int:
         return sum(len(row) for row in self.stages)
 
-    def compute_actions(self, stage: int) -> tuple[Action, ...]:
-        """Stage ``stage``'s F and B actions (no updates, no communication)."""
-        return tuple(a for a in self.stages[stage] if a.kind in (F, B))
-
     def table(
         self,
         mark: Action | None = None,

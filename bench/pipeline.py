@@ -1,12 +1,18 @@
 """Multi-process pipelines on CPU/gloo: pipecore vs torch.distributed.pipelining vs one process.
 
-    python bench/pipeline.py [--ranks 2] [--steps 20] [--windows 3] [--out bench/results/pipeline-cpu.json]
+    python bench/pipeline.py [--ranks 2] [--steps 20] [--rounds 5] [--out bench/results/pipeline-cpu.json]
 
 Same model (an MLP of 8 Linear(512, 512)+ReLU layers and a Linear(512, 10) head, float32), same split
-points, batch 256, 8 micro-batches, one thread per rank, momentum SGD. Each system runs 3 warm-up steps,
-then ``--windows`` timed windows of ``--steps`` steps (asynchronous pipecore algorithms flush at the end of
-every window, inside the timing); the median window gives samples/s. The baseline is plain training in
-one process with one thread: each micro-batch forward+backward, then the optimizer step.
+points, batch 256, 8 micro-batches, one thread per rank, momentum SGD. ``1f1b+split`` and ``2bw+split`` are
+the same algorithms with ``split_backward=True``.
+
+Every system runs in the same ``--ranks`` worker processes, interleaved: each round times one window of
+``--steps`` steps of every system, in an order that rotates from round to round, so that all systems see
+the same machine load. Asynchronous pipecore algorithms flush at the end of every window, inside the
+timing. The baseline is plain training in one process with one thread (rank 0, while the other ranks wait
+at a barrier): each micro-batch forward+backward, then the optimizer step. Reported: the median
+samples/s over rounds, and the median over rounds of each round's ratio to the baselines (ratios taken
+within a round cancel the load drifts of a shared machine).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -26,8 +33,11 @@ from torch import nn
 from _machine import machine
 
 BATCH, MICRO, WIDTH, DEPTH = 256, 8, 512, 8
+SINGLE = "single process (1 thread)"
 PIPECORE = ["1f1b", "gpipe", "2bw", "pipedream", "pipemare", "spectrain", "v-timeprest", "i-timeprest", "timeprest"]
 TORCH = ["ScheduleGPipe", "Schedule1F1B"]
+SPLIT = ["1f1b+split", "2bw+split"]  # the same algorithms with split_backward=True
+WARMUP_STEPS = 3
 
 
 def make_model() -> nn.Sequential:
@@ -45,42 +55,43 @@ def split_points(ranks: int) -> list[int]:
     return [2 * per * r for r in range(1, ranks)]
 
 
-def data(steps: int):
+def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(BATCH, WIDTH, generator=g), torch.randint(0, 10, (BATCH,), generator=g)) for _ in range(steps)]
 
 
-def timed_windows(run_window, steps: int, windows: int, sync) -> list[float]:
-    times = []
-    for _ in range(windows):
-        sync()
-        start = time.perf_counter()
-        run_window(steps)
-        sync()
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def worker(system: str, steps: int, windows: int) -> dict:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo")
-    first, last = rank == 0, rank == world - 1
-    batches = data(steps)
+def single_process(rank: int, batches) -> Callable[[int], None]:
+    """Plain training of the whole model; only rank 0 works, the others wait at the closing barrier."""
+    if rank != 0:
+        return lambda n: None
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=True)
     loss_fn = nn.CrossEntropyLoss()
-    if system in TORCH:
-        from torch.distributed import pipelining
 
-        model = make_model()
-        bounds = [0] + split_points(world) + [len(model)]
-        stage_module = model[bounds[rank]: bounds[rank + 1]]
-        stage = pipelining.PipelineStage(stage_module, rank, world, torch.device("cpu"))
-        schedule = getattr(pipelining, system)(stage, n_microbatches=MICRO, loss_fn=loss_fn)
-        opt = torch.optim.SGD(stage_module.parameters(), lr=0.01, momentum=0.9, foreach=True)
+    def window(n: int) -> None:
+        for i in range(n):
+            x, y = batches[i % len(batches)]
+            for xs, ys in zip(x.chunk(MICRO), y.chunk(MICRO)):
+                (loss_fn(model(xs), ys) / MICRO).backward()
+            opt.step()
+            opt.zero_grad()
 
-        def one(i: int) -> None:
+    return window
+
+
+def torch_pipeline(system: str, rank: int, world: int, batches) -> Callable[[int], None]:
+    from torch.distributed import pipelining
+
+    model = make_model()
+    bounds = [0] + split_points(world) + [len(model)]
+    stage_module = model[bounds[rank]: bounds[rank + 1]]
+    stage = pipelining.PipelineStage(stage_module, rank, world, torch.device("cpu"))
+    schedule = getattr(pipelining, system)(stage, n_microbatches=MICRO, loss_fn=nn.CrossEntropyLoss())
+    opt = torch.optim.SGD(stage_module.parameters(), lr=0.01, momentum=0.9, foreach=True)
+    first, last = rank == 0, rank == world - 1
+
+    def window(n: int) -> None:
+        for i in range(n):
             x, y = batches[i % len(batches)]
             if first:
                 schedule.step(x)
@@ -91,57 +102,60 @@ def worker(system: str, steps: int, windows: int) -> dict:
             opt.step()
             opt.zero_grad()
 
-        def run_window(n: int) -> None:
-            for i in range(n):
-                one(i)
-    else:
-        import pipecore
+    return window
 
-        pipe = pipecore.Pipeline(make_model(), world, system, MICRO, optimizer=pipecore.SGD(lr=0.01, momentum=0.9),
-                                 loss_fn=loss_fn, partition=split_points(world), timeout=300)
 
-        def one(i: int) -> None:
+def pipecore_pipeline(system: str, rank: int, world: int, batches) -> Callable[[int], None]:
+    import pipecore
+
+    algorithm, _, variant = system.partition("+")
+    pipe = pipecore.Pipeline(make_model(), world, algorithm, MICRO, optimizer=pipecore.SGD(lr=0.01, momentum=0.9),
+                             loss_fn=nn.CrossEntropyLoss(), partition=split_points(world), timeout=300,
+                             split_backward=variant == "split")
+    first, last = rank == 0, rank == world - 1
+
+    def window(n: int) -> None:
+        for i in range(n):
             x, y = batches[i % len(batches)]
             pipe.step(x if first else None, y if last else None)
-
-        def run_window(n: int) -> None:
-            for i in range(n):
-                one(i)
-            pipe.flush()
-
-    for i in range(3):
-        one(i)
-    if system not in TORCH:
         pipe.flush()
-    times = timed_windows(run_window, steps, windows, dist.barrier)
-    dist.destroy_process_group()
-    return {"system": system, "seconds_per_window": times}
+
+    return window
 
 
-def sequential(steps: int, windows: int) -> dict:
+def worker(systems: list[str], steps: int, rounds: int) -> dict:
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=True)
-    loss_fn = nn.CrossEntropyLoss()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
     batches = data(steps)
+    windows: dict[str, Callable[[int], None]] = {}
+    for system in systems:
+        if system == SINGLE:
+            windows[system] = single_process(rank, batches)
+        elif system in TORCH:
+            windows[system] = torch_pipeline(system, rank, world, batches)
+        else:
+            windows[system] = pipecore_pipeline(system, rank, world, batches)
+        windows[system](WARMUP_STEPS)
+        dist.barrier()
+    seconds: dict[str, list[float]] = {s: [] for s in systems}
+    for r in range(rounds):
+        for j in range(len(systems)):
+            system = systems[(j + r) % len(systems)]  # rotate so no system always follows the same one
+            dist.barrier()
+            start = time.perf_counter()
+            windows[system](steps)
+            dist.barrier()
+            seconds[system].append(time.perf_counter() - start)
+        if rank == 0:
+            print(f"round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+    dist.destroy_process_group()
+    return seconds
 
-    def one(i: int) -> None:
-        x, y = batches[i % len(batches)]
-        for xs, ys in zip(x.chunk(MICRO), y.chunk(MICRO)):
-            (loss_fn(model(xs), ys) / MICRO).backward()
-        opt.step()
-        opt.zero_grad()
 
-    def run_window(n: int) -> None:
-        for i in range(n):
-            one(i)
-
-    for i in range(3):
-        one(i)
-    return {"system": "single process, 1 thread", "seconds_per_window": timed_windows(run_window, steps, windows, lambda: None)}
-
-
-def launch(system: str, ranks: int, steps: int, windows: int) -> dict:
+def launch(systems: list[str], ranks: int, steps: int, rounds: int) -> dict[str, list[float]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -149,48 +163,70 @@ def launch(system: str, ranks: int, steps: int, windows: int) -> dict:
     for rank in range(ranks):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", system, "--steps", str(steps),
-                                       "--windows", str(windows)], env=env, stdout=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", ",".join(systems), "--steps", str(steps),
+                                       "--rounds", str(rounds)], env=env, stdout=subprocess.PIPE, text=True))
     outputs = [p.communicate()[0] for p in procs]
     for p, out in zip(procs, outputs):
         if p.returncode:
-            raise SystemExit(f"{system}: a rank failed:\n{out}")
+            raise SystemExit(f"a rank failed (exit {p.returncode}):\n{out}")
     return json.loads(outputs[0].strip().splitlines()[-1])
+
+
+def summarize(seconds: dict[str, list[float]], steps: int) -> list[dict]:
+    """Median samples/s per system, and the median over rounds of the per-round ratios to the baselines."""
+    samples = steps * BATCH
+    rounds = len(next(iter(seconds.values())))
+
+    def ratios(system: str, baseline: str) -> list[float] | None:
+        if baseline not in seconds:
+            return None
+        return [seconds[baseline][r] / seconds[system][r] for r in range(rounds)]
+
+    results = []
+    for system, times in seconds.items():
+        row: dict = {"system": system, "seconds_per_window": times,
+                     "samples_per_s": samples / statistics.median(times)}
+        for key, baseline in (("vs_single_process", SINGLE), ("vs_schedule_1f1b", "Schedule1F1B")):
+            per_round = ratios(system, baseline)
+            row[key] = None if per_round is None else statistics.median(per_round)
+            row[key + "_range"] = None if per_round is None else [min(per_round), max(per_round)]
+        results.append(row)
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--windows", type=int, default=3)
-    parser.add_argument("--systems", default=",".join(TORCH + PIPECORE))
+    parser.add_argument("--steps", type=int, default=20, help="steps per timed window")
+    parser.add_argument("--rounds", type=int, default=5, help="timed windows per system, interleaved")
+    parser.add_argument("--systems", default=",".join(TORCH + PIPECORE + SPLIT),
+                        help="comma-separated; the single-process baseline always runs")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline-cpu.json"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.steps, args.windows)))
+        print(json.dumps(worker(args.worker.split(","), args.steps, args.rounds)))
         return
-    results = [sequential(args.steps, args.windows)]
-    for system in args.systems.split(","):
-        print(f"running {system} on {args.ranks} ranks ...", file=sys.stderr)
-        results.append(launch(system, args.ranks, args.steps, args.windows))
-    samples = args.steps * BATCH
-    for r in results:
-        r["samples_per_s"] = samples / statistics.median(r["seconds_per_window"])
-    base = results[0]["samples_per_s"]
-    ref = next((r["samples_per_s"] for r in results if r["system"] == "Schedule1F1B"), None)
+    if DEPTH % args.ranks:
+        raise SystemExit(f"--ranks must divide the model's {DEPTH} blocks, got {args.ranks}")
+    systems = [SINGLE] + [s for s in args.systems.split(",") if s and s != SINGLE]
+    unknown = [s for s in systems[1:] if s not in TORCH + PIPECORE + SPLIT]
+    if unknown:
+        raise SystemExit(f"unknown systems {unknown}; choose from {TORCH + PIPECORE + SPLIT}")
+    print(f"{len(systems)} systems on {args.ranks} ranks, {args.rounds} rounds of {args.steps} steps ...", file=sys.stderr)
+    results = summarize(launch(systems, args.ranks, args.steps, args.rounds), args.steps)
     print(f"{'system':<28}{'samples/s':>12}{'vs 1 process':>14}{'vs Schedule1F1B':>17}")
     for r in results:
-        r["vs_single_process"] = r["samples_per_s"] / base
-        r["vs_schedule_1f1b"] = r["samples_per_s"] / ref if ref else None
-        vs_ref = f"{r['vs_schedule_1f1b']:.2f}x" if ref else "-"
+        vs_ref = f"{r['vs_schedule_1f1b']:.2f}x" if r["vs_schedule_1f1b"] is not None else "-"
         print(f"{r['system']:<28}{r['samples_per_s']:>12.1f}{r['vs_single_process']:>13.2f}x{vs_ref:>17}")
     report = {
         "benchmark": "pipeline", "device": "cpu", "backend": "gloo", "dtype": "float32",
         "machine": machine(),
         "ranks": args.ranks, "threads_per_rank": 1, "batch": BATCH, "n_microbatches": MICRO,
         "model": f"{DEPTH} x (Linear({WIDTH},{WIDTH}) + ReLU) + Linear({WIDTH},10)",
-        "steps_per_window": args.steps, "windows": args.windows, "results": results,
+        "steps_per_window": args.steps, "rounds": args.rounds,
+        "method": "systems interleaved in the same processes; ratios are medians of per-round ratios",
+        "results": results,
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

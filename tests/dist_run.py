@@ -1,4 +1,4 @@
-"""A multi-process pipeline run for the tests: ``python dist_run.py MODE OUT_DIR [ALGORITHMS]``.
+"""A multi-process pipeline run for the tests: ``python dist_run.py MODE OUT_DIR [ARGS]``.
 
 Launched once per rank with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (as torchrun does); the
 pipeline joins the process group from that environment. The same functions build the one-process
@@ -56,8 +56,9 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     first, last = rank == 0, rank == world - 1
     if mode == "compare":
+        split = len(sys.argv) > 4 and sys.argv[4] == "split"
         for algorithm in sys.argv[3].split(","):
-            pipe = make_pipeline(world, algorithm, timeout=60)
+            pipe = make_pipeline(world, algorithm, timeout=60, split_backward=split)
             losses = train(pipe, batches(STEPS), first, last)
             torch.save({"losses": losses, "state": pipe.state_dict()}, os.path.join(out, f"{algorithm}-{rank}.pt"))
     elif mode == "checkpoint":
@@ -74,17 +75,30 @@ def main() -> None:
     elif mode == "die":
         pipe = make_pipeline(world, "pipedream", timeout=float(sys.argv[3]))
         data = batches(STEPS)
-        pipe.step(data[0][0] if first else None, data[0][1] if last else None)
         if rank == 1:
-            os._exit(0)  # dies mid-run, without a word to its neighbours
+            pipe.step(data[0][0] if first else None, data[0][1] if last else None)
+            os._exit(0)  # dies mid-run, without a word to its neighbours (its last sends may be lost too)
         start = time.monotonic()
         try:
-            for x, y in data[1:]:
+            for x, y in data:
                 pipe.step(x if first else None, y if last else None)
             pipe.flush()
         except pipecore.PeerError as exc:
             with open(os.path.join(out, f"error-{rank}.txt"), "w") as f:
                 f.write(f"{time.monotonic() - start:.3f}\n{exc}")
+    elif mode == "exit":
+        # No flush: the last rank returns from its last step and exits at once, while rank 0 is still
+        # late for its last step; what the last rank queued (gradients, the loss) must still arrive.
+        pipe = make_pipeline(world, "1f1b", timeout=60)
+        losses = []
+        for i, (x, y) in enumerate(batches(STEPS)):
+            if i == STEPS - 1:
+                if first:
+                    time.sleep(1.0)
+                else:  # hold up the posting thread, so the last step's sends are still queued at exit
+                    pipe._transport._poster.post(time.sleep, 0.5)
+            losses.append(pipe.step(x if first else None, y if last else None))
+        torch.save(losses, os.path.join(out, f"losses-{rank}.pt"))
     elif mode == "mismatch":
         try:
             make_pipeline(world + 1, "1f1b")

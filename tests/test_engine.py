@@ -14,6 +14,7 @@ from torch import nn
 import pipecore
 from pipecore import AdamW, Pipeline, SGD
 from pipecore.engine.stage import TensorStage
+from pipecore.schedule.ir import B
 
 M = 4  # micro-batches per mini-batch in these tests
 
@@ -351,6 +352,50 @@ def test_checkpoint_resumes_bit_identically_in_a_new_process(algorithm, tmp_path
             assert torch.equal(value, resumed[key]), key
 
 
+@pytest.mark.parametrize("algorithm,options", [(a, {}) for a in pipecore.algorithm_names()] + [
+    ("pipemare", {"backward_rule": "stash"}), ("pipemare", {"backward_rule": "recompute"}),
+    ("i-timeprest", {"backward_rule": "recompute"}), ("pipedream", {"update_every": 2}),
+])
+def test_split_backward_is_bit_identical(algorithm, options):
+    """Input gradient first, weight gradients after the send: the same losses and weights, bit for bit."""
+    xs, ys = data(4)
+    runs = []
+    for split in (False, True):
+        pipe = Pipeline(mlp(6), 3, algorithm, M, optimizer=SGD(lr=0.1, momentum=0.9),
+                        loss_fn=nn.CrossEntropyLoss(), split_backward=split, **options)
+        losses = [pipe.step(x, y) for x, y in zip(xs, ys)]
+        pipe.flush()
+        runs.append((losses, pipe.state_dict()))
+        assert [st.split_backward for st in pipe.stages.values()] == [False, split, split]
+    (losses, state), (split_losses, split_state) = runs
+    assert split_losses == losses
+    for key, value in state.items():
+        if key != "pipecore":
+            assert torch.equal(split_state[key], value), key
+
+
+def test_split_backward_defers_weight_gradients_until_after_the_send():
+    """The input gradient leaves before the stage's weight gradients are accumulated."""
+    pipe = Pipeline(mlp(4), 2, "1f1b", M, loss_fn=nn.CrossEntropyLoss(), split_backward=True)
+    stage = pipe.stages[1]
+    seen = []
+    send = pipe._transport.send
+
+    def spy(target_stage, kind, microbatch, message):
+        if kind is B:  # a gradient message, from stage 1
+            seen.append((float(stage.grad.abs().sum()), stage._deferred is not None))
+        send(target_stage, kind, microbatch, message)
+
+    pipe._transport.send = spy
+    x, y = data(1)
+    pipe.step(x[0], y[0])
+    assert len(seen) == M
+    assert seen[0][0] == 0.0  # nothing accumulated yet when the first input gradient left
+    assert all(pending for _, pending in seen)  # every send left before its weight gradients were computed
+    assert stage._deferred is None
+    assert stage.grad.abs().sum() == 0.0  # all of them applied by the update
+
+
 # -- bad input: a clear error, nothing half-done -----------------------------------------------------
 
 
@@ -377,6 +422,11 @@ def test_dtype_mismatch_between_stages_names_both():
     pipe = Pipeline(model, 2, "gpipe", 2, loss_fn=nn.CrossEntropyLoss())
     with pytest.raises(ValueError, match="stage 0 sends activations of dtype torch.float64.*stage 1 has torch.float32"):
         pipe.step(torch.randn(4, 5, dtype=torch.float64), torch.zeros(4, dtype=torch.long))
+
+
+def test_split_backward_must_be_a_bool():
+    with pytest.raises(TypeError, match="split_backward must be True or False"):
+        Pipeline(mlp(2), 2, "1f1b", 2, loss_fn=nn.CrossEntropyLoss(), split_backward="yes")
 
 
 def test_unknown_algorithm_and_option():

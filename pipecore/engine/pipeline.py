@@ -18,7 +18,7 @@ from torch import nn
 from ..algorithms import get_algorithm
 from ..runtime.executor import Costs, Event, Executor
 from ..runtime.transport import LocalTransport, Transport
-from ..schedule.ir import B
+from ..schedule.ir import B, F
 from ..schedule.validate import validate
 from ..simulate import simulate
 from .flat import FlatLayout
@@ -42,6 +42,10 @@ class Pipeline:
         partition: None (balanced by parameter count) or the first layer index of stages ``1..P-1``.
         on_nonfinite: ``"raise"`` (default) or ``"skip"`` (drop the update a NaN/inf loss belongs to).
         timeout: seconds a rank waits for a neighbour before raising (multi-process runs only).
+        split_backward: compute each backward's input gradient first, send it, then compute the weight
+            gradients (same values, bit for bit), so the upstream rank waits for less. It pays off when
+            the gradient's round trip between ranks is the bottleneck; each split backward costs one more
+            ``autograd.grad`` call per parameter group. Default False.
         **options: algorithm options (``backward_rule``, ``update_every``, ``lam``, ``alpha``, ...).
 
     Each micro-batch loss is divided by the number of micro-batches one update accumulates (``m`` for the
@@ -60,6 +64,7 @@ class Pipeline:
         partition: Sequence[int] | None = None,
         on_nonfinite: str = "raise",
         timeout: float = 30.0,
+        split_backward: bool = False,
         **options: Any,
     ):
         if on_nonfinite not in _NONFINITE:
@@ -92,6 +97,10 @@ class Pipeline:
                 self.algorithm, s, module, build_optimizer(optimizer, layout, _device_of(module)),
                 sizing.weight_versions(s), sizing.derived_weights(s), loss_fn, self._targets.pop, on_nonfinite,
             )
+        if not isinstance(split_backward, bool):
+            raise TypeError(f"split_backward must be True or False, got {split_backward!r}")
+        for s, st in self.stages.items():
+            st.split_backward = split_backward and s > 0  # stage 0 sends no input gradient
         self._transport: Transport
         if self.rank is None:
             self._transport = LocalTransport()
@@ -110,6 +119,7 @@ class Pipeline:
         for st in self.stages.values():
             st.restart()
         self._fed = 0  # mini-batches given since the schedule started
+        self._minibatch_loss: dict[int, float] = {}
         self._horizon = 2
         schedule = validate(self.algorithm.schedule(self._horizon))
         self._executor = Executor(
@@ -119,6 +129,14 @@ class Pipeline:
 
     def _observe(self, event: Event) -> None:
         rec, s = event.record, event.action.stage
+        action, m = event.action, self.n_microbatches
+        if s == self.num_stages - 1 and action.kind is F and (action.index + 1) % m == 0:
+            # The last micro-batch of a mini-batch has its loss: the mini-batch loss is known now.
+            j = action.index // m
+            losses = self.stages[s].losses
+            self._minibatch_loss[j] = statistics.fmean(losses.pop(j * m + u) for u in range(m))
+            if self.rank is not None:
+                self._transport.publish_loss(j, self._minibatch_loss[j])
         for read in rec.reads.values():
             self._staleness[s].add(rec.live - read.version)
         if event.action.kind is B:
@@ -157,19 +175,18 @@ class Pipeline:
             device = _device_of(self.stages[0 if name == "x" else self.num_stages - 1].module)
             for u, chunk in enumerate(value.split(value.shape[0] // m)):
                 store[first + u] = chunk.to(device)
+        minibatch = self._fed
         self._fed += 1
+        if self.rank is not None and not last_stage:
+            self._transport.expect_loss()
         if self._fed + 1 > self._horizon:
             # Regenerate further ahead, doubling, so regeneration costs stay linear in the number of steps.
             self._horizon = max(2 * self._horizon, self._fed + 1)
             self._executor.extend(self.algorithm.schedule(self._horizon))
         self._executor.run(available=self._fed * m)
-        loss = float("nan")
         if last_stage:
-            losses = self.stages[self.num_stages - 1].losses
-            loss = statistics.fmean(losses.pop(first + u) for u in range(m))
-        if self.rank is not None:
-            loss = _broadcast_loss(loss, self.num_stages - 1, self._transport.device)
-        return loss
+            return self._minibatch_loss.pop(minibatch)
+        return self._transport.receive_loss(minibatch)
 
     def flush(self) -> None:
         """Run every in-flight backward and update; afterwards no micro-batch is in flight on any rank."""
@@ -293,14 +310,6 @@ def _join_process_group(num_stages: int, timeout: float) -> int | None:
             f"launch with torchrun --nproc-per-node {num_stages} (or set num_stages={world})"
         )
     return dist.get_rank()
-
-
-def _broadcast_loss(loss: float, src: int, device: torch.device) -> float:
-    import torch.distributed as dist
-
-    t = torch.tensor([loss], dtype=torch.float64, device=device)
-    dist.broadcast(t, src)
-    return float(t.item())
 
 
 class _Tally:

@@ -25,6 +25,7 @@ from ..schedule.ir import Action
 from ..versions import UpdateInfo
 from .flat import FlatLayout
 from .optim import StageOptimizer
+from .split_backward import PendingWeightGradients, input_gradient, weight_gradients
 
 
 @dataclass
@@ -101,6 +102,10 @@ class TensorStage(StageWorker):
         self.counts: dict[str, int] = defaultdict(int)
         self._packing: torch.Tensor | None = None
         self._unpack_target: torch.Tensor | None = None
+        # Send the input gradient before computing weight gradients (see split_backward); set by the
+        # pipeline when another process waits for that gradient.
+        self.split_backward = False
+        self._deferred: tuple[PendingWeightGradients, torch.Tensor | None] | None = None
         self._bind_module_to_live()
 
     # -- weights -------------------------------------------------------------------------------
@@ -253,18 +258,42 @@ class TensorStage(StageWorker):
             if not inputs:  # nothing to differentiate: no parameters and no input gradient to send
                 outs.append(None)
                 continue
+            grad_output = None if self.is_last else grad_out
+            # Only the action's last micro-batch defers: an earlier one's derived weights (scratch) are
+            # overwritten by the next micro-batch's read.
+            if self.split_backward and wants_input_grad and leaves and k == action.microbatches[-1]:
+                try:
+                    dx, pending = input_gradient(output, grad_output, x, leaves)
+                    self._deferred = (pending, self._unpack_target)
+                finally:
+                    self._unpack_target = None
+                outs.append(dx)
+                continue
             try:
                 # allow_unused: a parameter may not take part (e.g. a stage that only applies an activation).
-                grads = torch.autograd.grad(output, inputs, grad_outputs=None if self.is_last else grad_out,
-                                            allow_unused=True)
+                grads = torch.autograd.grad(output, inputs, grad_outputs=grad_output, allow_unused=True)
             finally:
                 self._unpack_target = None
-            for acc, g in zip(self._grad_views, grads):
-                if g is not None:
-                    acc.add_(g)
+            self._accumulate(grads)
             outs.append(grads[-1] if wants_input_grad else None)
         self._timed("B", t0)
         return outs
+
+    def compute_weight_gradients(self) -> None:
+        if self._deferred is None:
+            return
+        t0 = time.perf_counter()
+        (pending, self._unpack_target), self._deferred = self._deferred, None
+        try:
+            self._accumulate(weight_gradients(pending, len(self._grad_views)))
+        finally:
+            self._unpack_target = None
+        self.seconds["B"] += time.perf_counter() - t0
+
+    def _accumulate(self, grads: Sequence[torch.Tensor | None]) -> None:
+        for acc, g in zip(self._grad_views, grads):
+            if g is not None:
+                acc.add_(g)
 
     def compute_update(self, action: Action, info: UpdateInfo) -> None:
         t0 = time.perf_counter()

@@ -11,6 +11,12 @@ its neighbour produces first, and schedules are validated deadlock-free. Each li
 message in one direction (activations to ``s+1``, gradients to ``s-1``), in schedule order, which is the
 order in which the receiver posts its receives.
 
+Threads: the compute thread never calls into the backend. Posting an ``isend``/``irecv`` can block for
+milliseconds (gloo locks a connection while its I/O thread moves data), so a posting thread issues them,
+in the order the compute thread asked for; a second thread waits for sends to complete (gloo completes
+a send only when someone waits on it, and the buffer must live until then). They are separate because a
+thread blocked on a send's completion must not keep receives from being posted.
+
 Latency hiding: each link's next receive is posted one message ahead (``plan``), and a message travels
 as one buffer, the tensor's bytes followed by the header, sized like the previous tensor on that link.
 Sender and receiver track that size identically. When it changes (or there is no tensor), the sender
@@ -20,13 +26,16 @@ buffer of the new size; the first message on a link is announced the same way.
 
 from __future__ import annotations
 
+import atexit
+import concurrent.futures
 import datetime
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,6 +49,7 @@ _MAX_DIMS = 8
 _HEADER = 8 + _MAX_DIMS  # kind, microbatch, tag, poisoned, dtype, ndim, has_payload, reserved, shape...
 _KIND_CODE = {F: 0, B: 1}
 _TAG = {F: 10, B: 20}
+_LOSS_TAG = 30
 _HEADER_BYTES = _HEADER * 8
 
 Layout = tuple[tuple[int, ...], torch.dtype]
@@ -71,8 +81,47 @@ class _Posted:
 
     microbatch: int
     buffer: torch.Tensor
-    work: Any
+    work: concurrent.futures.Future  # resolves to the backend Work once posted
     layout: Layout | None  # the layout the buffer was sized for
+
+
+def _deliver_at_exit(transport: "weakref.ref[DistributedTransport]") -> None:
+    live = transport()
+    if live is not None:
+        try:
+            live.wait_sends()
+        except (PeerError, RuntimeError):
+            pass  # the receiving rank is gone; nothing can be delivered
+
+
+def _irecv(buffer: torch.Tensor, src: int, tag: int) -> Any:
+    return dist.irecv(buffer, src, tag=tag)
+
+
+class _Poster:
+    """Runs posting calls (``isend``/``irecv``) on one helper thread, in submission order."""
+
+    def __init__(self, name: str):
+        self._calls: queue.SimpleQueue[tuple[concurrent.futures.Future, Callable[..., Any], tuple] | None] = (
+            queue.SimpleQueue())
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            item = self._calls.get()
+            if item is None:
+                return
+            future, fn, args = item
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)
 
 
 class DistributedTransport:
@@ -83,8 +132,7 @@ class DistributedTransport:
         self.num_stages = num_stages
         self.timeout = datetime.timedelta(seconds=timeout)
         self.device = device or torch.device("cpu")
-        # Posted sends are completed by a helper thread, in order: gloo reports a send as completed only once
-        # someone waits on it, and the buffer must stay alive until then.
+        self._poster = _Poster(f"pipecore-post-rank{rank}")
         self._sends: queue.Queue[tuple[Any, torch.Tensor, int] | None] = queue.Queue()
         self._send_error: PeerError | None = None
         self._reaper = threading.Thread(target=self._complete_sends, name=f"pipecore-sends-rank{rank}", daemon=True)
@@ -93,6 +141,10 @@ class DistributedTransport:
         self._recv_layout: dict[Kind, Layout] = {}
         self._posted: dict[Kind, _Posted] = {}
         self._expected: dict[Kind, deque[int]] = {F: deque(), B: deque()}
+        self._loss_posted: tuple[torch.Tensor, Any] | None = None
+        # Sends still queued when the script ends (a last step's gradients and loss) are delivered before
+        # the helper threads stop, rather than lost.
+        atexit.register(_deliver_at_exit, weakref.ref(self))
 
     @staticmethod
     def _peer(stage: int, kind: Kind) -> int:
@@ -139,7 +191,20 @@ class DistributedTransport:
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         if self._send_error is not None:
             raise self._send_error
-        self._sends.put((dist.isend(tensor, dst, tag=tag), tensor, dst))
+        self._poster.post(self._post_send, tensor, dst, tag)
+
+    def _post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        try:
+            work = dist.isend(tensor, dst, tag=tag)
+        except RuntimeError as exc:
+            self._send_error = self._send_failed(dst, exc)
+            return
+        self._sends.put((work, tensor, dst))
+
+    def _send_failed(self, dst: int, exc: RuntimeError) -> PeerError:
+        detail = str(exc).splitlines()[0] if str(exc) else "no detail"
+        return PeerError(f"rank {self.rank}: sending to rank {dst} failed ({detail}); "
+                         f"rank {dst} died or stopped answering")
 
     def _complete_sends(self) -> None:
         while True:
@@ -150,15 +215,18 @@ class DistributedTransport:
             try:
                 work.wait()
             except RuntimeError as exc:
-                detail = str(exc).splitlines()[0] if str(exc) else "no detail"
-                self._send_error = PeerError(f"rank {self.rank}: sending to rank {dst} failed ({detail}); "
-                                             f"rank {dst} died or stopped answering")
+                self._send_error = self._send_failed(dst, exc)
             finally:
                 self._sends.task_done()
 
     def wait_sends(self) -> None:
         """Complete every posted send (before a flush ends or the process exits)."""
         deadline = time.monotonic() + self.timeout.total_seconds()
+        try:  # every send asked for so far has been posted once a call posted after them has run
+            self._poster.post(lambda: None).result(self.timeout.total_seconds())
+        except concurrent.futures.TimeoutError:
+            raise PeerError(f"rank {self.rank}: posting sends did not finish within "
+                            f"{self.timeout.total_seconds():g} s") from None
         while self._sends.unfinished_tasks:
             if self._send_error is not None:
                 raise self._send_error
@@ -168,6 +236,34 @@ class DistributedTransport:
             time.sleep(0.0005)
         if self._send_error is not None:
             raise self._send_error
+
+    # Mini-batch losses -----------------------------------------------------------------------------
+
+    def publish_loss(self, minibatch: int, loss: float) -> None:
+        """Last rank: send a mini-batch's loss to every other rank as soon as it is known. Point-to-point
+        messages rather than a collective, so that no rank waits for another to reach the end of its step
+        (a collective would re-synchronise an asynchronous pipeline at every step)."""
+        value = torch.tensor([minibatch, loss], dtype=torch.float64, device=self.device)
+        for dst in range(self.num_stages - 1):
+            self._isend(value, dst, _LOSS_TAG)
+
+    def expect_loss(self) -> None:
+        """Post the receive of the next mini-batch loss (ranks other than the last), ahead of time."""
+        if self._loss_posted is None:
+            buffer = torch.empty(2, dtype=torch.float64, device=self.device)
+            self._loss_posted = (buffer, self._poster.post(_irecv, buffer, self.num_stages - 1, _LOSS_TAG))
+
+    def receive_loss(self, minibatch: int) -> float:
+        """The loss of ``minibatch`` that the last rank published."""
+        self.expect_loss()
+        assert self._loss_posted is not None
+        (buffer, work), self._loss_posted = self._loss_posted, None
+        self._wait(work, f"the loss of mini-batch {minibatch}", self.num_stages - 1)
+        got, loss = buffer.tolist()
+        if int(got) != minibatch:
+            raise PeerError(f"rank {self.rank} expected the loss of mini-batch {minibatch} but rank "
+                            f"{self.num_stages - 1} sent the loss of mini-batch {int(got)}: the ranks are out of step")
+        return loss
 
     # Receiving -------------------------------------------------------------------------------------
 
@@ -188,7 +284,7 @@ class DistributedTransport:
 
     def _irecv(self, layout: Layout | None, stage: int, kind: Kind) -> tuple[torch.Tensor, Any]:
         buffer = torch.empty(_payload_bytes(layout) + _HEADER_BYTES, dtype=torch.uint8, device=self.device)
-        return buffer, dist.irecv(buffer, self._peer(stage, kind), tag=_TAG[kind])
+        return buffer, self._poster.post(_irecv, buffer, self._peer(stage, kind), _TAG[kind])
 
     def ready(self, stage: int, kind: Kind, microbatch: int) -> bool:
         return True  # receive blocks (with a timeout) until the message is there
@@ -226,10 +322,16 @@ class DistributedTransport:
         tag = header[2]
         return Message(payload, None if tag < 0 else tag, poisoned=bool(header[3]))
 
-    def _wait(self, work: Any, what: str, peer: int | None) -> None:
+    def _wait(self, posting: concurrent.futures.Future, what: str, peer: int | None) -> None:
+        """Wait for a receive that the posting thread was asked to post."""
         who = f"rank {peer}" if peer is not None else "a neighbouring rank"
+        seconds = self.timeout.total_seconds()
         try:
+            work = posting.result(seconds)
             ok = work.wait(self.timeout)
+        except concurrent.futures.TimeoutError:
+            raise PeerError(f"rank {self.rank}: the receive of {what} from {who} was not posted within "
+                            f"{seconds:g} s") from None
         except RuntimeError as exc:
             detail = str(exc).splitlines()[0] if str(exc) else "no detail"
             raise PeerError(

@@ -155,6 +155,8 @@ class Executor:
             for k, m in zip(action.microbatches, outs):
                 m.ready_at = end + self.costs.send
                 transport.send(s - 1, B, k, m)
+        if action.kind is B:
+            worker.finish_backward()  # after the send: the upstream stage waits only for the input gradient
         event = Event(action, start, end, record)
         if self.keep_events:
             self.events.append(event)

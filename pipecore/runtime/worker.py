@@ -56,6 +56,10 @@ class StageWorker:
     ) -> list[Any]:
         return [None] * len(reads)
 
+    def compute_weight_gradients(self) -> None:
+        """Finish the last backward, if ``compute_backward`` left its weight gradients for after the send."""
+        return None
+
     def compute_update(self, action: Action, info: UpdateInfo) -> None:
         return None
 
@@ -82,6 +86,10 @@ class StageWorker:
         )
         outs = [Message(p, poisoned=k // every in self.poisoned_groups) for k, p in zip(action.microbatches, payloads)]
         return outs, record
+
+    def finish_backward(self) -> None:
+        """Complete the last backward after its messages were sent (weight gradients, if deferred)."""
+        self.compute_weight_gradients()
 
     def restart(self) -> None:
         """Begin a new schedule after a flush: version offsets and update groups count from here."""

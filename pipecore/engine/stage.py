@@ -102,8 +102,8 @@ class TensorStage(StageWorker):
         self.counts: dict[str, int] = defaultdict(int)
         self._packing: torch.Tensor | None = None
         self._unpack_target: torch.Tensor | None = None
-        # Send the input gradient before computing weight gradients (see split_backward); set by the
-        # pipeline when another process waits for that gradient.
+        # Send the input gradient before computing weight gradients (see split_backward); the pipeline's
+        # split_backward option sets it for every stage but the first.
         self.split_backward = False
         self._deferred: tuple[PendingWeightGradients, torch.Tensor | None] | None = None
         self._bind_module_to_live()

@@ -94,7 +94,7 @@ def _deliver_at_exit(transport: "weakref.ref[DistributedTransport]") -> None:
             pass  # the receiving rank is gone; nothing can be delivered
 
 
-def _irecv(buffer: torch.Tensor, src: int, tag: int) -> Any:
+def _post_irecv(buffer: torch.Tensor, src: int, tag: int) -> Any:
     return dist.irecv(buffer, src, tag=tag)
 
 
@@ -102,7 +102,7 @@ class _Poster:
     """Runs posting calls (``isend``/``irecv``) on one helper thread, in submission order."""
 
     def __init__(self, name: str):
-        self._calls: queue.SimpleQueue[tuple[concurrent.futures.Future, Callable[..., Any], tuple] | None] = (
+        self._calls: queue.SimpleQueue[tuple[concurrent.futures.Future, Callable[..., Any], tuple]] = (
             queue.SimpleQueue())
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -114,10 +114,7 @@ class _Poster:
 
     def _run(self) -> None:
         while True:
-            item = self._calls.get()
-            if item is None:
-                return
-            future, fn, args = item
+            future, fn, args = self._calls.get()
             try:
                 future.set_result(fn(*args))
             except BaseException as exc:  # handed to whoever waits on the future
@@ -133,7 +130,7 @@ class DistributedTransport:
         self.timeout = datetime.timedelta(seconds=timeout)
         self.device = device or torch.device("cpu")
         self._poster = _Poster(f"pipecore-post-rank{rank}")
-        self._sends: queue.Queue[tuple[Any, torch.Tensor, int] | None] = queue.Queue()
+        self._sends: queue.Queue[tuple[Any, torch.Tensor, int]] = queue.Queue()
         self._send_error: PeerError | None = None
         self._reaper = threading.Thread(target=self._complete_sends, name=f"pipecore-sends-rank{rank}", daemon=True)
         self._reaper.start()
@@ -208,10 +205,7 @@ class DistributedTransport:
 
     def _complete_sends(self) -> None:
         while True:
-            item = self._sends.get()
-            if item is None:
-                return
-            work, _, dst = item
+            work, _, dst = self._sends.get()
             try:
                 work.wait()
             except RuntimeError as exc:
@@ -251,7 +245,7 @@ class DistributedTransport:
         """Post the receive of the next mini-batch loss (ranks other than the last), ahead of time."""
         if self._loss_posted is None:
             buffer = torch.empty(2, dtype=torch.float64, device=self.device)
-            self._loss_posted = (buffer, self._poster.post(_irecv, buffer, self.num_stages - 1, _LOSS_TAG))
+            self._loss_posted = (buffer, self._poster.post(_post_irecv, buffer, self.num_stages - 1, _LOSS_TAG))
 
     def receive_loss(self, minibatch: int) -> float:
         """The loss of ``minibatch`` that the last rank published."""
@@ -284,7 +278,7 @@ class DistributedTransport:
 
     def _irecv(self, layout: Layout | None, stage: int, kind: Kind) -> tuple[torch.Tensor, Any]:
         buffer = torch.empty(_payload_bytes(layout) + _HEADER_BYTES, dtype=torch.uint8, device=self.device)
-        return buffer, self._poster.post(_irecv, buffer, self._peer(stage, kind), _TAG[kind])
+        return buffer, self._poster.post(_post_irecv, buffer, self._peer(stage, kind), _TAG[kind])
 
     def ready(self, stage: int, kind: Kind, microbatch: int) -> bool:
         return True  # receive blocks (with a timeout) until the message is there

@@ -104,6 +104,8 @@ class VersionBook:
         self._check_held(read, f"B of micro-batch {microbatch}")
         if self.algorithm.pins_forward_weights:
             self.pins[forward_read.version] -= 1
+            if not self.pins[forward_read.version]:
+                del self.pins[forward_read.version]  # a long run would otherwise keep one entry per version
         return read, forward_read
 
     def release_backward(self) -> None:

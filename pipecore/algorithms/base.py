@@ -11,9 +11,12 @@ import math
 import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable, Mapping, Sequence
 
 from ..schedule.generators import ScheduleFamily
+from ..schedule.periodic import PeriodicForm, periodic_form
+from ..schedule.schedule import Schedule
 
 Options = Mapping[str, Any]
 
@@ -285,10 +288,27 @@ class Algorithm:
     def name(self) -> str:
         return self.spec.name
 
-    def schedule(self, n_minibatches: int):
-        """The full per-stage action list for ``n_minibatches`` mini-batches, updates included."""
+    def schedule(self, n_minibatches: int) -> Schedule:
+        """The full per-stage action list for ``n_minibatches`` mini-batches, updates included.
+
+        Past a few mini-batches the rows are periodic (:mod:`pipecore.schedule.periodic`): built in
+        constant time and memory, however many mini-batches, with the same actions as the generated list.
+        """
+        form = self._periodic_form
+        if form is not None:
+            periodic = form.schedule(n_minibatches)
+            if periodic is not None:
+                return periodic
+        return self._generate(n_minibatches)
+
+    def _generate(self, n_minibatches: int) -> Schedule:
         base = self.spec.schedule(self.num_stages, self.n_microbatches, n_minibatches)
         return base.with_updates(self.update_every)
+
+    @cached_property
+    def _periodic_form(self) -> PeriodicForm | None:
+        # None for a family whose steady state does not repeat; its schedules are then generated in full.
+        return periodic_form(self._generate, self.n_microbatches, self.update_every, warmup=2 * self.num_stages + 2)
 
     def forward_read(self, ctx: ReadContext) -> WeightRead:
         return self.spec.forward.resolve(ctx, self.options)

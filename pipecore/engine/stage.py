@@ -9,6 +9,7 @@ forward's graph (``swap``), or a fresh forward with the backward read on the sav
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -291,9 +292,10 @@ class TensorStage(StageWorker):
         self.seconds["B"] += time.perf_counter() - t0
 
     def _accumulate(self, grads: Sequence[torch.Tensor | None]) -> None:
-        for acc, g in zip(self._grad_views, grads):
-            if g is not None:
-                acc.add_(g)
+        pairs = [(acc, g) for acc, g in zip(self._grad_views, grads) if g is not None]
+        if pairs:
+            accumulators, new = zip(*pairs)
+            torch._foreach_add_(list(accumulators), list(new))  # one call instead of one per parameter
 
     def compute_update(self, action: Action, info: UpdateInfo) -> None:
         t0 = time.perf_counter()
@@ -359,7 +361,7 @@ class TensorStage(StageWorker):
             raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)} (use reduction='mean')")
         value = float(loss.detach())
         self.losses[k] = value
-        if not torch.isfinite(loss.detach()):
+        if not math.isfinite(value):
             if self.on_nonfinite == "raise":
                 m = self.algorithm.n_microbatches
                 raise NonFiniteLoss(

@@ -22,6 +22,8 @@ from ..schedule.validate import ScheduleError
 from .transport import LocalTransport, Transport
 from .worker import ActionRecord, Message, StageWorker
 
+_RECHECKED = 256
+
 
 @dataclass(frozen=True)
 class Costs:
@@ -87,10 +89,15 @@ class Executor:
         self._index = positions(self.schedule)
 
     def extend(self, schedule: Schedule) -> None:
-        """Continue with a longer (or drained) schedule that agrees with everything executed so far."""
+        """Continue with a longer (or drained) schedule that agrees with everything executed so far.
+
+        Only the last ``_RECHECKED`` executed actions of each stage are compared: comparing them all would
+        cost time proportional to the steps since the last flush, at every extension.
+        """
         for s, row in enumerate(schedule.stages):
-            done = self.schedule.stages[s][: self.cursor[s]]
-            if tuple(row[: len(done)]) != tuple(done):
+            done = self.cursor[s]
+            start = max(0, done - _RECHECKED)
+            if len(row) < done or tuple(row[start:done]) != tuple(self.schedule.stages[s][start:done]):
                 raise ValueError(f"stage {s}: the new schedule does not continue the executed prefix")
         self.schedule = schedule
         self._index = positions(schedule)

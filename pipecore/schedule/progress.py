@@ -5,24 +5,51 @@ from __future__ import annotations
 from typing import Sequence
 
 from .ir import F, Kind
+from .periodic import PeriodicRow, microbatch_positions
 from .schedule import Schedule, upstream
 
 
-def positions(schedule: Schedule) -> dict[tuple[int, Kind, int], int]:
-    """Index of each (stage, kind, micro-batch) in its stage's list (a backward block indexes all it covers)."""
-    table: dict[tuple[int, Kind, int], int] = {}
-    for s, row in enumerate(schedule.stages):
-        for i, a in enumerate(row):
-            for k in a.microbatches:
-                table[(s, a.kind, k)] = i
-    return table
+class Positions:
+    """Index of each (stage, kind, micro-batch) in its stage's list (a backward block indexes all it covers).
+
+    Periodic rows answer by arithmetic, so indexing a long asynchronous schedule costs nothing per action.
+    """
+
+    def __init__(self, schedule: Schedule):
+        self._rows = schedule.stages
+        self._tables: list[dict[tuple[Kind, int], int] | None] = [
+            None if isinstance(row, PeriodicRow) else microbatch_positions(row) for row in schedule.stages
+        ]
+
+    def get(self, key: tuple[int, Kind, int]) -> int | None:
+        s, kind, k = key
+        table = self._tables[s]
+        if table is None:
+            row = self._rows[s]
+            assert isinstance(row, PeriodicRow)
+            return row.position(kind, k)
+        return table.get((kind, k))
+
+    def __getitem__(self, key: tuple[int, Kind, int]) -> int:
+        i = self.get(key)
+        if i is None:
+            raise KeyError(key)
+        return i
+
+    def __contains__(self, key: tuple[int, Kind, int]) -> bool:
+        return self.get(key) is not None
+
+
+def positions(schedule: Schedule) -> Positions:
+    """The :class:`Positions` index of ``schedule``."""
+    return Positions(schedule)
 
 
 def runnable(
     schedule: Schedule,
     cursors: Sequence[int],
     available: int | None = None,
-    index: dict[tuple[int, Kind, int], int] | None = None,
+    index: Positions | None = None,
 ) -> list[int]:
     """Advance every stage's cursor as far as dependencies allow.
 

@@ -10,12 +10,13 @@ from .ir import Action, B, F, Kind, U
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per-stage action lists. ``stages[s]`` is stage ``s``'s list in execution order."""
+    """Per-stage action lists. ``stages[s]`` is stage ``s``'s list in execution order: a tuple, or for long
+    asynchronous schedules a :class:`~pipecore.schedule.periodic.PeriodicRow` computed on demand."""
 
     num_stages: int
     n_microbatches: int
     n_minibatches: int
-    stages: tuple[tuple[Action, ...], ...]
+    stages: tuple[Sequence[Action], ...]
 
     @classmethod
     def from_strings(

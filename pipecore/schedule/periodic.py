@@ -1,0 +1,192 @@
+"""Long schedules in constant memory: the steady state of a schedule family repeats, shifted.
+
+An asynchronous pipeline keeps one schedule from one flush to the next, so after ``n`` steps its action
+lists hold ``O(n)`` actions, and regenerating them costs ``O(n)``. The families repeat instead: after a
+warm-up, adding ``p`` mini-batches to a schedule inserts one more copy of a fixed block of actions, with
+micro-batch indices shifted by ``p*m`` and update versions by ``p*m/update_every``. Stage ``s``'s list
+for ``b + t*p`` mini-batches is then::
+
+    head + body + shift(body, 1) + ... + shift(body, t) + shift(tail, t)
+
+where ``head + body + tail`` is the list for ``b`` mini-batches. :class:`PeriodicRow` is such a list as an
+immutable sequence: indexing and position lookups are arithmetic, and nothing grows with ``t``.
+
+:func:`periodic_form` finds ``head``, ``body`` and ``tail`` by comparing the generated schedules for
+``b``, ``b+p``, ``b+2p`` and ``b+3p`` mini-batches, and accepts them only if the formula reproduces all
+four; a family that does not repeat this way gets ``None`` and is generated in full.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import gcd
+from typing import Callable, Iterator, Sequence, overload
+
+from .ir import Action, Kind, U
+from .schedule import Schedule
+
+_Key = tuple[Kind, int]
+
+
+@dataclass(frozen=True)
+class Shift:
+    """How one period moves actions: micro-batch indices by ``microbatches``, update versions by ``updates``."""
+
+    microbatches: int
+    updates: int
+
+    def apply(self, action: Action, times: int) -> Action:
+        if times == 0:
+            return action
+        step = self.updates if action.kind is U else self.microbatches
+        return Action(action.stage, action.kind, action.index + times * step, action.count)
+
+
+def microbatch_positions(row: Sequence[Action]) -> dict[_Key, int]:
+    """(kind, micro-batch) -> position, for every micro-batch an action covers (updates cover none)."""
+    return {(a.kind, k): i for i, a in enumerate(row) for k in a.microbatches}
+
+
+class PeriodicRow(Sequence[Action]):
+    """One stage's action list, ``head + body x (copies) + tail``, each copy shifted by one more period."""
+
+    def __init__(self, head: tuple[Action, ...], body: tuple[Action, ...], tail: tuple[Action, ...], copies: int,
+                 shift: Shift):
+        if not body or copies < 1:
+            raise ValueError("a periodic row needs a non-empty body and at least one copy of it")
+        self.head, self.body, self.tail, self.copies, self.shift = head, body, tail, copies, shift
+        self._head_keys, self._body_keys, self._tail_keys = microbatch_positions(head), microbatch_positions(body), microbatch_positions(tail)
+        body_microbatches = [k for _, k in self._body_keys]
+        self._body_span = (min(body_microbatches), max(body_microbatches)) if body_microbatches else None
+        self._length = len(head) + copies * len(body) + len(tail)
+
+    def with_copies(self, copies: int) -> "PeriodicRow":
+        """The same row with ``copies`` copies of the body (the list for a different number of periods)."""
+        return PeriodicRow(self.head, self.body, self.tail, copies, self.shift)
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, i: int) -> Action: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[Action, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> Action | tuple[Action, ...]:
+        if isinstance(i, slice):
+            return tuple(self._at(j) for j in range(*i.indices(self._length)))
+        if i < 0:
+            i += self._length
+        if not 0 <= i < self._length:
+            raise IndexError(f"position {i} is outside this stage's {self._length} actions")
+        return self._at(i)
+
+    def _at(self, i: int) -> Action:
+        if i < len(self.head):
+            return self.head[i]
+        i -= len(self.head)
+        copy, r = divmod(i, len(self.body))
+        if copy < self.copies:
+            return self.shift.apply(self.body[r], copy)
+        return self.shift.apply(self.tail[i - self.copies * len(self.body)], self.copies - 1)
+
+    def __iter__(self) -> Iterator[Action]:
+        return (self._at(i) for i in range(self._length))
+
+    def position(self, kind: Kind, microbatch: int) -> int | None:
+        """Where the action of ``kind`` covering ``microbatch`` is, or None if the row has none."""
+        key = (kind, microbatch)
+        if key in self._head_keys:
+            return self._head_keys[key]
+        h, d, step = len(self.head), len(self.body), self.shift.microbatches
+        if self._body_span is not None:
+            low, high = self._body_span
+            # Copy c holds body micro-batches shifted by c*step; only copies whose range covers it can.
+            first = max(0, -((high - microbatch) // step))
+            last = min(self.copies - 1, (microbatch - low) // step)
+            for copy in range(first, last + 1):
+                r = self._body_keys.get((kind, microbatch - copy * step))
+                if r is not None:
+                    return h + copy * d + r
+        r = self._tail_keys.get((kind, microbatch - (self.copies - 1) * step))
+        return None if r is None else h + self.copies * d + r
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str):
+            return NotImplemented
+        if isinstance(other, PeriodicRow) and (other.head, other.body, other.tail, other.shift) == (
+                self.head, self.body, self.tail, self.shift):
+            return other.copies == self.copies
+        return len(other) == len(self) and all(a == b for a, b in zip(self, other))
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))  # equal to a tuple of the same actions, so it must hash like one
+
+    def __repr__(self) -> str:
+        return (f"PeriodicRow({len(self.head)} head + {self.copies} x {len(self.body)} body + "
+                f"{len(self.tail)} tail actions)")
+
+
+@dataclass(frozen=True)
+class PeriodicForm:
+    """A family's schedules for many mini-batches, as periodic rows. See :func:`periodic_form`."""
+
+    period: int                           # mini-batches per body copy
+    bases: dict[int, Schedule]            # residue (n mod period) -> the periodic schedule for its base
+    base_minibatches: dict[int, int]      # residue -> base mini-batch count b (one body copy)
+
+    def schedule(self, n_minibatches: int) -> Schedule | None:
+        """The schedule for ``n_minibatches``, or None if that is shorter than this form's base."""
+        r = n_minibatches % self.period
+        b = self.base_minibatches[r]
+        if n_minibatches < b:
+            return None
+        copies = 1 + (n_minibatches - b) // self.period
+        base = self.bases[r]
+        rows = tuple(row.with_copies(copies) for row in base.stages)  # type: ignore[attr-defined]
+        return Schedule(base.num_stages, base.n_microbatches, n_minibatches, rows)
+
+
+def periodic_form(generate: Callable[[int], Schedule], n_microbatches: int, update_every: int,
+                  warmup: int) -> PeriodicForm | None:
+    """Find the periodic structure of ``generate`` (mini-batches -> schedule with updates), or None.
+
+    ``warmup`` is a mini-batch count after which the steady state is expected to have begun. The form is
+    accepted only if, for each residue, it reproduces the generated schedules for four consecutive periods.
+    """
+    m = n_microbatches
+    period = update_every // gcd(update_every, m)  # whole updates per period, so versions shift uniformly
+    shift = Shift(period * m, period * m // update_every)
+    bases: dict[int, Schedule] = {}
+    counts: dict[int, int] = {}
+    for b in range(warmup, warmup + period):
+        generated = [generate(b + t * period) for t in range(4)]
+        rows = []
+        for s in range(generated[0].num_stages):
+            row = _split_row([g.stages[s] for g in generated], shift)
+            if row is None:
+                return None
+            rows.append(row)
+        bases[b % period] = Schedule(generated[0].num_stages, m, b, tuple(rows))
+        counts[b % period] = b
+    return PeriodicForm(period, bases, counts)
+
+
+def _split_row(lists: Sequence[Sequence[Action]], shift: Shift) -> PeriodicRow | None:
+    """``head``/``body``/``tail`` of one stage's lists for ``b, b+p, b+2p, ...`` mini-batches, if they repeat."""
+    first, second = lists[0], lists[1]
+    d = len(second) - len(first)
+    if d <= 0:
+        return None
+    # The tail of the longer list is the shorter list's tail moved by one period; find where that starts.
+    matched = 0
+    while matched < len(first) and second[-1 - matched] == shift.apply(first[-1 - matched], 1):
+        matched += 1
+    h = len(first) - matched
+    if h + d > len(first):
+        return None
+    row = PeriodicRow(tuple(first[:h]), tuple(first[h:h + d]), tuple(first[h + d:]), 1, shift)
+    if any(tuple(row.with_copies(1 + t)) != tuple(lst) for t, lst in enumerate(lists)):
+        return None
+    return row

@@ -1,0 +1,140 @@
+"""Periodic schedules: long schedules in constant memory, action for action equal to the generated ones."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+
+import pytest
+import torch
+from torch import nn
+
+import pipecore
+from pipecore.algorithms import algorithm_names, get_algorithm
+from pipecore.algorithms.base import AlgorithmSpec, Live, SameAsForward
+from pipecore.schedule import Action, B, F, Schedule, U, async_one_f_one_b, gpipe
+from pipecore.schedule.periodic import PeriodicRow, microbatch_positions, periodic_form
+from pipecore.schedule.progress import positions
+
+SHAPES = [(1, 1), (1, 3), (2, 2), (2, 5), (3, 3), (3, 4), (4, 4), (4, 6)]
+
+
+def _rows(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
+    return tuple(tuple(row) for row in schedule.stages)
+
+
+@pytest.mark.parametrize("name", algorithm_names())
+@pytest.mark.parametrize("P,m", SHAPES)
+def test_periodic_schedule_equals_the_generated_one(name, P, m):
+    if name == "2bw" and m < P or name.endswith("timeprest") and m < P - 1:
+        pytest.skip("the algorithm rejects this shape")
+    algorithm = get_algorithm(name, P, m)
+    form = algorithm._periodic_form
+    assert form is not None, f"{name} at P={P}, m={m} should repeat in steady state"
+    for n in range(1, 3 * (2 * P + 2) + 6):
+        schedule = algorithm.schedule(n)
+        assert _rows(schedule) == _rows(algorithm._generate(n)), (name, P, m, n)
+        assert schedule.n_minibatches == n
+
+
+@pytest.mark.parametrize("every", [1, 2, 4])
+def test_periodic_pipedream_with_update_every(every):
+    algorithm = get_algorithm("pipedream", 3, 4, update_every=every)
+    for n in range(1, 30):
+        assert _rows(algorithm.schedule(n)) == _rows(algorithm._generate(n))
+
+
+def test_update_interval_that_straddles_minibatches_has_a_longer_period():
+    # 6 micro-batches per update with 4 per mini-batch: versions shift uniformly only every 3 mini-batches.
+    def generate(n: int) -> Schedule:
+        return async_one_f_one_b(2, 4, n).with_updates(6)
+
+    form = periodic_form(generate, 4, 6, warmup=6)
+    assert form is not None and form.period == 3
+    for n in range(6, 40):
+        assert _rows(form.schedule(n)) == _rows(generate(n)), n
+    assert form.schedule(5) is None  # below every base: the caller generates it
+
+
+def test_a_family_that_does_not_repeat_is_generated_in_full():
+    # Backwards ascending in even mini-batches and descending in odd ones: no period of one mini-batch.
+    def zigzag(P: int, m: int, n: int) -> Schedule:
+        rows = []
+        for s in range(P):
+            row = []
+            for j in range(n):
+                row += [Action(s, F, j * m + u) for u in range(m)]
+                order = range(m) if j % 2 == 0 else reversed(range(m))
+                row += [Action(s, B, j * m + u) for u in order]
+            rows.append(tuple(row))
+        return Schedule(P, m, n, tuple(rows))
+
+    spec = AlgorithmSpec(name="zigzag", summary="test", schedule=zigzag, forward=Live(), backward=SameAsForward())
+    algorithm = spec.configure(2, 3)
+    assert algorithm._periodic_form is None
+    for n in (1, 5, 20):
+        schedule = algorithm.schedule(n)
+        assert all(isinstance(row, tuple) for row in schedule.stages)
+        assert _rows(schedule) == _rows(zigzag(2, 3, n).with_updates(3))
+
+
+def test_row_indexing_slicing_and_positions_match_a_tuple():
+    algorithm = get_algorithm("timeprest", 3, 4)
+    periodic, plain = algorithm.schedule(40), algorithm._generate(40)
+    for row, expected in zip(periodic.stages, plain.stages):
+        assert isinstance(row, PeriodicRow)
+        assert len(row) == len(expected)
+        assert row[-1] == expected[-1] and row[-len(expected)] == expected[0]
+        assert row[5:17] == expected[5:17] and row[::-7] == expected[::-7]
+        assert row == expected and expected == row and list(row) == list(expected)
+        assert hash(row) == hash(tuple(expected))
+        with pytest.raises(IndexError, match="outside"):
+            row[len(expected)]
+        table = microbatch_positions(expected)
+        for (kind, k), i in table.items():
+            assert row.position(kind, k) == i
+        assert row.position(F, 40 * 4) is None and row.position(B, 10**6) is None
+    index = positions(periodic)
+    assert index[(1, F, 17)] == plain.stages[1].index(Action(1, F, 17))
+    assert (1, F, 10**6) not in index
+    with pytest.raises(KeyError):
+        index[(0, B, 10**6)]
+
+
+def test_a_billion_minibatches_cost_nothing():
+    algorithm = get_algorithm("2bw", 4, 8)
+    schedule = algorithm.schedule(10**9)  # generated in full, this would take hours and terabytes
+    last = 10**9 * 8 - 1
+    row = schedule.stages[0]
+    assert len(row) == 2 * 10**9 * 8 + 10**9  # F and B per micro-batch, one update per mini-batch
+    assert row[-2:] == (Action(0, B, last), Action(0, U, 10**9))
+    assert row[row.position(F, last)] == Action(0, F, last)
+
+
+def test_pipeline_memory_does_not_grow_with_steps():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    pipe = pipecore.Pipeline(model, 2, "pipedream", 4, loss_fn=nn.MSELoss())
+    for _ in range(50):
+        pipe.step(x, y)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        for _ in range(400):
+            pipe.step(x, y)
+        gc.collect()
+        grown = sum(d.size_diff for d in tracemalloc.take_snapshot().compare_to(before, "filename")
+                    if "pipecore" in d.traceback[0].filename)
+    finally:
+        tracemalloc.stop()
+    # Holding the schedule as generated lists grew by about 6 KB per step here.
+    assert grown < 64 * 1024, f"pipecore's Python objects grew by {grown} bytes over 400 steps"
+
+
+def test_gpipe_rows_have_no_head():
+    form = get_algorithm("gpipe", 2, 3)._periodic_form
+    assert form is not None
+    assert all(len(row.head) == 0 for row in form.bases[0].stages)
+    assert _rows(form.schedule(12)) == _rows(gpipe(2, 3, 12).with_updates(3))

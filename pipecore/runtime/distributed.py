@@ -94,10 +94,6 @@ def _deliver_at_exit(transport: "weakref.ref[DistributedTransport]") -> None:
             pass  # the receiving rank is gone; nothing can be delivered
 
 
-def _post_irecv(buffer: torch.Tensor, src: int, tag: int) -> Any:
-    return dist.irecv(buffer, src, tag=tag)
-
-
 class _Poster:
     """Runs posting calls (``isend``/``irecv``) on one helper thread, in submission order."""
 
@@ -129,6 +125,9 @@ class DistributedTransport:
         self.num_stages = num_stages
         self.timeout = datetime.timedelta(seconds=timeout)
         self.device = device or torch.device("cpu")
+        # The process group's own send/recv: the helper thread holds the GIL for less than through the
+        # ``dist.isend`` wrapper (ranks are global ranks: the pipeline runs on the default group).
+        self._group = dist.group.WORLD
         self._poster = _Poster(f"pipecore-post-rank{rank}")
         self._sends: queue.Queue[tuple[Any, torch.Tensor, int]] = queue.Queue()
         self._send_error: PeerError | None = None
@@ -192,7 +191,7 @@ class DistributedTransport:
 
     def _post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         try:
-            work = dist.isend(tensor, dst, tag=tag)
+            work = self._group.send([tensor], dst, tag)
         except RuntimeError as exc:
             self._send_error = self._send_failed(dst, exc)
             return
@@ -245,7 +244,7 @@ class DistributedTransport:
         """Post the receive of the next mini-batch loss (ranks other than the last), ahead of time."""
         if self._loss_posted is None:
             buffer = torch.empty(2, dtype=torch.float64, device=self.device)
-            self._loss_posted = (buffer, self._poster.post(_post_irecv, buffer, self.num_stages - 1, _LOSS_TAG))
+            self._loss_posted = (buffer, self._poster.post(self._group.recv, [buffer], self.num_stages - 1, _LOSS_TAG))
 
     def receive_loss(self, minibatch: int) -> float:
         """The loss of ``minibatch`` that the last rank published."""
@@ -278,7 +277,7 @@ class DistributedTransport:
 
     def _irecv(self, layout: Layout | None, stage: int, kind: Kind) -> tuple[torch.Tensor, Any]:
         buffer = torch.empty(_payload_bytes(layout) + _HEADER_BYTES, dtype=torch.uint8, device=self.device)
-        return buffer, self._poster.post(_post_irecv, buffer, self._peer(stage, kind), _TAG[kind])
+        return buffer, self._poster.post(self._group.recv, [buffer], self._peer(stage, kind), _TAG[kind])
 
     def ready(self, stage: int, kind: Kind, microbatch: int) -> bool:
         return True  # receive blocks (with a timeout) until the message is there

@@ -138,3 +138,33 @@ def test_gpipe_rows_have_no_head():
     assert form is not None
     assert all(len(row.head) == 0 for row in form.bases[0].stages)
     assert _rows(form.schedule(12)) == _rows(gpipe(2, 3, 12).with_updates(3))
+
+
+@pytest.mark.parametrize("name", algorithm_names())
+def test_running_across_many_minibatches_equals_the_generated_schedule(name):
+    """The training engine's pattern over periodic rows (extend as the horizon doubles, run as far as the
+    given mini-batches allow, drain at the end) performs the actions and reads of the generated schedule."""
+    from pipecore.runtime.executor import Costs, Executor
+    from pipecore.runtime.worker import StageWorker
+
+    for P, m in ((2, 2), (3, 4), (4, 4)):
+        algorithm = get_algorithm(name, P, m)
+        n = 4 * (2 * P + 2)
+        workers = [StageWorker(algorithm, s) for s in range(P)]
+        horizon = 2
+        executor = Executor(algorithm.schedule(horizon), workers, Costs.uniform(P))
+        for j in range(1, n + 1):
+            if j + 1 > horizon:
+                horizon *= 2
+                executor.extend(algorithm.schedule(horizon))
+            executor.run(available=j * m)
+        executor.extend(algorithm.schedule(n))
+        executor.run()
+        assert isinstance(executor.schedule.stages[0], PeriodicRow)
+        plain_workers = [StageWorker(algorithm, s) for s in range(P)]
+        plain = Executor(algorithm._generate(n), plain_workers, Costs.uniform(P))
+        plain.run()
+        for s in range(P):
+            got = [(e.action, e.record.reads) for e in executor.events if e.action.stage == s]
+            want = [(e.action, e.record.reads) for e in plain.events if e.action.stage == s]
+            assert got == want, (name, P, m, s)

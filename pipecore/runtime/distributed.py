@@ -125,8 +125,8 @@ class DistributedTransport:
         self.num_stages = num_stages
         self.timeout = datetime.timedelta(seconds=timeout)
         self.device = device or torch.device("cpu")
-        # The process group's own send/recv: the helper thread holds the GIL for less than through the
-        # ``dist.isend`` wrapper (ranks are global ranks: the pipeline runs on the default group).
+        # The process group's send/recv are called directly rather than through ``dist.isend``/``irecv``, so
+        # the posting thread holds the GIL for less time. Peer ranks are global ranks: the default group.
         self._group = dist.group.WORLD
         self._poster = _Poster(f"pipecore-post-rank{rank}")
         self._sends: queue.Queue[tuple[Any, torch.Tensor, int]] = queue.Queue()

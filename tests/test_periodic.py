@@ -12,6 +12,8 @@ from torch import nn
 import pipecore
 from pipecore.algorithms import algorithm_names, get_algorithm
 from pipecore.algorithms.base import AlgorithmSpec, Live, SameAsForward
+from pipecore.runtime.executor import Costs, Executor
+from pipecore.runtime.worker import StageWorker
 from pipecore.schedule import Action, B, F, Schedule, U, async_one_f_one_b, gpipe
 from pipecore.schedule.periodic import PeriodicRow, microbatch_positions, periodic_form
 from pipecore.schedule.progress import positions
@@ -23,11 +25,19 @@ def _rows(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
     return tuple(tuple(row) for row in schedule.stages)
 
 
-@pytest.mark.parametrize("name", algorithm_names())
-@pytest.mark.parametrize("P,m", SHAPES)
+def _accepted(name: str, P: int, m: int) -> bool:
+    try:
+        get_algorithm(name, P, m)
+    except ValueError:  # e.g. 2BW needs m >= P; such shapes have no schedule to compare
+        return False
+    return True
+
+
+CASES = [(name, P, m) for name in algorithm_names() for P, m in SHAPES if _accepted(name, P, m)]
+
+
+@pytest.mark.parametrize("name,P,m", CASES)
 def test_periodic_schedule_equals_the_generated_one(name, P, m):
-    if name == "2bw" and m < P or name.endswith("timeprest") and m < P - 1:
-        pytest.skip("the algorithm rejects this shape")
     algorithm = get_algorithm(name, P, m)
     form = algorithm._periodic_form
     assert form is not None, f"{name} at P={P}, m={m} should repeat in steady state"
@@ -144,9 +154,6 @@ def test_gpipe_rows_have_no_head():
 def test_running_across_many_minibatches_equals_the_generated_schedule(name):
     """The training engine's pattern over periodic rows (extend as the horizon doubles, run as far as the
     given mini-batches allow, drain at the end) performs the actions and reads of the generated schedule."""
-    from pipecore.runtime.executor import Costs, Executor
-    from pipecore.runtime.worker import StageWorker
-
     for P, m in ((2, 2), (3, 4), (4, 4)):
         algorithm = get_algorithm(name, P, m)
         n = 4 * (2 * P + 2)

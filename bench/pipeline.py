@@ -3,8 +3,10 @@
     python bench/pipeline.py [--ranks 2] [--steps 20] [--rounds 5] [--out bench/results/pipeline-cpu.json]
 
 Same model (an MLP of 8 Linear(512, 512)+ReLU layers and a Linear(512, 10) head, float32), same split
-points, batch 256, 8 micro-batches, one thread per rank, momentum SGD. ``1f1b+split`` and ``2bw+split`` are
-the same algorithms with ``split_backward=True``.
+points, batch 256, 8 micro-batches, one thread per rank, momentum SGD. Variants: ``+split`` is the same
+algorithm with ``split_backward=True``; ``+slack`` is the same algorithm with the option ``slack=1`` (one
+more warm-up forward per downstream stage, which hides message latency; 2BW's weights and losses do not
+change with it, PipeDream's staleness grows by one update per downstream stage).
 
 Every system runs in the same ``--ranks`` worker processes, interleaved: each round times one window of
 ``--steps`` steps of every system, in an order that rotates from round to round, so that all systems see
@@ -36,7 +38,8 @@ BATCH, MICRO, WIDTH, DEPTH = 256, 8, 512, 8
 SINGLE = "single process (1 thread)"
 PIPECORE = ["1f1b", "gpipe", "2bw", "pipedream", "pipemare", "spectrain", "v-timeprest", "i-timeprest", "timeprest"]
 TORCH = ["ScheduleGPipe", "Schedule1F1B"]
-SPLIT = ["1f1b+split", "2bw+split"]  # the same algorithms with split_backward=True
+VARIANTS = ["1f1b+split", "2bw+split", "2bw+slack", "pipedream+slack"]
+VARIANT_SETTINGS = {"": {}, "split": {"split_backward": True}, "slack": {"slack": 1}}
 WARMUP_STEPS = 3
 
 
@@ -111,7 +114,7 @@ def pipecore_pipeline(system: str, rank: int, world: int, batches) -> Callable[[
     algorithm, _, variant = system.partition("+")
     pipe = pipecore.Pipeline(make_model(), world, algorithm, MICRO, optimizer=pipecore.SGD(lr=0.01, momentum=0.9),
                              loss_fn=nn.CrossEntropyLoss(), partition=split_points(world), timeout=300,
-                             split_backward=variant == "split")
+                             **VARIANT_SETTINGS[variant])
     first, last = rank == 0, rank == world - 1
 
     def window(n: int) -> None:
@@ -199,7 +202,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20, help="steps per timed window")
     parser.add_argument("--rounds", type=int, default=5, help="timed windows per system, interleaved")
-    parser.add_argument("--systems", default=",".join(TORCH + PIPECORE + SPLIT),
+    parser.add_argument("--systems", default=",".join(TORCH + PIPECORE + VARIANTS),
                         help="comma-separated; the single-process baseline always runs")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline-cpu.json"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -210,9 +213,9 @@ def main() -> None:
     if DEPTH % args.ranks:
         raise SystemExit(f"--ranks must divide the model's {DEPTH} blocks, got {args.ranks}")
     systems = [SINGLE] + [s for s in args.systems.split(",") if s and s != SINGLE]
-    unknown = [s for s in systems[1:] if s not in TORCH + PIPECORE + SPLIT]
+    unknown = [s for s in systems[1:] if s not in TORCH + PIPECORE + VARIANTS]
     if unknown:
-        raise SystemExit(f"unknown systems {unknown}; choose from {TORCH + PIPECORE + SPLIT}")
+        raise SystemExit(f"unknown systems {unknown}; choose from {TORCH + PIPECORE + VARIANTS}")
     print(f"{len(systems)} systems on {args.ranks} ranks, {args.rounds} rounds of {args.steps} steps ...", file=sys.stderr)
     results = summarize(launch(systems, args.ranks, args.steps, args.rounds), args.steps)
     print(f"{'system':<28}{'samples/s':>12}{'vs 1 process':>14}{'vs Schedule1F1B':>17}")

@@ -39,7 +39,11 @@ def batches(steps: int, seed: int = 1):
 
 
 def make_pipeline(num_stages: int, algorithm: str, **kwargs) -> pipecore.Pipeline:
+    """``algorithm`` may end in ``+slack``: the same algorithm with the option ``slack=1``."""
     m = MICROBATCHES
+    algorithm, plus, variant = algorithm.partition("+")
+    if plus:
+        kwargs = {**kwargs, {"slack": "slack"}[variant]: 1}
     return pipecore.Pipeline(make_model(num_stages), num_stages, algorithm, m,
                              optimizer=pipecore.SGD(lr=0.1, momentum=0.9), loss_fn=nn.CrossEntropyLoss(), **kwargs)
 
@@ -92,13 +96,21 @@ def main() -> None:
         pipe = make_pipeline(world, "1f1b", timeout=60)
         losses = []
         for i, (x, y) in enumerate(batches(STEPS)):
-            if i == STEPS - 1:
-                if first:
-                    time.sleep(1.0)
-                else:  # hold up the posting thread, so the last step's sends are still queued at exit
-                    pipe._transport._poster.post(time.sleep, 0.5)
+            if i == STEPS - 1 and first:
+                time.sleep(1.0)  # the last rank's last sends are still outstanding when it exits
             losses.append(pipe.step(x if first else None, y if last else None))
         torch.save(losses, os.path.join(out, f"losses-{rank}.pt"))
+    elif mode == "held":
+        # A long run without flush: the sends each rank holds (waiting for the neighbour's acknowledgement)
+        # must stay bounded by the micro-batches in flight, not grow with the steps.
+        pipe = make_pipeline(world, sys.argv[3], timeout=60)
+        held = []
+        for x, y in batches(int(sys.argv[4])):
+            pipe.step(x if first else None, y if last else None)
+            held.append(sum(len(q) for q in pipe._transport._unacknowledged.values()))
+        pipe.flush()
+        held.append(sum(len(q) for q in pipe._transport._unacknowledged.values()))
+        torch.save(held, os.path.join(out, f"held-{rank}.pt"))
     elif mode == "mismatch":
         try:
             make_pipeline(world + 1, "1f1b")

@@ -83,6 +83,24 @@ def test_2bw_needs_m_at_least_p():
                 assert get_algorithm("pipedream-2bw", P, m).update_every == m
 
 
+def test_2bw_with_slack_needs_the_warmup_within_one_minibatch():
+    for P in range(2, 6):
+        for slack in (1, 2):
+            need = (P - 1) * (1 + slack) + 1
+            with pytest.raises(ValueError) as info:
+                get_algorithm("2bw", P, need - 1, slack=slack)
+            assert str(info.value).startswith(f"2bw: with slack={slack} needs n_microbatches >= "
+                                              f"(num_stages-1)*(1+slack)+1 = {need} (got {need - 1})")
+            for n in (1, 3):  # the smallest accepted size really runs: every read is of a produced version
+                assert [simulate("2bw", P, need, n, slack=slack).weight_versions(s) for s in range(P)] == [2] * P
+
+
+def test_slack_is_an_option_of_the_async_1f1b_algorithms_only():
+    for name in ("gpipe", "1f1b", "pipemare", "spectrain", "timeprest"):
+        with pytest.raises(ValueError, match="unknown option"):
+            get_algorithm(name, 2, 4, slack=1)
+
+
 @pytest.mark.parametrize("name", ["v-timeprest", "i-timeprest"])
 def test_staleness_free_nf1b_needs_m_at_least_p_minus_1(name):
     for P in STAGES:
@@ -119,6 +137,8 @@ def test_unknown_option_lists_the_valid_ones():
     ("pipemare", {"delta_decay": "x"}, "delta_decay must be a number in [0, 1), got 'x'"),
     ("pipemare", {"lr_warmup": "cosine"}, "lr_warmup must be 'power' or 'linear'"),
     ("spectrain", {"lookahead": [1, 2]}, "lookahead needs one horizon per stage (4), got 2"),
+    ("pipedream", {"slack": -1}, "option slack=-1: must be a non-negative integer number of micro-batches"),
+    ("2bw", {"slack": 0.5}, "option slack=0.5: must be a non-negative integer number of micro-batches"),
     ("spectrain", {"lookahead": [1, 2, -1, 0]}, "must be a list of non-negative integer horizons"),
 ])
 def test_bad_option_values_say_what_is_allowed(name, options, expected):
@@ -209,13 +229,14 @@ def test_pipedream_backward_reads_its_forward_version():
                 assert t.read(s, k, B).derivation is None
 
 
-def pipedream_versions(P: int, s: int, T: int) -> int:
-    """Peak versions at stage s (update every backward): the in-flight micro-batches' stashed versions plus
-    the live one. Steady state pins P-s versions once T >= 2(P-1-s); the drain adds the fresh live version
-    next to the stashes still pinned; with T <= P-1-s everything is forwarded on v0."""
-    w = P - 1 - s
+def pipedream_versions(P: int, s: int, T: int, ahead: int | None = None) -> int:
+    """Peak versions at stage s (update every backward), whose forwards run ``ahead`` micro-batches ahead
+    of its backwards (P-1-s without slack): the in-flight micro-batches' stashed versions plus the live
+    one. Steady state pins ahead+1 versions once T >= 2*ahead; the drain adds the fresh live version next
+    to the stashes still pinned; with T <= ahead everything is forwarded on v0."""
+    w = P - 1 - s if ahead is None else ahead
     if T > w:
-        return min(P - s, T - w + 1)
+        return min(w + 1, T - w + 1)
     return min(T, 2)
 
 
@@ -227,6 +248,20 @@ def test_pipedream_versions_per_stage():
             assert t.weight_versions(s) == pipedream_versions(P, s, T)
             # Exactly P - s versions iff T >= 2(P-1-s) (the last stage always holds one).
             assert (t.weight_versions(s) == P - s) == (T >= 2 * (P - 1 - s))
+
+
+@pytest.mark.parametrize("slack", [1, 2])
+def test_pipedream_slack_runs_further_ahead_with_stashes_to_match(slack):
+    """Stage s runs w = (P-1-s)*(1+slack) forwards ahead: F(k) reads the version after max(k-w, 0)
+    backwards, B(k) its stash, and a full steady state pins w+1 versions."""
+    for P, m, n in [(2, 4, 3), (3, 2, 4), (4, 3, 3)]:
+        t = trace("pipedream", P, m, n, slack=slack)
+        for s, k in reads(P, m * n):
+            w = (P - 1 - s) * (1 + slack)
+            assert t.version(s, k, F) == t.version(s, k, B) == max(k - w, 0)
+            assert t.delay(s, k) == min(k, w)
+        for s in range(P):
+            assert t.weight_versions(s) == pipedream_versions(P, s, m * n, ahead=(P - 1 - s) * (1 + slack))
 
 
 def test_2bw_reads_previous_minibatch_version():

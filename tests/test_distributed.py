@@ -65,6 +65,7 @@ def _check_ok(results):
     # split_backward sends the input gradient before computing weight gradients; the one-process
     # reference does not split, so this also checks that splitting changes no bit.
     (2, ["1f1b", "2bw", "pipemare", "spectrain", "i-timeprest"], "split"),
+    (2, ["2bw+slack", "pipedream+slack"], "unsplit"),
 ])
 def test_multiprocess_is_bit_identical_to_one_process(world, algorithms, split, tmp_path):
     _check_ok(launch(world, "compare", str(tmp_path), ",".join(algorithms), split))
@@ -130,6 +131,20 @@ def test_messages_queued_at_exit_are_delivered(tmp_path):
     _check_ok(launch(2, "exit", str(tmp_path)))
     losses = [torch.load(tmp_path / f"losses-{rank}.pt") for rank in range(2)]
     assert losses[0] == losses[1] and len(losses[0]) == dist_run.STEPS
+
+
+@pytest.mark.parametrize("algorithm", ["pipedream", "2bw+slack", "gpipe"])
+def test_sends_held_for_acknowledgement_stay_bounded(algorithm, tmp_path):
+    """Each message acknowledges what its sender received, so a long run without flush holds a bounded
+    number of sends (about the micro-batches in flight), and a flush completes them all."""
+    steps = 24
+    _check_ok(launch(2, "held", str(tmp_path), algorithm, str(steps)))
+    for rank in range(2):
+        held = torch.load(tmp_path / f"held-{rank}.pt")
+        assert len(held) == steps + 1 and held[-1] == 0
+        # a step's messages: 4 micro-batches, plus one layout announcement when the batch size changes
+        assert max(held[:-1]) <= 2 * (dist_run.MICROBATCHES + 1), held
+        assert max(held[steps // 2: -1]) <= max(held[: steps // 2]), held
 
 
 def test_world_size_must_equal_num_stages(tmp_path):

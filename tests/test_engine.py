@@ -176,6 +176,7 @@ def linear_chain(num_stages: int, width: int = 3) -> nn.Sequential:
     ("i-timeprest", {"lam": 0.7}),
     ("i-timeprest", {"alpha": "inverse", "lam": 2.0}),
     ("pipedream", {}),
+    ("pipedream", {"slack": 1}),
     ("2bw", {}),
 ])
 def test_weights_read_by_each_action_match_the_simulated_trace(algorithm, options):
@@ -372,6 +373,28 @@ def test_split_backward_is_bit_identical(algorithm, options):
     for key, value in state.items():
         if key != "pipecore":
             assert torch.equal(split_state[key], value), key
+
+
+@pytest.mark.parametrize("slack", [1, 2])
+def test_2bw_slack_changes_no_bit(slack):
+    """2BW reads versions by micro-batch index, so warm-up slack moves when messages are needed but leaves
+    every loss and weight the same, bit for bit, while stage 0 holds more activations."""
+    xs, ys = data(5, batch=16)
+    runs = []
+    for option in (0, slack):
+        pipe = Pipeline(mlp(6), 3, "2bw", 8, optimizer=SGD(lr=0.1, momentum=0.9), loss_fn=nn.CrossEntropyLoss(),
+                        slack=option)
+        losses = [pipe.step(x, y) for x, y in zip(xs, ys)]
+        in_flight = pipe.in_flight
+        pipe.flush()
+        runs.append((losses, pipe.state_dict(), in_flight))
+    (losses, state, in_flight), (slack_losses, slack_state, slack_in_flight) = runs
+    assert slack_losses == losses
+    for key, value in state.items():
+        if key != "pipecore":
+            assert torch.equal(slack_state[key], value), key
+    # stages 0 and 1 each keep (P-s-1)*slack more forwards ahead of their backwards
+    assert slack_in_flight - in_flight == (2 + 1) * slack
 
 
 def test_split_backward_defers_weight_gradients_until_after_the_send():

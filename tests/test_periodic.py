@@ -47,6 +47,15 @@ def test_periodic_schedule_equals_the_generated_one(name, P, m):
         assert schedule.n_minibatches == n
 
 
+@pytest.mark.parametrize("name,P,m,slack", [("2bw", 2, 3, 1), ("2bw", 3, 7, 2), ("pipedream", 3, 2, 1),
+                                             ("pipedream", 4, 1, 3)])
+def test_periodic_schedule_with_slack_equals_the_generated_one(name, P, m, slack):
+    algorithm = get_algorithm(name, P, m, slack=slack)
+    assert algorithm._periodic_form is not None
+    for n in range(1, 2 * algorithm.warmup_minibatches + 4):
+        assert _rows(algorithm.schedule(n)) == _rows(algorithm._generate(n)), n
+
+
 @pytest.mark.parametrize("every", [1, 2, 4])
 def test_periodic_pipedream_with_update_every(every):
     algorithm = get_algorithm("pipedream", 3, 4, update_every=every)

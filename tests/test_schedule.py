@@ -143,6 +143,28 @@ def test_async_one_f_one_b_has_one_warmup_and_one_drain():
             assert kinds == "F" * warmup + "FB" * (T - warmup) + "B" * warmup
 
 
+@pytest.mark.parametrize("slack", [1, 2, 5])
+def test_async_one_f_one_b_slack_lengthens_each_warmup(slack):
+    for P, m, n in SIZES:
+        T = m * n
+        schedule = async_one_f_one_b(P, m, n, slack=slack)
+        validate(schedule)  # still deadlock-free
+        for s, row in enumerate(schedule.stages):
+            warmup = min((P - s - 1) * (1 + slack), T)
+            kinds = "".join(a.kind.value for a in row)
+            assert kinds == "F" * warmup + "FB" * (T - warmup) + "B" * warmup
+        longer = async_one_f_one_b(P, m, n + 1, slack=slack)
+        for s, (row, more) in enumerate(zip(schedule.stages, longer.stages)):
+            done = next((i for i, a in enumerate(row) if a.kind is B and a.index >= T - (P - s - 1) * (1 + slack)), len(row))
+            assert tuple(more[:done]) == tuple(row[:done])  # prefix-stable up to the drain
+
+
+@pytest.mark.parametrize("slack", [-1, 1.5, True])
+def test_async_one_f_one_b_rejects_bad_slack(slack):
+    with pytest.raises(ValueError, match="slack must be a non-negative integer"):
+        async_one_f_one_b(2, 2, 2, slack=slack)
+
+
 def test_nf1b_one_backward_per_minibatch_and_admission_cap():
     for P, m, n in SIZES:
         schedule = n_forward_one_backward(P, m, n)

@@ -194,6 +194,8 @@ def _option_type_problem(key: str, value: Any, default: Any) -> str | None:
         return None
     if key == "update_every" and not is_int(value):
         return "must be an integer number of micro-batches"
+    if key == "slack" and not (is_int(value) and value >= 0):
+        return "must be a non-negative integer number of micro-batches"
     if key == "lookahead" and (
         isinstance(value, (str, bytes)) or not isinstance(value, Sequence)
         or not all(is_int(v) and v >= 0 for v in value)
@@ -222,6 +224,8 @@ class AlgorithmSpec:
     ``lr_scale(stage, update_index, algorithm)`` scales the learning rate per stage (update_index from 0).
     ``velocity_decay(stage, algorithm)``, when set, makes the stage keep a weight-velocity buffer
     ``delta = decay*delta + (1-decay)*(W_new - W_old)`` updated with every step (PipeMare's T2).
+    ``schedule_options`` names the options that are passed on to the schedule family as keywords
+    (e.g. ``slack`` of the asynchronous 1F1B family).
     """
 
     name: str
@@ -235,6 +239,7 @@ class AlgorithmSpec:
     lr_scale: Callable[[int, int, "Algorithm"], float] | None = None
     velocity_decay: Callable[[int, "Algorithm"], float] | None = None
     aliases: tuple[str, ...] = ()
+    schedule_options: tuple[str, ...] = ()
 
     @property
     def option_names(self) -> tuple[str, ...]:
@@ -302,13 +307,21 @@ class Algorithm:
         return self._generate(n_minibatches)
 
     def _generate(self, n_minibatches: int) -> Schedule:
-        base = self.spec.schedule(self.num_stages, self.n_microbatches, n_minibatches)
+        keywords = {key: self.options[key] for key in self.spec.schedule_options}
+        base = self.spec.schedule(self.num_stages, self.n_microbatches, n_minibatches, **keywords)
         return base.with_updates(self.update_every)
 
     @cached_property
     def _periodic_form(self) -> PeriodicForm | None:
         # None for a family whose steady state does not repeat; its schedules are then generated in full.
-        return periodic_form(self._generate, self.n_microbatches, self.update_every, warmup=2 * self.num_stages + 2)
+        return periodic_form(self._generate, self.n_microbatches, self.update_every, warmup=self.warmup_minibatches)
+
+    @property
+    def warmup_minibatches(self) -> int:
+        """Mini-batches after which every stage's schedule is in its steady state: enough to find the
+        periodic rows, and to simulate the most weight versions a stage ever holds (ring sizing)."""
+        slack = self.options.get("slack", 0) if "slack" in self.spec.schedule_options else 0
+        return 2 * self.num_stages * (1 + slack) + 2
 
     def forward_read(self, ctx: ReadContext) -> WeightRead:
         return self.spec.forward.resolve(ctx, self.options)

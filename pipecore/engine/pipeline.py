@@ -82,7 +82,7 @@ class Pipeline:
         self.rank = _join_process_group(num_stages, timeout)
         owned = range(num_stages) if self.rank is None else [self.rank]
         # The ring of each stage holds exactly the versions the algorithm needs; the simulator says how many.
-        sizing = simulate(self.algorithm, num_stages, n_microbatches, n_minibatches=2 * num_stages + 2)
+        sizing = simulate(self.algorithm, num_stages, n_microbatches, n_minibatches=self.algorithm.warmup_minibatches)
         optimizer = optimizer if optimizer is not None else SGD(lr=0.01)
         self._targets: dict[int, torch.Tensor] = {}
         self._inputs: dict[int, torch.Tensor] = {}

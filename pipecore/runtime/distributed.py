@@ -1,41 +1,40 @@
 """Point-to-point transport over ``torch.distributed`` (gloo on CPU, NCCL on GPU): one process per stage.
 
-Rank ``s`` runs stage ``s``. A message is a small int64 header (kind, micro-batch, stage-0 version tag,
-non-finite mark, dtype and shape) and the tensor, so activations whose shape changes between steps need no
-configuration.
+Rank ``s`` runs stage ``s``. A message is one buffer: the tensor's bytes followed by a small int64 header
+(kind, micro-batch, stage-0 version tag, non-finite mark, acknowledgement, dtype and shape), so activations
+whose shape changes between steps need no configuration.
 
-Ordering rule (why no pair of ranks can deadlock): sends are posted without waiting (``isend``) and only
-completed later; the only blocking operation is the receive of the input of the next action in the rank's
-own schedule. A rank therefore waits only for a message that the schedule's dependency order guarantees
-its neighbour produces first, and schedules are validated deadlock-free. Each link carries one kind of
-message in one direction (activations to ``s+1``, gradients to ``s-1``), in schedule order, which is the
-order in which the receiver posts its receives.
+Ordering rule (why no pair of ranks can deadlock): the only operation that waits for a neighbour is the
+receive of the input of the next action in the rank's own schedule. Sends are posted without waiting and
+completed later, only once the receiver has told us that it took them (below), so completing them never
+waits for the neighbour. A rank therefore waits only for a message that the schedule's dependency order
+guarantees its neighbour produces first, and schedules are validated deadlock-free. Each link carries one
+kind of message in one direction (activations to ``s+1``, gradients to ``s-1``), in schedule order, which is
+the order in which the receiver posts its receives. ``flush()`` (and process exit) completes the sends
+still outstanding, with the timeout.
 
-Threads: the compute thread never calls into the backend. Posting an ``isend``/``irecv`` can block for
-milliseconds (gloo locks a connection while its I/O thread moves data), so a posting thread issues them,
-in the order the compute thread asked for; a second thread waits for sends to complete (gloo completes
-a send only when someone waits on it, and the buffer must live until then). They are separate because a
-thread blocked on a send's completion must not keep receives from being posted.
+Acknowledgements: a send's buffer must live until the backend has delivered it, and gloo reports a send
+complete only when someone waits on it. Every message therefore carries the number of messages its sender
+has received on the reverse link; a rank that reads it completes that many of its own sends to that
+neighbour, which returns at once because they were already received. Between neighbours, activations go
+one way and gradients the other within every mini-batch, so the sends held stay bounded by the micro-batches
+in flight. Everything runs on the calling thread: no helper thread competes with compute for a core or the
+GIL, which matters most when ranks share a machine's cores.
 
-Latency hiding: each link's next receive is posted one message ahead (``plan``), and a message travels
-as one buffer, the tensor's bytes followed by the header, sized like the previous tensor on that link.
-Sender and receiver track that size identically. When it changes (or there is no tensor), the sender
-first fills the pre-posted buffer with a header that announces the new layout, then sends the tensor in a
-buffer of the new size; the first message on a link is announced the same way.
+Latency hiding: each link's next receive is posted one message ahead (``plan``), sized like the previous
+tensor on that link. Sender and receiver track that size identically. When it changes (or there is no
+tensor), the sender first fills the pre-posted buffer with a header that announces the new layout, then
+sends the tensor in a buffer of the new size; the first message on a link is announced the same way.
 """
 
 from __future__ import annotations
 
 import atexit
-import concurrent.futures
 import datetime
-import queue
-import threading
-import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,8 +45,10 @@ from .worker import Message
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool]
 _MAX_DIMS = 8
-_HEADER = 8 + _MAX_DIMS  # kind, microbatch, tag, poisoned, dtype, ndim, has_payload, reserved, shape...
+_HEADER = 8 + _MAX_DIMS  # kind, microbatch, tag, poisoned, dtype, ndim, has_payload, acknowledged, shape...
+_ACK = 7
 _KIND_CODE = {F: 0, B: 1}
+_REVERSE = {F: B, B: F}  # the link that carries messages back from the same neighbour
 _TAG = {F: 10, B: 20}
 _LOSS_TAG = 30
 _HEADER_BYTES = _HEADER * 8
@@ -71,18 +72,31 @@ def _payload_bytes(layout: Layout | None) -> int:
     return 0 if layout is None else (_raw_bytes(layout) + 7) // 8 * 8
 
 
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else "no detail"
+
+
 class PeerError(RuntimeError):
     """A neighbouring rank died, stopped answering, or sent something this stage cannot take."""
 
 
 @dataclass
 class _Posted:
-    """Receives posted for one expected message."""
+    """The receive posted for one expected message."""
 
     microbatch: int
     buffer: torch.Tensor
-    work: concurrent.futures.Future  # resolves to the backend Work once posted
+    work: Any  # the backend's Work
     layout: Layout | None  # the layout the buffer was sized for
+
+
+@dataclass
+class _Sent:
+    """A posted send; its buffer lives until the send is completed."""
+
+    work: Any
+    buffer: torch.Tensor
+    dst: int
 
 
 def _deliver_at_exit(transport: "weakref.ref[DistributedTransport]") -> None:
@@ -94,29 +108,6 @@ def _deliver_at_exit(transport: "weakref.ref[DistributedTransport]") -> None:
             pass  # the receiving rank is gone; nothing can be delivered
 
 
-class _Poster:
-    """Runs posting calls (``isend``/``irecv``) on one helper thread, in submission order."""
-
-    def __init__(self, name: str):
-        self._calls: queue.SimpleQueue[tuple[concurrent.futures.Future, Callable[..., Any], tuple]] = (
-            queue.SimpleQueue())
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def post(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._calls.put((future, fn, args))
-        return future
-
-    def _run(self) -> None:
-        while True:
-            future, fn, args = self._calls.get()
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # handed to whoever waits on the future
-                future.set_exception(exc)
-
-
 class DistributedTransport:
     """Sends and receives stage messages between neighbouring ranks of the default process group."""
 
@@ -125,21 +116,22 @@ class DistributedTransport:
         self.num_stages = num_stages
         self.timeout = datetime.timedelta(seconds=timeout)
         self.device = device or torch.device("cpu")
-        # The process group's send/recv are called directly rather than through ``dist.isend``/``irecv``, so
-        # the posting thread holds the GIL for less time. Peer ranks are global ranks: the default group.
+        # The process group's send/recv are called directly rather than through ``dist.isend``/``irecv``
+        # (less Python per message). Peer ranks are global ranks: the default group.
         self._group = dist.group.WORLD
-        self._poster = _Poster(f"pipecore-post-rank{rank}")
-        self._sends: queue.Queue[tuple[Any, torch.Tensor, int]] = queue.Queue()
-        self._send_error: PeerError | None = None
-        self._reaper = threading.Thread(target=self._complete_sends, name=f"pipecore-sends-rank{rank}", daemon=True)
-        self._reaper.start()
         self._sent_layout: dict[Kind, Layout] = {}
         self._recv_layout: dict[Kind, Layout] = {}
         self._posted: dict[Kind, _Posted] = {}
         self._expected: dict[Kind, deque[int]] = {F: deque(), B: deque()}
+        # Per link (named by the kind of message it carries): sends not completed yet, in posting order,
+        # with the number completed before them; and the number of messages received.
+        self._unacknowledged: dict[Kind, deque[_Sent]] = {F: deque(), B: deque()}
+        self._acknowledged: dict[Kind, int] = {F: 0, B: 0}
+        self._received: dict[Kind, int] = {F: 0, B: 0}
+        self._loss_sends: dict[int, _Sent] = {}
         self._loss_posted: tuple[torch.Tensor, Any] | None = None
-        # Sends still queued when the script ends (a last step's gradients and loss) are delivered before
-        # the helper threads stop, rather than lost.
+        # Sends not yet completed when the script ends (a last step's gradients and loss) are delivered
+        # before the process exits, rather than lost.
         atexit.register(_deliver_at_exit, weakref.ref(self))
 
     @staticmethod
@@ -155,21 +147,24 @@ class DistributedTransport:
         fields = [_KIND_CODE[kind], microbatch, -1 if message.tag is None else message.tag, int(message.poisoned)]
         layout = None
         if payload is None:
-            fields += [0, 0, 0, 0]
+            fields += [0, 0, 0]
         else:
             if payload.dim() > _MAX_DIMS:
                 raise ValueError(f"rank {self.rank}: activations may have at most {_MAX_DIMS} dimensions")
             if payload.dtype not in _ITEMSIZE:
                 raise ValueError(f"rank {self.rank}: cannot send dtype {payload.dtype}")
             layout = (tuple(payload.shape), payload.dtype)
-            fields += [_DTYPES.index(payload.dtype), payload.dim(), 1, 0, *layout[0]]
+            fields += [_DTYPES.index(payload.dtype), payload.dim(), 1]
+        fields.append(self._received[_REVERSE[kind]])  # what we took from this neighbour so far
+        if layout is not None:
+            fields += layout[0]
         header = torch.tensor(fields + [0] * (_HEADER - len(fields)), dtype=torch.int64)
         previous = self._sent_layout.get(kind)
         if layout is None or layout != previous:
             # The receiver's posted buffer has the previous size: fill it with the announcing header.
-            self._isend(self._pack(header, None, previous), stage, _TAG[kind])
+            self._post_send(kind, self._pack(header, None, previous), stage)
         if layout is not None:
-            self._isend(self._pack(header, payload, layout), stage, _TAG[kind])
+            self._post_send(kind, self._pack(header, payload, layout), stage)
             self._sent_layout[kind] = layout
 
     def _pack(self, header: torch.Tensor, payload: torch.Tensor | None, layout: Layout | None) -> torch.Tensor:
@@ -184,67 +179,67 @@ class DistributedTransport:
         buffer[size:].view(torch.int64).copy_(header)
         return buffer
 
-    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        if self._send_error is not None:
-            raise self._send_error
-        self._poster.post(self._post_send, tensor, dst, tag)
-
-    def _post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+    def _post(self, buffer: torch.Tensor, dst: int, tag: int) -> _Sent:
         try:
-            work = self._group.send([tensor], dst, tag)
+            return _Sent(self._group.send([buffer], dst, tag), buffer, dst)
         except RuntimeError as exc:
-            self._send_error = self._send_failed(dst, exc)
-            return
-        self._sends.put((work, tensor, dst))
+            raise self._send_failed(dst, exc) from exc
 
-    def _send_failed(self, dst: int, exc: RuntimeError) -> PeerError:
-        detail = str(exc).splitlines()[0] if str(exc) else "no detail"
-        return PeerError(f"rank {self.rank}: sending to rank {dst} failed ({detail}); "
-                         f"rank {dst} died or stopped answering")
+    def _post_send(self, kind: Kind, buffer: torch.Tensor, dst: int) -> None:
+        self._unacknowledged[kind].append(self._post(buffer, dst, _TAG[kind]))
 
-    def _complete_sends(self) -> None:
-        while True:
-            work, _, dst = self._sends.get()
-            try:
-                work.wait()
-            except RuntimeError as exc:
-                self._send_error = self._send_failed(dst, exc)
-            finally:
-                self._sends.task_done()
+    def _complete(self, sent: _Sent) -> None:
+        try:
+            sent.work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise self._send_failed(sent.dst, exc) from exc
+
+    def _acknowledge(self, kind: Kind, count: int) -> None:
+        """The neighbour has received ``count`` messages on link ``kind``: complete those sends."""
+        pending = self._unacknowledged[kind]
+        while self._acknowledged[kind] < count and pending:
+            self._complete(pending.popleft())
+            self._acknowledged[kind] += 1
+
+    def _send_failed(self, dst: int, exc: BaseException) -> PeerError:
+        return PeerError(f"rank {self.rank}: sending to rank {dst} failed ({_first_line(exc)}); "
+                         f"rank {dst} died or stopped answering (timeout {self.timeout.total_seconds():g} s)")
 
     def wait_sends(self) -> None:
-        """Complete every posted send (before a flush ends or the process exits)."""
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        try:  # every send asked for so far has been posted once a call posted after them has run
-            self._poster.post(lambda: None).result(self.timeout.total_seconds())
-        except concurrent.futures.TimeoutError:
-            raise PeerError(f"rank {self.rank}: posting sends did not finish within "
-                            f"{self.timeout.total_seconds():g} s") from None
-        while self._sends.unfinished_tasks:
-            if self._send_error is not None:
-                raise self._send_error
-            if time.monotonic() > deadline:
-                raise PeerError(f"rank {self.rank}: a neighbouring rank did not take its messages within "
-                                f"{self.timeout.total_seconds():g} s")
-            time.sleep(0.0005)
-        if self._send_error is not None:
-            raise self._send_error
+        """Complete every posted send (before a flush ends or the process exits); raises :class:`PeerError`
+        if a neighbour does not take its messages within the timeout."""
+        for kind, pending in self._unacknowledged.items():
+            while pending:
+                self._complete(pending[0])
+                pending.popleft()
+                self._acknowledged[kind] += 1
+        while self._loss_sends:
+            dst = next(iter(self._loss_sends))
+            self._complete(self._loss_sends[dst])
+            del self._loss_sends[dst]
 
     # Mini-batch losses -----------------------------------------------------------------------------
 
     def publish_loss(self, minibatch: int, loss: float) -> None:
         """Last rank: send a mini-batch's loss to every other rank as soon as it is known. Point-to-point
         messages rather than a collective, so that no rank waits for another to reach the end of its step
-        (a collective would re-synchronise an asynchronous pipeline at every step)."""
+        (a collective would re-synchronise an asynchronous pipeline at every step).
+
+        The previous loss send to each rank is completed first, without waiting: this loss needed every
+        rank's forwards of this mini-batch, and a rank runs them only after its previous ``step()``
+        returned, that is after it received the previous loss."""
         value = torch.tensor([minibatch, loss], dtype=torch.float64, device=self.device)
         for dst in range(self.num_stages - 1):
-            self._isend(value, dst, _LOSS_TAG)
+            previous = self._loss_sends.pop(dst, None)
+            if previous is not None:
+                self._complete(previous)
+            self._loss_sends[dst] = self._post(value, dst, _LOSS_TAG)
 
     def expect_loss(self) -> None:
         """Post the receive of the next mini-batch loss (ranks other than the last), ahead of time."""
         if self._loss_posted is None:
             buffer = torch.empty(2, dtype=torch.float64, device=self.device)
-            self._loss_posted = (buffer, self._poster.post(self._group.recv, [buffer], self.num_stages - 1, _LOSS_TAG))
+            self._loss_posted = (buffer, self._post_receive(buffer, self.num_stages - 1, _LOSS_TAG, "a loss"))
 
     def receive_loss(self, minibatch: int) -> float:
         """The loss of ``minibatch`` that the last rank published."""
@@ -277,7 +272,16 @@ class DistributedTransport:
 
     def _irecv(self, layout: Layout | None, stage: int, kind: Kind) -> tuple[torch.Tensor, Any]:
         buffer = torch.empty(_payload_bytes(layout) + _HEADER_BYTES, dtype=torch.uint8, device=self.device)
-        return buffer, self._poster.post(self._group.recv, [buffer], self._peer(stage, kind), _TAG[kind])
+        peer = self._peer(stage, kind)
+        what = f"the next {'activation' if kind is F else 'gradient'}"
+        return buffer, self._post_receive(buffer, peer, _TAG[kind], what)
+
+    def _post_receive(self, buffer: torch.Tensor, src: int, tag: int, what: str) -> Any:
+        try:
+            return self._group.recv([buffer], src, tag)
+        except RuntimeError as exc:
+            raise PeerError(f"rank {self.rank}: could not post the receive of {what} from rank {src} "
+                            f"({_first_line(exc)}); rank {src} died or stopped answering") from exc
 
     def ready(self, stage: int, kind: Kind, microbatch: int) -> bool:
         return True  # receive blocks (with a timeout) until the message is there
@@ -292,6 +296,7 @@ class DistributedTransport:
         if posted.microbatch != microbatch:
             raise RuntimeError(f"rank {self.rank}: receives out of plan ({microbatch} vs {posted.microbatch}); a bug")
         self._wait(posted.work, what, src)
+        self._received[kind] += 1
         buffer = posted.buffer
         header = buffer[-_HEADER_BYTES:].view(torch.int64).tolist()
         got_kind, got_mb = header[0], header[1]
@@ -308,29 +313,24 @@ class DistributedTransport:
             if layout != posted.layout:  # the posted buffer held the announcement; the tensor follows
                 buffer, work = self._irecv(layout, stage, kind)
                 self._wait(work, what, src)
+                self._received[kind] += 1
                 self._recv_layout[kind] = layout
             shape, dtype = layout
             payload = buffer[: _raw_bytes(layout)].view(dtype).view(shape)
         self._post_next(stage, kind)
+        self._acknowledge(_REVERSE[kind], header[_ACK])
         tag = header[2]
         return Message(payload, None if tag < 0 else tag, poisoned=bool(header[3]))
 
-    def _wait(self, posting: concurrent.futures.Future, what: str, peer: int | None) -> None:
-        """Wait for a receive that the posting thread was asked to post."""
-        who = f"rank {peer}" if peer is not None else "a neighbouring rank"
-        seconds = self.timeout.total_seconds()
+    def _wait(self, work: Any, what: str, peer: int) -> None:
+        """Wait for a posted receive."""
         try:
-            work = posting.result(seconds)
             ok = work.wait(self.timeout)
-        except concurrent.futures.TimeoutError:
-            raise PeerError(f"rank {self.rank}: the receive of {what} from {who} was not posted within "
-                            f"{seconds:g} s") from None
         except RuntimeError as exc:
-            detail = str(exc).splitlines()[0] if str(exc) else "no detail"
             raise PeerError(
-                f"rank {self.rank}: {who} failed while {what} was expected ({exc.__class__.__name__}: {detail}); "
-                f"it died or stopped answering (timeout {self.timeout.total_seconds():g} s)"
+                f"rank {self.rank}: rank {peer} failed while {what} was expected ({exc.__class__.__name__}: "
+                f"{_first_line(exc)}); it died or stopped answering (timeout {self.timeout.total_seconds():g} s)"
             ) from exc
         if ok is False:
-            raise PeerError(f"rank {self.rank}: no answer from {who} within {self.timeout.total_seconds():g} s "
+            raise PeerError(f"rank {self.rank}: no answer from rank {peer} within {self.timeout.total_seconds():g} s "
                             f"while waiting for {what}")

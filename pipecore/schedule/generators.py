@@ -26,9 +26,9 @@ def _check_sizes(num_stages: int, n_microbatches: int, n_minibatches: int) -> No
         raise ValueError(f"n_minibatches must be >= 1, got {n_minibatches}")
 
 
-def _one_f_one_b_block(stage: int, num_stages: int, first: int, count: int) -> list[Action]:
-    """Warm-up ``min(P-s-1, count)`` forwards, then alternate F and B, then drain the backwards."""
-    warmup = min(num_stages - stage - 1, count)
+def _one_f_one_b_block(stage: int, num_stages: int, first: int, count: int, slack: int = 0) -> list[Action]:
+    """Warm-up ``min((P-s-1)*(1+slack), count)`` forwards, then alternate F and B, then drain the backwards."""
+    warmup = min((num_stages - stage - 1) * (1 + slack), count)
     actions = [Action(stage, F, first + k) for k in range(warmup)]
     for k in range(count - warmup):
         actions.append(Action(stage, F, first + k + warmup))
@@ -64,11 +64,20 @@ def one_f_one_b(num_stages: int, n_microbatches: int, n_minibatches: int = 1) ->
     return Schedule(num_stages, m, n_minibatches, tuple(stages))
 
 
-def async_one_f_one_b(num_stages: int, n_microbatches: int, n_minibatches: int = 1) -> Schedule:
-    """1F1B without flushes: one warm-up at the start, one drain at the end (PipeDream, 2BW, PipeMare)."""
+def async_one_f_one_b(num_stages: int, n_microbatches: int, n_minibatches: int = 1, slack: int = 0) -> Schedule:
+    """1F1B without flushes: one warm-up at the start, one drain at the end (PipeDream, 2BW, PipeMare).
+
+    ``slack`` adds that many forwards per downstream stage to each stage's warm-up (stage ``s`` runs
+    ``(P-s-1)*(1+slack)`` forwards before its first backward). With ``slack=0`` a stage's next backward
+    waits for a gradient that its neighbour produces just in time, so every message's latency lands on
+    the critical path; each unit of slack gives a message one more forward+backward of the receiver to
+    arrive in, for one more micro-batch of activations held per downstream stage.
+    """
     _check_sizes(num_stages, n_microbatches, n_minibatches)
+    if isinstance(slack, bool) or not isinstance(slack, int) or slack < 0:
+        raise ValueError(f"slack must be a non-negative integer, got {slack!r}")
     total = n_microbatches * n_minibatches
-    stages = tuple(tuple(_one_f_one_b_block(s, num_stages, 0, total)) for s in range(num_stages))
+    stages = tuple(tuple(_one_f_one_b_block(s, num_stages, 0, total, slack)) for s in range(num_stages))
     return Schedule(num_stages, n_microbatches, n_minibatches, stages)
 
 

@@ -123,8 +123,8 @@ class DistributedTransport:
         self._recv_layout: dict[Kind, Layout] = {}
         self._posted: dict[Kind, _Posted] = {}
         self._expected: dict[Kind, deque[int]] = {F: deque(), B: deque()}
-        # Per link (named by the kind of message it carries): sends not completed yet, in posting order,
-        # with the number completed before them; and the number of messages received.
+        # Per link (named by the kind of message it carries): the sends not completed yet, in posting
+        # order; how many sends were completed; how many messages were received.
         self._unacknowledged: dict[Kind, deque[_Sent]] = {F: deque(), B: deque()}
         self._acknowledged: dict[Kind, int] = {F: 0, B: 0}
         self._received: dict[Kind, int] = {F: 0, B: 0}
@@ -190,9 +190,11 @@ class DistributedTransport:
 
     def _complete(self, sent: _Sent) -> None:
         try:
-            sent.work.wait(self.timeout)
+            done = sent.work.wait(self.timeout)
         except RuntimeError as exc:
             raise self._send_failed(sent.dst, exc) from exc
+        if done is False:
+            raise self._send_failed(sent.dst, TimeoutError("the send did not complete"))
 
     def _acknowledge(self, kind: Kind, count: int) -> None:
         """The neighbour has received ``count`` messages on link ``kind``: complete those sends."""

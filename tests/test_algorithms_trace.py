@@ -95,6 +95,20 @@ def test_2bw_with_slack_needs_the_warmup_within_one_minibatch():
                 assert [simulate("2bw", P, need, n, slack=slack).weight_versions(s) for s in range(P)] == [2] * P
 
 
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_slack_hides_message_latency_in_the_timing_model(P):
+    """With a send time, the published warm-up puts each message's latency on every step; one unit of slack
+    per downstream stage hides a latency of up to half a forward+backward, recovering the zero-latency
+    makespan in steady state (without latency, slack changes nothing)."""
+    m, n, send = 8, 6, 0.5
+    free = simulate("2bw", P, m, n, costs=(1, 2)).makespan
+    assert simulate("2bw", P, m, n, costs=(1, 2), slack=1).makespan == free
+    tight = simulate("2bw", P, m, n, costs=(1, 2, send)).makespan
+    slack = simulate("2bw", P, m, n, costs=(1, 2, send), slack=1).makespan
+    assert tight >= free + send * m * n  # every micro-batch pays the latency
+    assert slack <= free + 2 * send * (P - 1) + 1e-9  # only the fill and the drain pay it
+
+
 def test_slack_is_an_option_of_the_async_1f1b_algorithms_only():
     for name in ("gpipe", "1f1b", "pipemare", "spectrain", "timeprest"):
         with pytest.raises(ValueError, match="unknown option"):

@@ -43,7 +43,9 @@ def make_pipeline(num_stages: int, algorithm: str, **kwargs) -> pipecore.Pipelin
     m = MICROBATCHES
     algorithm, plus, variant = algorithm.partition("+")
     if plus:
-        kwargs = {**kwargs, {"slack": "slack"}[variant]: 1}
+        if variant != "slack":
+            raise SystemExit(f"unknown variant +{variant}; only +slack")
+        kwargs = {**kwargs, "slack": 1}
     return pipecore.Pipeline(make_model(num_stages), num_stages, algorithm, m,
                              optimizer=pipecore.SGD(lr=0.1, momentum=0.9), loss_fn=nn.CrossEntropyLoss(), **kwargs)
 

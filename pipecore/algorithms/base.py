@@ -15,6 +15,7 @@ from functools import cached_property
 from typing import Any, Callable, Mapping, Sequence
 
 from ..schedule.generators import ScheduleFamily
+from ..schedule.ir import B, F
 from ..schedule.periodic import PeriodicForm, periodic_form
 from ..schedule.schedule import Schedule
 
@@ -316,12 +317,24 @@ class Algorithm:
         # None for a family whose steady state does not repeat; its schedules are then generated in full.
         return periodic_form(self._generate, self.n_microbatches, self.update_every, warmup=self.warmup_minibatches)
 
-    @property
+    @cached_property
     def warmup_minibatches(self) -> int:
         """Mini-batches after which every stage's schedule is in its steady state: enough to find the
-        periodic rows, and to simulate the most weight versions a stage ever holds (ring sizing)."""
-        slack = self.options.get("slack", 0) if "slack" in self.spec.schedule_options else 0
-        return 2 * self.num_stages * (1 + slack) + 2
+        periodic rows, and to simulate the most weight versions a stage ever holds (ring sizing).
+
+        Read off the schedule rather than the options: the fill is as long as the forwards stage 0 runs
+        before its first backward (a schedule option such as ``slack`` lengthens it), and the steady
+        state needs twice that many micro-batches behind it.
+        """
+        n = 2 * self.num_stages + 2
+        while True:
+            row = self._generate(n).stages[0]
+            first_backward = next((i for i, a in enumerate(row) if a.kind is B), len(row))
+            lead = sum(1 for a in row[:first_backward] if a.kind is F)
+            if lead < n * self.n_microbatches:
+                break
+            n *= 2  # every forward comes before the first backward: the fill is longer than this schedule
+        return 2 * self.num_stages + 2 + 2 * -(-lead // self.n_microbatches)
 
     def forward_read(self, ctx: ReadContext) -> WeightRead:
         return self.spec.forward.resolve(ctx, self.options)

@@ -211,10 +211,7 @@ class DistributedTransport:
         """Complete every posted send (before a flush ends or the process exits); raises :class:`PeerError`
         if a neighbour does not take its messages within the timeout."""
         for kind, pending in self._unacknowledged.items():
-            while pending:
-                self._complete(pending[0])
-                pending.popleft()
-                self._acknowledged[kind] += 1
+            self._acknowledge(kind, self._acknowledged[kind] + len(pending))
         while self._loss_sends:
             dst = next(iter(self._loss_sends))
             self._complete(self._loss_sends[dst])

@@ -68,6 +68,48 @@ def test_synchronous_equals_sequential_training(algorithm, num_stages, opt):
         torch.testing.assert_close(got[key], value, rtol=0, atol=1e-12)
 
 
+def test_input_that_requires_grad_is_left_alone_and_weights_match_plain_training():
+    # The pipeline differentiates only its own weights (and stage inputs it received): a user's input
+    # tensor that requires grad gets no gradient, and training is unchanged.
+    xs, ys = data(3)
+    xs.requires_grad_(True)
+    pipe = Pipeline(mlp(4), 2, "1f1b", M, optimizer=SGD(lr=0.1), loss_fn=nn.CrossEntropyLoss())
+    for x, y in zip(xs, ys):
+        pipe.step(x, y)
+    assert xs.grad is None
+    ref = mlp(4)
+    sequential_reference(ref, torch.optim.SGD(ref.parameters(), lr=0.1), xs.detach(), ys, per_update=M)
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(pipe.state_dict()[key], value, rtol=0, atol=1e-12)
+
+
+class _WithUnusedParameter(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.unused = nn.Parameter(torch.ones(2, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_a_parameter_that_takes_no_part_keeps_its_value():
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 6).double(), _WithUnusedParameter(nn.Linear(6, 3).double()))
+
+    pipe = Pipeline(model(), 2, "1f1b", M, optimizer=SGD(lr=0.1), loss_fn=nn.CrossEntropyLoss())
+    xs, ys = data(3)
+    for x, y in zip(xs, ys):
+        pipe.step(x, y)
+    ref = model()
+    sequential_reference(ref, torch.optim.SGD(ref.parameters(), lr=0.1), xs, ys, per_update=M)
+    got = pipe.state_dict()
+    assert torch.equal(got["1.unused"], torch.ones(2, dtype=torch.float64))
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=1e-12)
+
+
 def test_user_model_parameters_follow_the_live_weights():
     model = mlp(4)
     pipe = Pipeline(model, 2, "2bw", 2, optimizer=SGD(lr=0.1), loss_fn=nn.CrossEntropyLoss())

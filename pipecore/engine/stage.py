@@ -254,7 +254,8 @@ class TensorStage(StageWorker):
                 leaves, output, x = rec.leaves, rec.output, rec.stage_input
                 if rec.forward_weights is None:
                     self._unpack_target = self.materialize(read)
-            wants_input_grad = isinstance(x, torch.Tensor) and x.requires_grad
+            # The first stage has no upstream neighbour: a user input that requires grad gets nothing.
+            wants_input_grad = self.stage > 0 and isinstance(x, torch.Tensor) and x.requires_grad
             inputs = leaves + ([x] if wants_input_grad else [])
             if not inputs:  # nothing to differentiate: no parameters and no input gradient to send
                 outs.append(None)
@@ -270,13 +271,16 @@ class TensorStage(StageWorker):
                     self._unpack_target = None
                 outs.append(dx)
                 continue
+            # Autograd accumulates each weight gradient into the stage's gradient buffer as soon as it is
+            # computed, while it is still in cache (a separate summation afterwards costs a second pass
+            # over all weight gradients). A parameter that takes no part gets nothing added.
+            for leaf, accumulator in zip(leaves, self._grad_views):
+                leaf.grad = accumulator
             try:
-                # allow_unused: a parameter may not take part (e.g. a stage that only applies an activation).
-                grads = torch.autograd.grad(output, inputs, grad_outputs=grad_output, allow_unused=True)
+                torch.autograd.backward(output, grad_tensors=grad_output, inputs=inputs)
             finally:
                 self._unpack_target = None
-            self._accumulate(grads)
-            outs.append(grads[-1] if wants_input_grad else None)
+            outs.append(x.grad if wants_input_grad else None)
         self._timed("B", t0)
         return outs
 

@@ -84,6 +84,7 @@ class TensorStage(StageWorker):
         self.grad = torch.zeros_like(flat)
         self._grad_views = list(self.layout.views(self.grad).values())
         self._view_cache: dict[int, list[torch.Tensor]] = {}
+        self._leaf_cache: dict[int, list[torch.Tensor]] = {}
         self._stable_storages = {self.ring.buffer.untyped_storage().data_ptr()}
         if self.scratch is not None:
             self._stable_storages.add(self.scratch.untyped_storage().data_ptr())
@@ -175,9 +176,21 @@ class TensorStage(StageWorker):
         return views
 
     def _leaves(self, weights: torch.Tensor) -> list[torch.Tensor]:
-        """One autograd leaf per parameter, each a view of ``weights``. Per-parameter leaves (rather than one
-        flat leaf) keep autograd from materialising a full-size zero gradient for every parameter slice."""
-        return [view.detach().requires_grad_(True) for view in self._views(weights)]
+        """One autograd leaf per parameter, each a view of ``weights``, whose ``.grad`` is the parameter's
+        slice of the stage's gradient buffer: a backward accumulates into it in place, inside autograd, as
+        each gradient is produced (summing afterwards would hold all of a micro-batch's weight gradients
+        at once and pass over them again). Per-parameter leaves (rather than one flat leaf) keep autograd from
+        materialising a full-size zero gradient for every parameter slice. Leaves of ring slots and the
+        scratch buffer are cached like their views; micro-batches in flight may share them."""
+        key = weights.data_ptr()
+        leaves = self._leaf_cache.get(key)
+        if leaves is None:
+            leaves = [view.detach().requires_grad_(True) for view in self._views(weights)]
+            for leaf, accumulator in zip(leaves, self._grad_views):
+                leaf.grad = accumulator
+            if weights.untyped_storage().data_ptr() in self._stable_storages:
+                self._leaf_cache[key] = leaves
+        return leaves
 
     def _run_module(self, params: Sequence[torch.Tensor], x: Any) -> torch.Tensor:
         # Swap the given tensors in as the module's parameters for one call (what torch.func.functional_call
@@ -271,11 +284,8 @@ class TensorStage(StageWorker):
                     self._unpack_target = None
                 outs.append(dx)
                 continue
-            # Autograd accumulates each weight gradient into the stage's gradient buffer as soon as it is
-            # computed, while it is still in cache (a separate summation afterwards costs a second pass
-            # over all weight gradients). A parameter that takes no part gets nothing added.
-            for leaf, accumulator in zip(leaves, self._grad_views):
-                leaf.grad = accumulator
+            # Weight gradients accumulate into the leaves' .grad, the gradient buffer (see _leaves); a
+            # parameter that takes no part gets nothing added.
             try:
                 torch.autograd.backward(output, grad_tensors=grad_output, inputs=inputs)
             finally:
@@ -387,6 +397,7 @@ class TensorStage(StageWorker):
             view.copy_(params[name])
         self.ring = WeightRing.from_flat(flat, self.ring.num_slots, version=version)
         self._view_cache.clear()
+        self._leaf_cache.clear()
         self._stable_storages = {self.ring.buffer.untyped_storage().data_ptr()} | (
             {self.scratch.untyped_storage().data_ptr()} if self.scratch is not None else set())
         self.pinned_versions = set()

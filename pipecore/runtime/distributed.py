@@ -13,6 +13,12 @@ kind of message in one direction (activations to ``s+1``, gradients to ``s-1``),
 the order in which the receiver posts its receives. ``flush()`` (and process exit) completes the sends
 still outstanding, with the timeout.
 
+One process group per link: each link (a pair of neighbouring ranks and a direction) is its own
+two-rank process group, which for gloo is its own connection and I/O thread. On one shared connection a
+gradient arriving would hold the connection's lock while the same rank posts its next activation (and the
+reverse), so every message waited for the other direction's traffic; with a group per link, a message
+never waits for one on another link. Mini-batch losses go over the default group.
+
 Acknowledgements: a send's buffer must live until the backend has delivered it, and gloo reports a send
 complete only when someone waits on it. Every message therefore carries the number of messages its sender
 has received on the reverse link; a rank that reads it completes that many of its own sends to that
@@ -108,6 +114,22 @@ def _deliver_at_exit(transport: "weakref.ref[DistributedTransport]") -> None:
             pass  # the receiving rank is gone; nothing can be delivered
 
 
+def _link_groups(rank: int, num_stages: int, timeout: datetime.timedelta) -> dict[tuple[Kind, int], tuple[Any, int]]:
+    """This rank's links: ``(kind, neighbour) -> (process group, the neighbour's rank in it)``.
+
+    Every rank creates every link's group, in the same order (``new_group`` is collective over the default
+    group, members or not); it keeps those it belongs to. Links carry activations (``F``) from stage ``s``
+    to ``s+1`` and gradients (``B``) from ``s+1`` to ``s``."""
+    links: dict[tuple[Kind, int], tuple[Any, int]] = {}
+    for s in range(num_stages - 1):
+        for kind in (F, B):
+            group = dist.new_group([s, s + 1], timeout=timeout)
+            if rank in (s, s + 1):
+                neighbour = s + 1 if rank == s else s
+                links[kind, neighbour] = (group, dist.get_group_rank(group, neighbour))
+    return links
+
+
 class DistributedTransport:
     """Sends and receives stage messages between neighbouring ranks of the default process group."""
 
@@ -116,9 +138,10 @@ class DistributedTransport:
         self.num_stages = num_stages
         self.timeout = datetime.timedelta(seconds=timeout)
         self.device = device or torch.device("cpu")
-        # The process group's send/recv are called directly rather than through ``dist.isend``/``irecv``
-        # (less Python per message). Peer ranks are global ranks: the default group.
-        self._group = dist.group.WORLD
+        # The process groups' send/recv are called directly rather than through ``dist.isend``/``irecv``
+        # (less Python per message); they take ranks within the group.
+        self._world = dist.group.WORLD
+        self._links = _link_groups(rank, num_stages, self.timeout)
         self._sent_layout: dict[Kind, Layout] = {}
         self._recv_layout: dict[Kind, Layout] = {}
         self._posted: dict[Kind, _Posted] = {}
@@ -179,14 +202,15 @@ class DistributedTransport:
         buffer[size:].view(torch.int64).copy_(header)
         return buffer
 
-    def _post(self, buffer: torch.Tensor, dst: int, tag: int) -> _Sent:
+    def _post(self, buffer: torch.Tensor, dst: int, tag: int, kind: Kind | None = None) -> _Sent:
+        group, peer = (self._world, dst) if kind is None else self._links[kind, dst]
         try:
-            return _Sent(self._group.send([buffer], dst, tag), buffer, dst)
+            return _Sent(group.send([buffer], peer, tag), buffer, dst)
         except RuntimeError as exc:
             raise self._send_failed(dst, exc) from exc
 
     def _post_send(self, kind: Kind, buffer: torch.Tensor, dst: int) -> None:
-        self._unacknowledged[kind].append(self._post(buffer, dst, _TAG[kind]))
+        self._unacknowledged[kind].append(self._post(buffer, dst, _TAG[kind], kind))
 
     def _complete(self, sent: _Sent) -> None:
         try:
@@ -273,11 +297,12 @@ class DistributedTransport:
         buffer = torch.empty(_payload_bytes(layout) + _HEADER_BYTES, dtype=torch.uint8, device=self.device)
         peer = self._peer(stage, kind)
         what = f"the next {'activation' if kind is F else 'gradient'}"
-        return buffer, self._post_receive(buffer, peer, _TAG[kind], what)
+        return buffer, self._post_receive(buffer, peer, _TAG[kind], what, kind)
 
-    def _post_receive(self, buffer: torch.Tensor, src: int, tag: int, what: str) -> Any:
+    def _post_receive(self, buffer: torch.Tensor, src: int, tag: int, what: str, kind: Kind | None = None) -> Any:
+        group, peer = (self._world, src) if kind is None else self._links[kind, src]
         try:
-            return self._group.recv([buffer], src, tag)
+            return group.recv([buffer], peer, tag)
         except RuntimeError as exc:
             raise PeerError(f"rank {self.rank}: could not post the receive of {what} from rank {src} "
                             f"({_first_line(exc)}); rank {src} died or stopped answering") from exc

@@ -113,6 +113,20 @@ def main() -> None:
         pipe.flush()
         held.append(sum(len(q) for q in pipe._transport._unacknowledged.values()))
         torch.save(held, os.path.join(out, f"held-{rank}.pt"))
+    elif mode == "links":
+        # Each link (neighbour and direction) is its own two-rank process group.
+        import torch.distributed as dist
+
+        pipe = make_pipeline(world, "1f1b", timeout=60)
+        train(pipe, batches(1), first, last)
+        links = pipe._transport._links
+        record = {
+            (kind.name, neighbour): (sorted(dist.get_process_group_ranks(group)), peer)
+            for (kind, neighbour), (group, peer) in links.items()
+        }
+        groups = [group for group, _ in links.values()]
+        record["distinct"] = len({id(g) for g in groups}) == len(groups) and dist.group.WORLD not in groups
+        torch.save(record, os.path.join(out, f"links-{rank}.pt"))
     elif mode == "mismatch":
         try:
             make_pipeline(world + 1, "1f1b")

@@ -147,6 +147,23 @@ def test_sends_held_for_acknowledgement_stay_bounded(algorithm, tmp_path):
         assert max(held[steps // 2: -1]) <= max(held[: steps // 2]), held
 
 
+def test_every_link_is_its_own_two_rank_group(tmp_path):
+    """Activations and gradients between each pair of neighbours travel in separate two-rank process
+    groups (separate connections), so traffic on one link never holds a lock another link needs."""
+    world = 4
+    _check_ok(launch(world, "links", str(tmp_path)))
+    for rank in range(world):
+        record = torch.load(tmp_path / f"links-{rank}.pt")
+        assert record.pop("distinct") is True
+        expected = {}
+        for neighbour in (rank - 1, rank + 1):
+            if 0 <= neighbour < world:
+                pair = sorted([rank, neighbour])
+                for kind in ("FORWARD", "BACKWARD"):
+                    expected[kind, neighbour] = (pair, pair.index(neighbour))
+        assert record == expected
+
+
 def test_world_size_must_equal_num_stages(tmp_path):
     _check_ok(launch(2, "mismatch", str(tmp_path)))
     message = (tmp_path / "error-0.txt").read_text()

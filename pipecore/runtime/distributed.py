@@ -131,7 +131,7 @@ def _link_groups(rank: int, num_stages: int, timeout: datetime.timedelta) -> dic
 
 
 class DistributedTransport:
-    """Sends and receives stage messages between neighbouring ranks of the default process group."""
+    """Sends and receives stage messages between neighbouring ranks, one two-rank process group per link."""
 
     def __init__(self, rank: int, num_stages: int, timeout: float = 30.0, device: torch.device | None = None):
         self.rank = rank

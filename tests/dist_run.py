@@ -127,6 +127,17 @@ def main() -> None:
         groups = [group for group, _ in links.values()]
         record["distinct"] = len({id(g) for g in groups}) == len(groups) and dist.group.WORLD not in groups
         torch.save(record, os.path.join(out, f"links-{rank}.pt"))
+    elif mode == "destroy":
+        # The usual end of a script: destroy the process groups while the pipeline is still referenced,
+        # then exit normally.
+        import torch.distributed as dist
+
+        pipe = make_pipeline(world, "2bw", timeout=300)
+        losses = train(pipe, batches(2), first, last)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, losses)  # other traffic on the default group, as a script has
+        dist.destroy_process_group()
+        torch.save(losses, os.path.join(out, f"losses-{rank}.pt"))
     elif mode == "mismatch":
         try:
             make_pipeline(world + 1, "1f1b")

@@ -112,6 +112,10 @@ def _deliver_at_exit(transport: "weakref.ref[DistributedTransport]") -> None:
             live.wait_sends()
         except (PeerError, RuntimeError):
             pass  # the receiving rank is gone; nothing can be delivered
+        finally:
+            # Release the link groups now rather than during interpreter teardown: a gloo group that outlives
+            # destroy_process_group() and is destroyed that late can abort the process.
+            live._links = {}
 
 
 def _link_groups(rank: int, num_stages: int, timeout: datetime.timedelta) -> dict[tuple[Kind, int], tuple[Any, int]]:

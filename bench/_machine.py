@@ -1,9 +1,30 @@
-"""The machine description every benchmark writes into its JSON result."""
+"""The machine description every benchmark writes into its JSON result, and the writing of that result."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+from pathlib import Path
+
+
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo where there is one, else what ``platform`` knows."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return name
+
+
+def write_report(report: dict, out: str | os.PathLike) -> Path:
+    """Write a benchmark's JSON result (creating its folder); returns the path written."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path
 
 
 def machine() -> dict[str, object]:
@@ -12,15 +33,9 @@ def machine() -> dict[str, object]:
 
     import pipecore
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
     return {
         "platform": platform.platform(),
-        "cpu": cpu,
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "python": platform.python_version(),

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import copy
-import json
 import os
 import pstats
 import statistics
@@ -50,7 +49,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import pipecore  # noqa: E402
-from _machine import machine  # noqa: E402
+from _machine import machine, write_report  # noqa: E402
 
 TARGET_RATIO = 0.9  # gpipe and 1f1b: engine overhead at most 10%
 TARGET_ALGORITHMS = ("gpipe", "1f1b")
@@ -294,8 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         "target": {"ratio": TARGET_RATIO, "algorithms": list(TARGET_ALGORITHMS)},
         "runs": runs,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    out = write_report(report, args.out).resolve()
 
     print(f"{report['model']}, batch {args.batch} = {m} micro-batches, {P} stages, float32; "
           f"median of {args.rounds} windows of {args.window} steps; overhead: ms/step over sequential at width "
@@ -306,7 +304,6 @@ def main(argv: list[str] | None = None) -> int:
         print_table(run)
         print("target (gpipe, 1f1b >= 0.9x sequential): "
               + ", ".join(f"{n} {'met' if ok else 'MISSED'}" for n, ok in run["target_met"].items()))
-    out = Path(args.out).resolve()
     print(f"\nwrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
     checks = [r.get("check", "ok") for run in runs for r in run["results"].values()]
     return 0 if all(c == "ok" for c in checks) and diff < 1e-5 else 1

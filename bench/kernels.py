@@ -28,7 +28,6 @@ Results go to ``bench/results/kernels-<device>[-<dtype>].json`` (``--out`` overr
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -41,6 +40,7 @@ from typing import Any
 import torch
 
 import pipecore.ops as ops
+from _machine import cpu_name, write_report
 
 OPS = ("interpolate", "predict", "sgd", "sgd_delta", "adamw")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -216,16 +216,7 @@ def _streaming_threshold() -> int:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return name
+    return cpu_name()
 
 
 def targets(results: list[dict[str, Any]], device: torch.device, copy_gbps: float | None) -> list[dict[str, Any]]:
@@ -313,10 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     if out is None:
         suffix = "" if args.dtype == "float32" else f"-{args.dtype}"
         out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"kernels-{device.type}{suffix}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
+    write_report(report, out)
     missed = [t for t in report["targets"] if not t["met"]]
     for t in missed:
         print(f"target missed: {t['op']} {t['size']}: {t['target']} (got {t['value']})")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import resource
 import sys
@@ -22,7 +21,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from _machine import machine
+from _machine import machine, write_report
 
 
 def run(algorithm: str, steps: int) -> list[dict]:
@@ -68,10 +67,7 @@ def main() -> None:
         "algorithm": args.algorithm, "num_stages": 2, "n_microbatches": 8, "batch": 64,
         "model": "4 x Linear(8, 8)", "flush": "none until the end", "results": rows,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.out}", file=sys.stderr)
+    print(f"wrote {write_report(report, args.out)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

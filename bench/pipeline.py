@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from _machine import machine
+from _machine import machine, write_report
 
 BATCH, MICRO, WIDTH, DEPTH = 256, 8, 512, 8
 SINGLE = "single process (1 thread)"
@@ -249,10 +249,7 @@ def main() -> None:
         "method": "systems interleaved in the same processes; ratios are medians of per-round ratios",
         "results": results,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.out}", file=sys.stderr)
+    print(f"wrote {write_report(report, args.out)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

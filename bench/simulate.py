@@ -9,7 +9,6 @@ output (grid and summary). Writes JSON with the machine, the sizes and per-algor
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from _machine import machine  # noqa: E402
+from _machine import machine, write_report  # noqa: E402
 from pipecore import algorithm_names, simulate  # noqa: E402
 
 TARGET_SECONDS = 0.5
@@ -73,10 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         "target_seconds": TARGET_SECONDS,
         "algorithms": results,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write_report(payload, args.out)}")
     return 0 if all(r["under_target"] for r in results.values()) else 1
 
 

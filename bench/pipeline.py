@@ -1,12 +1,14 @@
 """Multi-process pipelines on CPU/gloo: pipecore vs torch.distributed.pipelining vs one process.
 
-    python bench/pipeline.py [--ranks 2] [--steps 20] [--rounds 5] [--out bench/results/pipeline-cpu.json]
+    python bench/pipeline.py [--ranks 2] [--steps 20] [--rounds 9] [--out bench/results/pipeline-cpu.json]
 
 Same model (an MLP of 8 Linear(512, 512)+ReLU layers and a Linear(512, 10) head, float32), same split
 points, batch 256, 8 micro-batches, one thread per rank, momentum SGD. Variants: ``+split`` is the same
 algorithm with ``split_backward=True``; ``+slack`` is the same algorithm with the option ``slack=1`` (one
 more warm-up forward per downstream stage, which hides message latency; 2BW's weights and losses do not
-change with it, PipeDream's staleness grows by one update per downstream stage).
+change with it, PipeDream's staleness grows by one update per downstream stage); ``+accumulate`` is
+PipeDream with ``update_every=8``: one optimizer step per mini-batch like every other system, where
+published PipeDream steps after every micro-batch (8 optimizer steps per mini-batch).
 
 Every system runs in the same ``--ranks`` worker processes, interleaved: each round times one window of
 ``--steps`` steps of every system, in an order that rotates from round to round, so that all systems see
@@ -24,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from typing import Callable
@@ -35,13 +35,15 @@ import torch
 from torch import nn
 
 from _machine import machine, write_report
+from _ranks import spawn
 
 BATCH, MICRO, WIDTH, DEPTH = 256, 8, 512, 8
 SINGLE = "single process (1 thread)"
 PIPECORE = ["1f1b", "gpipe", "2bw", "pipedream", "pipemare", "spectrain", "v-timeprest", "i-timeprest", "timeprest"]
 TORCH = ["ScheduleGPipe", "Schedule1F1B"]
-VARIANTS = ["1f1b+split", "2bw+split", "2bw+slack", "pipedream+slack"]
-VARIANT_SETTINGS = {"": {}, "split": {"split_backward": True}, "slack": {"slack": 1}}
+VARIANTS = ["1f1b+split", "2bw+split", "2bw+slack", "pipedream+slack", "pipedream+accumulate"]
+VARIANT_SETTINGS = {"": {}, "split": {"split_backward": True}, "slack": {"slack": 1},
+                    "accumulate": {"update_every": MICRO}}
 WARMUP_STEPS = 3
 
 
@@ -172,20 +174,8 @@ def worker(systems: list[str], steps: int, rounds: int) -> dict:
 
 
 def launch(systems: list[str], ranks: int, steps: int, rounds: int) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(ranks):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", ",".join(systems), "--steps", str(steps),
-                                       "--rounds", str(rounds)], env=env, stdout=subprocess.PIPE, text=True))
-    outputs = [p.communicate()[0] for p in procs]
-    for p, out in zip(procs, outputs):
-        if p.returncode:
-            raise SystemExit(f"a rank failed (exit {p.returncode}):\n{out}")
-    return json.loads(outputs[0].strip().splitlines()[-1])
+    args = ["--worker", ",".join(systems), "--steps", str(steps), "--rounds", str(rounds)]
+    return json.loads(spawn(__file__, args, ranks)[0].strip().splitlines()[-1])
 
 
 def summarize(measured: dict, steps: int) -> list[dict]:
@@ -218,7 +208,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20, help="steps per timed window")
-    parser.add_argument("--rounds", type=int, default=5, help="timed windows per system, interleaved")
+    parser.add_argument("--rounds", type=int, default=9, help="timed windows per system, interleaved")
     parser.add_argument("--systems", default=",".join(TORCH + PIPECORE + VARIANTS),
                         help="comma-separated; the single-process baseline always runs")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline-cpu.json"))

@@ -113,6 +113,17 @@ def main() -> None:
         pipe.flush()
         held.append(sum(len(q) for q in pipe._transport._unacknowledged.values()))
         torch.save(held, os.path.join(out, f"held-{rank}.pt"))
+    elif mode == "posted":
+        # Each rank keeps a receive posted on every incoming link between steps and across a flush, so the
+        # neighbour's next message never waits for its receive to be posted.
+        pipe = make_pipeline(world, "1f1b", timeout=60)
+        posted = []
+        for i, (x, y) in enumerate(batches(3)):
+            pipe.step(x if first else None, y if last else None)
+            if i == 1:
+                pipe.flush()
+            posted.append(sorted(kind.name for kind in pipe._transport._posted))
+        torch.save(posted, os.path.join(out, f"posted-{rank}.pt"))
     elif mode == "links":
         # Each link (neighbour and direction) is its own two-rank process group.
         import torch.distributed as dist

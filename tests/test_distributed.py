@@ -147,6 +147,16 @@ def test_sends_held_for_acknowledgement_stay_bounded(algorithm, tmp_path):
         assert max(held[steps // 2: -1]) <= max(held[: steps // 2]), held
 
 
+def test_a_receive_stays_posted_on_every_incoming_link_between_steps(tmp_path):
+    """The next message on a link is received into a buffer posted before it is sent, also across step()
+    and flush() (gloo moves a message only once its receive is posted; a late post stalls)."""
+    world = 4
+    _check_ok(launch(world, "posted", str(tmp_path)))
+    for rank in range(world):
+        incoming = ["BACKWARD"] * (rank < world - 1) + ["FORWARD"] * (rank > 0)
+        assert torch.load(tmp_path / f"posted-{rank}.pt") == [sorted(incoming)] * 3
+
+
 def test_every_link_is_its_own_two_rank_group(tmp_path):
     """Activations and gradients between each pair of neighbours travel in separate two-rank process
     groups (separate connections), so traffic on one link never holds a lock another link needs."""

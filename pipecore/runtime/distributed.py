@@ -27,10 +27,14 @@ one way and gradients the other within every mini-batch, so the sends held stay 
 in flight. Everything runs on the calling thread: no helper thread competes with compute for a core or the
 GIL, which matters most when ranks share a machine's cores.
 
-Latency hiding: each link's next receive is posted one message ahead (``plan``), sized like the previous
-tensor on that link. Sender and receiver track that size identically. When it changes (or there is no
-tensor), the sender first fills the pre-posted buffer with a header that announces the new layout, then
-sends the tensor in a buffer of the new size; the first message on a link is announced the same way.
+Latency hiding: a receive is always posted on each of this rank's incoming links, one message ahead,
+sized like the previous tensor on that link. Sender and receiver track that size identically. When it
+changes (or there is no tensor), the sender first fills the pre-posted buffer with a header that announces
+the new layout, then sends the tensor in a buffer of the new size; the first message on a link is announced
+the same way. The next receive is posted as soon as the previous message is taken, also across ``step()``
+and ``flush()``: gloo transfers a message only once its receive is posted, and a receive posted after its
+message was sent stalls the poster for milliseconds when the sender's core is busy. The posted buffer is
+not tied to a micro-batch; the header says which one arrived. A receive still posted at exit is dropped.
 """
 
 from __future__ import annotations
@@ -88,9 +92,8 @@ class PeerError(RuntimeError):
 
 @dataclass
 class _Posted:
-    """The receive posted for one expected message."""
+    """The receive posted for a link's next message."""
 
-    microbatch: int
     buffer: torch.Tensor
     work: Any  # the backend's Work
     layout: Layout | None  # the layout the buffer was sized for
@@ -149,7 +152,6 @@ class DistributedTransport:
         self._sent_layout: dict[Kind, Layout] = {}
         self._recv_layout: dict[Kind, Layout] = {}
         self._posted: dict[Kind, _Posted] = {}
-        self._expected: dict[Kind, deque[int]] = {F: deque(), B: deque()}
         # Per link (named by the kind of message it carries): the sends not completed yet, in posting
         # order; how many sends were completed; how many messages were received.
         self._unacknowledged: dict[Kind, deque[_Sent]] = {F: deque(), B: deque()}
@@ -283,19 +285,15 @@ class DistributedTransport:
     # Receiving -------------------------------------------------------------------------------------
 
     def plan(self, stage: int, receives: Sequence[tuple[Kind, int]]) -> None:
-        """The receives this stage will make next, in order; each link's next one is posted early."""
-        for kind, k in receives:
-            self._expected[kind].append(k)
-        for kind in (F, B):
+        """Post a receive on every link that ``receives`` uses, unless one is posted already."""
+        for kind in {kind for kind, _ in receives}:
             self._post_next(stage, kind)
 
     def _post_next(self, stage: int, kind: Kind) -> None:
-        if kind in self._posted or not self._expected[kind]:
-            return
-        k = self._expected[kind].popleft()
-        layout = self._recv_layout.get(kind)
-        buffer, work = self._irecv(layout, stage, kind)
-        self._posted[kind] = _Posted(k, buffer, work, layout)
+        if kind not in self._posted:
+            layout = self._recv_layout.get(kind)
+            buffer, work = self._irecv(layout, stage, kind)
+            self._posted[kind] = _Posted(buffer, work, layout)
 
     def _irecv(self, layout: Layout | None, stage: int, kind: Kind) -> tuple[torch.Tensor, Any]:
         buffer = torch.empty(_payload_bytes(layout) + _HEADER_BYTES, dtype=torch.uint8, device=self.device)
@@ -317,12 +315,8 @@ class DistributedTransport:
     def receive(self, stage: int, kind: Kind, microbatch: int) -> Message:
         src = self._peer(stage, kind)
         what = f"the {'activation' if kind is F else 'gradient'} of micro-batch {microbatch}"
-        if kind not in self._posted:
-            self._expected[kind].appendleft(microbatch)
-            self._post_next(stage, kind)
+        self._post_next(stage, kind)
         posted = self._posted.pop(kind)
-        if posted.microbatch != microbatch:
-            raise RuntimeError(f"rank {self.rank}: receives out of plan ({microbatch} vs {posted.microbatch}); a bug")
         self._wait(posted.work, what, src)
         self._received[kind] += 1
         buffer = posted.buffer
@@ -345,7 +339,7 @@ class DistributedTransport:
                 self._recv_layout[kind] = layout
             shape, dtype = layout
             payload = buffer[: _raw_bytes(layout)].view(dtype).view(shape)
-        self._post_next(stage, kind)
+        self._post_next(stage, kind)  # the link's next message: later in this step, or in the next one
         self._acknowledge(_REVERSE[kind], header[_ACK])
         tag = header[2]
         return Message(payload, None if tag < 0 else tag, poisoned=bool(header[3]))

@@ -31,7 +31,7 @@ def main() -> None:
         loss = pipe.step(x, y)
         if step % 20 == 19 and rank == 0:
             print(f"step {step + 1}: loss {loss:.4f}")
-    pipe.flush()
+    pipe.close()  # flush; with one process per stage, also release the pipeline's process groups
     os.makedirs("checkpoints", exist_ok=True)
     pipecore.checkpoint.save(pipe, "checkpoints/train_mlp")
     if rank == 0:

@@ -124,6 +124,27 @@ def main() -> None:
                 pipe.flush()
             posted.append(sorted(kind.name for kind in pipe._transport._posted))
         torch.save(posted, os.path.join(out, f"posted-{rank}.pt"))
+    elif mode == "close":
+        # Pipelines built and closed one after another (a sweep in one job): closing releases each one's
+        # process groups and their threads, and the next pipeline trains as the first did.
+        def threads() -> int:
+            return len(os.listdir("/proc/self/task"))
+
+        record: dict = {"losses": [], "threads": []}
+        for i in range(3):
+            if i == 0:
+                pipe = make_pipeline(world, "2bw", timeout=60)
+                record["losses"].append(train(pipe, batches(2), first, last))
+                pipe.close()
+            else:
+                with make_pipeline(world, "2bw", timeout=60) as pipe:
+                    record["losses"].append(train(pipe, batches(2), first, last))
+            record["threads"].append(threads())
+        try:
+            pipe.step(None, None)
+        except RuntimeError as exc:
+            record["error"] = str(exc)
+        torch.save(record, os.path.join(out, f"close-{rank}.pt"))
     elif mode == "links":
         # Each link (neighbour and direction) is its own two-rank process group.
         import torch.distributed as dist

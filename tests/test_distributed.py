@@ -157,6 +157,19 @@ def test_a_receive_stays_posted_on_every_incoming_link_between_steps(tmp_path):
         assert torch.load(tmp_path / f"posted-{rank}.pt") == [sorted(incoming)] * 3
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc (Linux)")
+def test_close_releases_the_process_groups_and_their_threads(tmp_path):
+    world = 2
+    _check_ok(launch(world, "close", str(tmp_path)))
+    for rank in range(world):
+        record = torch.load(tmp_path / f"close-{rank}.pt")
+        first, *others = record["losses"]
+        assert all(losses == first for losses in others)
+        # without close, every pipeline keeps its link groups' threads (several per group) until exit
+        assert record["threads"][-1] <= record["threads"][0], record["threads"]
+        assert "this pipeline was closed" in record["error"]
+
+
 def test_every_link_is_its_own_two_rank_group(tmp_path):
     """Activations and gradients between each pair of neighbours travel in separate two-rank process
     groups (separate connections), so traffic on one link never holds a lock another link needs."""

@@ -552,6 +552,41 @@ def test_state_dict_requires_flush_for_async():
     assert set(pipe.state_dict()) == set(mlp(3).state_dict()) | {"pipecore"}
 
 
+def test_close_flushes_then_refuses_to_train():
+    xs, ys = data(3)
+    closed, flushed = (Pipeline(mlp(3), 2, "2bw", 2, loss_fn=nn.CrossEntropyLoss()) for _ in range(2))
+    for x, y in zip(xs, ys):
+        closed.step(x, y)
+        flushed.step(x, y)
+    assert closed.in_flight > 0
+    closed.close()
+    flushed.flush()
+    assert closed.in_flight == 0
+    a, b = closed.state_dict(), flushed.state_dict()  # still readable after close
+    for key in a:
+        if key != "pipecore":
+            assert torch.equal(a[key], b[key]), key
+    for call in (lambda: closed.step(xs[0], ys[0]), closed.flush):
+        with pytest.raises(RuntimeError, match="closed; build a new Pipeline"):
+            call()
+    closed.close()  # a second close does nothing
+
+
+def test_with_block_closes_and_an_error_inside_is_not_masked():
+    xs, ys = data(2)
+    with Pipeline(mlp(3), 2, "pipedream", 2, loss_fn=nn.CrossEntropyLoss()) as pipe:
+        pipe.step(xs[0], ys[0])
+    assert pipe.in_flight == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        pipe.step(xs[1], ys[1])
+    with pytest.raises(ValueError, match="not divisible"):
+        with Pipeline(mlp(3), 2, "pipedream", 2, loss_fn=nn.CrossEntropyLoss()) as failed:
+            failed.step(xs[0], ys[0])
+            failed.step(xs[1][:3], ys[1][:3])
+    with pytest.raises(RuntimeError, match="closed"):
+        failed.step(xs[1], ys[1])
+
+
 def test_stats_report_versions_and_bytes():
     pipe = Pipeline(mlp(4), 3, "pipedream", 3, loss_fn=nn.CrossEntropyLoss())
     for _ in range(3):

@@ -110,6 +110,7 @@ class Pipeline:
             self._transport = DistributedTransport(self.rank, num_stages, timeout, _device_of(self.stages[self.rank].module))
         self._staleness = {s: _Tally() for s in self.stages}
         self._delays = {s: _Tally() for s in self.stages}
+        self._closed = False
         self._restart()
 
     # -- running ---------------------------------------------------------------------------------
@@ -153,6 +154,7 @@ class Pipeline:
         pass None); every rank gets the mini-batch loss. Asynchronous algorithms leave later micro-batches'
         backwards in flight; :meth:`flush` drains them.
         """
+        self._check_open("step")
         m = self.n_microbatches
         first_stage, last_stage = self._owns(0), self._owns(self.num_stages - 1)
         needed = [("x", x, first_stage), ("y", y, last_stage)]
@@ -190,6 +192,7 @@ class Pipeline:
 
     def flush(self) -> None:
         """Run every in-flight backward and update; afterwards no micro-batch is in flight on any rank."""
+        self._check_open("flush")
         if self._fed == 0:
             return
         self._executor.extend(self.algorithm.schedule(self._fed))
@@ -197,6 +200,38 @@ class Pipeline:
         if self.rank is not None:
             self._transport.wait_sends()
         self._restart()
+
+    def close(self) -> None:
+        """Flush, then release what the pipeline holds between processes: in a multi-process run, its
+        process groups, each with a connection and threads (gloo), which otherwise live until the process
+        ends. Every rank calls it. Afterwards ``step()`` and ``flush()`` raise; ``state_dict()``, the
+        checkpoint functions and ``stats()`` still work. Closing twice does nothing. Leaving a ``with``
+        block closes the pipeline; if the block raised, it releases without flushing."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        except BaseException:
+            self._release(deliver=False)
+            raise
+        self._release(deliver=True)
+
+    def _release(self, deliver: bool) -> None:
+        self._closed = True
+        self._transport.close(deliver)
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{what}(): this pipeline was closed; build a new Pipeline to train again")
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        elif not self._closed:
+            self._release(deliver=False)  # a failed step cannot be drained; release and let the error out
 
     @property
     def in_flight(self) -> int:

@@ -110,7 +110,7 @@ class _Sent:
 
 def _deliver_at_exit(transport: "weakref.ref[DistributedTransport]") -> None:
     live = transport()
-    if live is not None:
+    if live is not None and not live.closed:
         try:
             live.wait_sends()
         except (PeerError, RuntimeError):
@@ -159,6 +159,7 @@ class DistributedTransport:
         self._received: dict[Kind, int] = {F: 0, B: 0}
         self._loss_sends: dict[int, _Sent] = {}
         self._loss_posted: tuple[torch.Tensor, Any] | None = None
+        self.closed = False
         # Sends not yet completed when the script ends (a last step's gradients and loss) are delivered
         # before the process exits, rather than lost.
         atexit.register(_deliver_at_exit, weakref.ref(self))
@@ -246,6 +247,26 @@ class DistributedTransport:
             dst = next(iter(self._loss_sends))
             self._complete(self._loss_sends[dst])
             del self._loss_sends[dst]
+
+    def close(self, deliver: bool = True) -> None:
+        """Release this rank's link groups (for gloo: their connections and threads); with ``deliver``, first
+        complete the posted sends. Receives still posted are dropped. The transport cannot be used afterwards;
+        closing twice does nothing."""
+        if self.closed:
+            return
+        try:
+            if deliver:
+                self.wait_sends()
+        finally:
+            self.closed = True
+            self._posted.clear()
+            self._loss_posted = None
+            groups = [group for group, _ in self._links.values()]
+            self._links = {}
+            # After destroy_process_group() of the default group every group is gone already.
+            if dist.is_initialized():
+                for group in groups:
+                    dist.destroy_process_group(group)
 
     # Mini-batch losses -----------------------------------------------------------------------------
 

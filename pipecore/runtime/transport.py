@@ -27,6 +27,10 @@ class Transport(Protocol):
     def receive(self, stage: int, kind: Kind, microbatch: int) -> Message:
         """The message for ``stage``'s ``kind`` action on ``microbatch``."""
 
+    def close(self, deliver: bool = True) -> None:
+        """Release what the transport holds (a networked one: its connections), after delivering what was
+        sent if ``deliver``."""
+
 
 class LocalTransport:
     """In-process mailboxes: every stage lives in this process."""
@@ -45,3 +49,6 @@ class LocalTransport:
 
     def receive(self, stage: int, kind: Kind, microbatch: int) -> Message:
         return self._mailbox.pop((stage, kind, microbatch))
+
+    def close(self, deliver: bool = True) -> None:
+        self._mailbox.clear()

@@ -10,7 +10,7 @@ completed later, only once the receiver has told us that it took them (below), s
 waits for the neighbour. A rank therefore waits only for a message that the schedule's dependency order
 guarantees its neighbour produces first, and schedules are validated deadlock-free. Each link carries one
 kind of message in one direction (activations to ``s+1``, gradients to ``s-1``), in schedule order, which is
-the order in which the receiver posts its receives. ``flush()`` (and process exit) completes the sends
+the order in which the receiver takes them. ``flush()`` (and process exit) completes the sends
 still outstanding, with the timeout.
 
 One process group per link: each link (a pair of neighbouring ranks and a direction) is its own

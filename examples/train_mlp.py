@@ -20,16 +20,16 @@ STAGES, MICROBATCHES = 4, 4
 def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(STAGES) for m in (nn.Linear(32, 32), nn.ReLU())], nn.Linear(32, 4))
-    pipe = pipecore.Pipeline(model, STAGES, "2bw", MICROBATCHES, optimizer=pipecore.SGD(lr=0.1, momentum=0.9),
+    pipe = pipecore.Pipeline(model, STAGES, "2bw", MICROBATCHES, optimizer=pipecore.SGD(lr=0.05, momentum=0.9),
                              loss_fn=nn.CrossEntropyLoss())
     rank = pipe.rank or 0
     g = torch.Generator().manual_seed(1)
     w = torch.randn(32, 4, generator=g)
-    for step in range(60):
+    for step in range(300):
         x = torch.randn(64, 32, generator=g)
         y = (x @ w).argmax(dim=1)  # a learnable target
         loss = pipe.step(x, y)
-        if step % 20 == 19 and rank == 0:
+        if step % 60 == 59 and rank == 0:
             print(f"step {step + 1}: loss {loss:.4f}")
     pipe.close()  # flush; with one process per stage, also release the pipeline's process groups
     os.makedirs("checkpoints", exist_ok=True)

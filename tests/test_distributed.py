@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import dist_run  # noqa: E402
 
 SCRIPT = str(Path(__file__).parent / "dist_run.py")
+EXAMPLE = str(Path(__file__).parent.parent / "examples" / "train_mlp.py")
 
 
 def _free_port() -> int:
@@ -27,15 +28,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world: int, *args: str, timeout: float = 240) -> list[subprocess.CompletedProcess]:
+def launch(world: int, *args: str, timeout: float = 240, script: str = SCRIPT,
+           cwd: Path | None = None) -> list[subprocess.CompletedProcess]:
     """Start ``world`` ranks the way torchrun does (environment variables) and wait for all of them."""
     port = _free_port()
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, SCRIPT, *args], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        procs.append(subprocess.Popen([sys.executable, script, *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, cwd=cwd))
     results = []
     for p in procs:
         out, _ = p.communicate(timeout=timeout)
@@ -201,3 +203,26 @@ def test_world_size_must_equal_num_stages(tmp_path):
     _check_ok(launch(2, "mismatch", str(tmp_path)))
     message = (tmp_path / "error-0.txt").read_text()
     assert "has 2 ranks but num_stages=3" in message and "torchrun --nproc-per-node 3" in message
+
+
+def test_the_example_prints_the_same_losses_in_one_process_and_on_four_ranks(tmp_path):
+    """examples/train_mlp.py, as the docs run it: alone, and as 4 ranks; both print the same losses, which
+    fall, and both write a checkpoint."""
+    alone, ranks = tmp_path / "alone", tmp_path / "ranks"
+    alone.mkdir(), ranks.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    one = subprocess.run([sys.executable, EXAMPLE], cwd=alone, env={**env, "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0, one.stdout + one.stderr
+    results = launch(4, script=EXAMPLE, cwd=ranks)
+    _check_ok(results)
+
+    def losses(output: str) -> list[float]:
+        return [float(line.rsplit(" ", 1)[1]) for line in output.splitlines() if line.startswith("step ")]
+
+    expected = losses(one.stdout)
+    assert len(expected) == 5 and expected[-1] < 0.5 * expected[0], one.stdout
+    assert losses(results[0].stdout) == expected
+    assert all(not losses(r.stdout) for r in results[1:])  # only rank 0 prints
+    for folder in (alone, ranks):
+        assert (folder / "checkpoints" / "train_mlp" / "manifest.json").is_file()

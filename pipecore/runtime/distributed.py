@@ -32,9 +32,9 @@ sized like the previous tensor on that link. Sender and receiver track that size
 changes (or there is no tensor), the sender first fills the pre-posted buffer with a header that announces
 the new layout, then sends the tensor in a buffer of the new size; the first message on a link is announced
 the same way. The next receive is posted as soon as the previous message is taken, also across ``step()``
-and ``flush()``: gloo transfers a message only once its receive is posted, and a receive posted after its
-message was sent stalls the poster for milliseconds when the sender's core is busy. The posted buffer is
-not tied to a micro-batch; the header says which one arrived. A receive still posted at exit is dropped.
+and ``flush()``: gloo transfers a message only once its receive is posted, and posting a receive after its
+message was sent takes milliseconds in the tail (``bench/post_latency.py``). The posted buffer is not tied
+to a micro-batch; the header says which one arrived. A receive still posted at exit is dropped.
 """
 
 from __future__ import annotations
@@ -307,7 +307,7 @@ class DistributedTransport:
 
     def plan(self, stage: int, receives: Sequence[tuple[Kind, int]]) -> None:
         """Post a receive on every link that ``receives`` uses, unless one is posted already."""
-        for kind in {kind for kind, _ in receives}:
+        for kind in dict.fromkeys(kind for kind, _ in receives):  # each link once, in a fixed order
             self._post_next(stage, kind)
 
     def _post_next(self, stage: int, kind: Kind) -> None:

@@ -27,7 +27,7 @@ one way and gradients the other within every mini-batch, so the sends held stay 
 in flight. Everything runs on the calling thread: no helper thread competes with compute for a core or the
 GIL, which matters most when ranks share a machine's cores.
 
-Latency hiding: a receive is always posted on each of this rank's incoming links, one message ahead,
+Latency hiding: a receive is always posted on each of this rank's incoming links, from construction on,
 sized like the previous tensor on that link. Sender and receiver track that size identically. When it
 changes (or there is no tensor), the sender first fills the pre-posted buffer with a header that announces
 the new layout, then sends the tensor in a buffer of the new size; the first message on a link is announced
@@ -44,7 +44,7 @@ import datetime
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -160,6 +160,9 @@ class DistributedTransport:
         self._loss_sends: dict[int, _Sent] = {}
         self._loss_posted: tuple[torch.Tensor, Any] | None = None
         self.closed = False
+        for kind, neighbour in self._links:  # the first message on each incoming link finds its receive posted
+            if neighbour == self._peer(rank, kind):
+                self._post_next(rank, kind)
         # Sends not yet completed when the script ends (a last step's gradients and loss) are delivered
         # before the process exits, rather than lost.
         atexit.register(_deliver_at_exit, weakref.ref(self))
@@ -304,11 +307,6 @@ class DistributedTransport:
         return loss
 
     # Receiving -------------------------------------------------------------------------------------
-
-    def plan(self, stage: int, receives: Sequence[tuple[Kind, int]]) -> None:
-        """Post a receive on every link that ``receives`` uses, unless one is posted already."""
-        for kind in dict.fromkeys(kind for kind, _ in receives):  # each link once, in a fixed order
-            self._post_next(stage, kind)
 
     def _post_next(self, stage: int, kind: Kind) -> None:
         if kind not in self._posted:

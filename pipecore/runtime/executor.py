@@ -110,15 +110,6 @@ class Executor:
         if available is None and any(t < len(rows[s]) for s, t in enumerate(target)):
             blocked = next(rows[s][t] for s, t in enumerate(target) if t < len(rows[s]))
             raise ScheduleError("deadlock: no stage can make progress", self.schedule, blocked)
-        last = self.schedule.num_stages - 1
-        for s in self.workers:  # tell the transport which receives come, so a network can post them early
-            expected = []
-            for a in rows[s][self.cursor[s]: target[s]]:
-                if a.kind is F and s > 0:
-                    expected.append((F, a.index))
-                elif a.kind is B and s < last:
-                    expected.extend((B, k) for k in a.microbatches)
-            self.transport.plan(s, expected)
         progressed = True
         while progressed:
             progressed = False

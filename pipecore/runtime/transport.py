@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from ..schedule.ir import Kind
 from .worker import Message
@@ -17,9 +17,6 @@ class Transport(Protocol):
 
     def send(self, stage: int, kind: Kind, microbatch: int, message: Message) -> None:
         """Send ``message`` to ``stage`` for its ``kind`` action on ``microbatch``."""
-
-    def plan(self, stage: int, receives: Sequence[tuple[Kind, int]]) -> None:
-        """The receives ``stage`` will make next, in order (a networked transport posts them early)."""
 
     def ready(self, stage: int, kind: Kind, microbatch: int) -> bool:
         """Whether :meth:`receive` can return now (a blocking transport always says yes)."""
@@ -40,9 +37,6 @@ class LocalTransport:
 
     def send(self, stage: int, kind: Kind, microbatch: int, message: Message) -> None:
         self._mailbox[(stage, kind, microbatch)] = message
-
-    def plan(self, stage: int, receives: Sequence[tuple[Kind, int]]) -> None:
-        pass  # mailboxes need no posting ahead
 
     def ready(self, stage: int, kind: Kind, microbatch: int) -> bool:
         return (stage, kind, microbatch) in self._mailbox

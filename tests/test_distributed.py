@@ -28,16 +28,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world: int, *args: str, timeout: float = 240, script: str = SCRIPT,
-           cwd: Path | None = None) -> list[subprocess.CompletedProcess]:
+def launch(world: int, *args: str, timeout: float = 240) -> list[subprocess.CompletedProcess]:
     """Start ``world`` ranks the way torchrun does (environment variables) and wait for all of them."""
     port = _free_port()
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, script, *args], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, cwd=cwd))
+        procs.append(subprocess.Popen([sys.executable, SCRIPT, *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
     results = []
     for p in procs:
         out, _ = p.communicate(timeout=timeout)
@@ -205,24 +204,50 @@ def test_world_size_must_equal_num_stages(tmp_path):
     assert "has 2 ranks but num_stages=3" in message and "torchrun --nproc-per-node 3" in message
 
 
-def test_the_example_prints_the_same_losses_in_one_process_and_on_four_ranks(tmp_path):
-    """examples/train_mlp.py, as the docs run it: alone, and as 4 ranks; both print the same losses, which
-    fall, and both write a checkpoint."""
-    alone, ranks = tmp_path / "alone", tmp_path / "ranks"
-    alone.mkdir(), ranks.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    one = subprocess.run([sys.executable, EXAMPLE], cwd=alone, env={**env, "OMP_NUM_THREADS": "1"},
-                         capture_output=True, text=True, timeout=240)
+def _outside_any_rank() -> dict[str, str]:
+    """This environment without a rank's variables, as a user's shell would be."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") and not k.startswith("TORCHELASTIC")}
+    return {**env, "OMP_NUM_THREADS": "1"}
+
+
+def _torchrun(*args: str, cwd: Path) -> subprocess.Popen:
+    """``torchrun *args examples/train_mlp.py`` in ``cwd``."""
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args, EXAMPLE], cwd=cwd,
+                            env=_outside_any_rank(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float = 240) -> str:
+    outputs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=timeout)
+        assert p.returncode == 0, out
+        outputs.append(out)
+    return "\n".join(outputs)
+
+
+def test_the_example_prints_the_same_losses_alone_under_torchrun_and_on_two_nodes(tmp_path):
+    """examples/train_mlp.py, as the docs run it: alone; under ``torchrun --nproc-per-node 4``; and as two
+    ``torchrun --nnodes 2 --nproc-per-node 2`` agents that meet at a c10d rendezvous (two machines, here on
+    loopback). All print the same losses, which fall, and all write a complete checkpoint."""
+    alone, one_node, two_nodes = tmp_path / "alone", tmp_path / "one_node", tmp_path / "two_nodes"
+    for folder in (alone, one_node, two_nodes):
+        folder.mkdir()
+    one = subprocess.run([sys.executable, EXAMPLE], cwd=alone, env=_outside_any_rank(), capture_output=True,
+                         text=True, timeout=240)
     assert one.returncode == 0, one.stdout + one.stderr
-    results = launch(4, script=EXAMPLE, cwd=ranks)
-    _check_ok(results)
+    standalone = _finish([_torchrun("--standalone", "--nproc-per-node", "4", cwd=one_node)])
+    endpoint = f"127.0.0.1:{_free_port()}"
+    nodes = _finish([_torchrun("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                               endpoint, "--rdzv-id", "example", cwd=two_nodes) for _ in range(2)])
 
     def losses(output: str) -> list[float]:
         return [float(line.rsplit(" ", 1)[1]) for line in output.splitlines() if line.startswith("step ")]
 
     expected = losses(one.stdout)
     assert len(expected) == 5 and expected[-1] < 0.5 * expected[0], one.stdout
-    assert losses(results[0].stdout) == expected
-    assert all(not losses(r.stdout) for r in results[1:])  # only rank 0 prints
-    for folder in (alone, ranks):
+    # Only rank 0 prints, so each run shows the five losses once.
+    assert losses(standalone) == expected, standalone
+    assert losses(nodes) == expected, nodes
+    for folder in (alone, one_node, two_nodes):
         assert (folder / "checkpoints" / "train_mlp" / "manifest.json").is_file()

@@ -3,13 +3,25 @@
 A checkpoint written by P ranks (each rank saves its stage) can be read by the one-process pipeline and
 the reverse: files are per stage, not per process. Call ``pipe.flush()`` first for asynchronous
 algorithms (no micro-batch may be in flight).
+
+The manifest is the commit point. Each save writes its stage files under new names, then replaces the
+manifest in one atomic rename, then deletes the files of earlier saves. A save that fails or is killed
+part way therefore leaves the previous checkpoint in the directory whole and loadable (or, for a first
+save, no manifest at all), never a mix of old and new stages.
+
+With one process per stage, ``save`` is collective: every rank calls it with the same directory, which
+must be on a file system that every rank sees. It returns on every rank once the checkpoint is complete,
+or raises the same error on every rank (a rank with backwards in flight, a failed write, a stage file that
+rank 0 cannot see), so no rank is left waiting for another.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+import re
+import secrets
+from typing import Any, Callable
 
 import torch
 
@@ -17,45 +29,151 @@ from .engine.pipeline import Pipeline
 
 MANIFEST = "manifest.json"
 FORMAT = 1
+_STAGE_FILE = re.compile(r"stage\d{3}(-[0-9a-f]+)?\.pt")
 
 
-def _stage_file(stage: int) -> str:
-    return f"stage{stage:03d}.pt"
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (nothing was committed; the previous one, if any, is intact)."""
+
+
+def _stage_file(stage: int, token: str) -> str:
+    return f"stage{stage:03d}-{token}.pt"
 
 
 def save(pipe: Pipeline, directory: str | os.PathLike) -> None:
-    """Write this process's stages to ``directory`` (and the manifest, from the process that owns stage 0)."""
-    os.makedirs(directory, exist_ok=True)
-    state = pipe.state_dict()
+    """Write the pipeline's stages to ``directory``: this process's stage files, then (from the process
+    that owns stage 0) the manifest that commits them. Collective with one process per stage (see the
+    module docstring). Raises :class:`CheckpointError` if nothing was committed."""
+    directory = os.fspath(directory)
+    agree = _agreement(pipe)
+    state, error = None, None
+    try:
+        state = pipe.state_dict()
+    except RuntimeError as exc:
+        error = str(exc)
+    # One token per save names its files; every rank uses the one of the rank that owns stage 0.
+    token = agree("checking that no backward is in flight", error, secrets.token_hex(4))
+    assert state is not None
     meta = state["pipecore"]
-    for s, st in pipe.stages.items():
-        keys = list(st.module.state_dict())
-        torch.save(
-            {"tensors": {k: state[k] for k in keys}, "pipecore": {**meta, "stages": {s: meta["stages"][s]}}},
-            os.path.join(directory, _stage_file(s)),
-        )
+    error = None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        for s, st in pipe.stages.items():
+            keys = list(st.module.state_dict())
+            torch.save({"tensors": {k: state[k] for k in keys}, "pipecore": {**meta, "stages": {s: meta["stages"][s]}}},
+                       os.path.join(directory, _stage_file(s, token)))
+    except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as a RuntimeError
+        error = f"{directory}: {exc}"
+    agree("writing the stage files", error)
+    error = None
     if 0 in pipe.stages:
-        manifest = {
-            "format": FORMAT,
-            "algorithm": meta["algorithm"],
-            "num_stages": meta["num_stages"],
-            "n_microbatches": meta["n_microbatches"],
-            "stage_layers": meta["stage_layers"],
-            "files": [_stage_file(s) for s in range(pipe.num_stages)],
-        }
-        with open(os.path.join(directory, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=2)
+        try:
+            _commit(directory, pipe, token, meta)
+        except (OSError, CheckpointError) as exc:
+            error = str(exc)
+    agree("writing the manifest", error)
+
+
+def _commit(directory: str, pipe: Pipeline, token: str, meta: dict[str, Any]) -> None:
+    """Check that every stage file of this save is there, replace the manifest, delete older stage files."""
+    files = [_stage_file(s, token) for s in range(pipe.num_stages)]
+    present = set(os.listdir(directory))
+    missing = [f for f in files if f not in present]
+    if missing:
+        raise CheckpointError(
+            f"{', '.join(missing)} (written by rank(s) {', '.join(str(files.index(f)) for f in missing)}) "
+            f"not found in {directory} as this process sees it: with one process per stage on several machines, "
+            "the checkpoint directory must be on a file system that every rank sees"
+        )
+    manifest = {
+        "format": FORMAT,
+        "algorithm": meta["algorithm"],
+        "num_stages": meta["num_stages"],
+        "n_microbatches": meta["n_microbatches"],
+        "stage_layers": meta["stage_layers"],
+        "files": files,
+    }
+    staging = os.path.join(directory, f"{MANIFEST}.{token}.tmp")
+    with open(staging, "w") as f:
+        json.dump(manifest, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(staging, os.path.join(directory, MANIFEST))
+    # Committed: the stage files of earlier saves (and of saves that failed part way) are garbage now.
+    for name in present - set(files):
+        if _STAGE_FILE.fullmatch(name):
+            try:
+                os.remove(os.path.join(directory, name))
+            except OSError:
+                pass  # left-over garbage; the next save tries again
+
+
+def _agreement(pipe: Pipeline) -> Callable[..., Any]:
+    """``agree(what, error, value=None)``: every process learns whether any process reported an ``error``
+    (then all raise the first one) and gets the ``value`` of the process that owns stage 0."""
+    if pipe.rank is None:
+        def alone(what: str, error: str | None, value: Any = None) -> Any:
+            if error is not None:
+                raise CheckpointError(f"checkpoint not saved ({what}): {error}")
+            return value
+        return alone
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise CheckpointError("checkpoint not saved: the process group was destroyed; with one process per stage, "
+                              "save before torch.distributed.destroy_process_group()")
+
+    def together(what: str, error: str | None, value: Any = None) -> Any:
+        # Point-to-point through rank 0 rather than a collective: a gloo collective leaves work on the
+        # backend's threads that can abort the process at exit if the script never destroys the group.
+        rank, world = dist.get_rank(), dist.get_world_size()
+        try:
+            if rank == 0:
+                reports = [(error, value)]
+                for r in range(1, world):
+                    got: list[Any] = [None]
+                    dist.recv_object_list(got, src=r)
+                    reports.append(got[0])
+                failed = [(r, e) for r, (e, _) in enumerate(reports) if e is not None]
+                verdict = (failed[0] if failed else None, value)
+                for r in range(1, world):
+                    dist.send_object_list([verdict], dst=r)
+            else:
+                dist.send_object_list([(error, None)], dst=0)
+                got = [None]
+                dist.recv_object_list(got, src=0)
+                verdict = got[0]
+        except RuntimeError as exc:
+            raise CheckpointError(
+                f"checkpoint not saved ({what}): rank {rank} got no answer from the other ranks "
+                f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); every rank must call "
+                "checkpoint.save with the same directory"
+            ) from exc
+        failure, value = verdict
+        if failure is not None:
+            raise CheckpointError(f"checkpoint not saved ({what}): rank {failure[0]}: {failure[1]}")
+        return value
+    return together
 
 
 def load(pipe: Pipeline, directory: str | os.PathLike) -> None:
     """Read this process's stages from a checkpoint written by :func:`save` (by any number of processes)."""
     path = os.path.join(directory, MANIFEST)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{directory} holds no pipecore checkpoint ({MANIFEST} is missing)")
+        hint = "" if pipe.rank is None else (
+            "; with one process per stage on several machines, the directory must be on a file system that every "
+            "rank sees")
+        raise FileNotFoundError(
+            f"{directory} holds no pipecore checkpoint ({MANIFEST} is missing: nothing was saved there, or the "
+            f"first save did not complete){hint}")
     with open(path) as f:
         manifest = json.load(f)
     if manifest.get("format") != FORMAT:
         raise ValueError(f"checkpoint format {manifest.get('format')} is not supported (expected {FORMAT})")
+    if manifest["num_stages"] != pipe.num_stages:
+        raise ValueError(f"checkpoint in {directory} has {manifest['num_stages']} stages, this pipeline has "
+                         f"{pipe.num_stages}")
     state: dict[str, Any] = {}
     meta: dict[str, Any] | None = None
     for s in pipe.stages:

@@ -170,6 +170,25 @@ def main() -> None:
         dist.all_gather_object(gathered, losses)  # other traffic on the default group, as a script has
         dist.destroy_process_group()
         torch.save(losses, os.path.join(out, f"losses-{rank}.pt"))
+    elif mode == "save":
+        # Saving is collective: a rank with backwards in flight, or a directory that rank 0 cannot see the
+        # other ranks' files in, fails the save on every rank at once (no rank waits for another), and
+        # nothing is committed.
+        pipe = make_pipeline(world, "pipedream", timeout=60)
+        x, y = batches(1)[0]
+        pipe.step(x if first else None, y if last else None)
+        errors = {}
+        try:
+            checkpoint.save(pipe, os.path.join(out, "in-flight"))
+        except checkpoint.CheckpointError as exc:
+            errors["in-flight"] = str(exc)
+        pipe.flush()
+        try:
+            checkpoint.save(pipe, os.path.join(out, f"unshared-{rank}"))  # as if each rank had its own disk
+        except checkpoint.CheckpointError as exc:
+            errors["unshared"] = str(exc)
+        checkpoint.save(pipe, os.path.join(out, "shared"))
+        torch.save(errors, os.path.join(out, f"save-{rank}.pt"))
     elif mode == "mismatch":
         try:
             make_pipeline(world + 1, "1f1b")

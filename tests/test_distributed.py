@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -115,6 +116,22 @@ def test_checkpoints_move_between_ranks_and_one_process(tmp_path):
         for key, value in got["state"].items():
             if key != "pipecore":
                 assert torch.equal(value, a[key]), key
+
+
+def test_a_save_that_cannot_complete_fails_on_every_rank_and_commits_nothing(tmp_path):
+    _check_ok(launch(2, "save", str(tmp_path)))
+    errors = [torch.load(tmp_path / f"save-{rank}.pt") for rank in range(2)]
+    # The last rank has no backward in flight after a step; it still learns that rank 0 has.
+    assert errors[0] == errors[1]
+    assert "rank 0" in errors[0]["in-flight"] and "in flight" in errors[0]["in-flight"]
+    assert not (tmp_path / "in-flight").exists()  # checked before anything is written
+    assert "stage001-" in errors[0]["unshared"] and "every rank sees" in errors[0]["unshared"]
+    assert not (tmp_path / "unshared-0" / checkpoint.MANIFEST).exists()
+    # The same pipeline then saves to one directory; that checkpoint is whole.
+    resumed = dist_run.make_pipeline(2, "pipedream")
+    checkpoint.load(resumed, tmp_path / "shared")
+    assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == sorted(
+        [checkpoint.MANIFEST] + json.loads((tmp_path / "shared" / checkpoint.MANIFEST).read_text())["files"])
 
 
 def test_a_dead_rank_is_reported_by_name_within_the_timeout(tmp_path):

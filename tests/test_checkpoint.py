@@ -1,0 +1,125 @@
+"""Checkpoint files: the manifest commits a save, so a failed save never leaves a mix of stages behind."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import pipecore
+from pipecore import checkpoint
+from pipecore.checkpoint import CheckpointError
+
+
+def make_pipeline(algorithm: str = "pipedream") -> pipecore.Pipeline:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    return pipecore.Pipeline(model, 3, algorithm, 2, optimizer=pipecore.SGD(lr=0.1, momentum=0.9),
+                             loss_fn=nn.CrossEntropyLoss())
+
+
+def train(pipe: pipecore.Pipeline, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        pipe.step(torch.randn(4, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (4,), generator=g))
+    pipe.flush()
+
+
+def weights(pipe: pipecore.Pipeline) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in pipe.state_dict().items() if k != "pipecore"}
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def files(directory) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def committed(directory) -> list[str]:
+    return json.loads((directory / checkpoint.MANIFEST).read_text())["files"]
+
+
+def failing_after(calls: int, monkeypatch) -> None:
+    """Make torch.save fail (disk full) from its ``calls+1``-th call on."""
+    real, count = torch.save, [0]
+
+    def save(obj, f, *args, **kwargs):
+        count[0] += 1
+        if count[0] > calls:
+            raise OSError(28, "No space left on device")
+        return real(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+
+
+def test_a_save_replaces_the_previous_one_and_deletes_its_files(tmp_path):
+    pipe = make_pipeline()
+    train(pipe, 2, seed=1)
+    checkpoint.save(pipe, tmp_path)
+    first = committed(tmp_path)
+    train(pipe, 2, seed=2)
+    checkpoint.save(pipe, tmp_path)
+    second = committed(tmp_path)
+    assert len(second) == 3 and not set(first) & set(second)
+    assert files(tmp_path) == sorted([checkpoint.MANIFEST] + second)
+    resumed = make_pipeline()
+    checkpoint.load(resumed, tmp_path)
+    assert_same(weights(resumed), weights(pipe))
+
+
+def test_a_save_that_fails_part_way_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
+    pipe = make_pipeline()
+    train(pipe, 2, seed=1)
+    checkpoint.save(pipe, tmp_path)
+    before, saved = committed(tmp_path), weights(pipe)
+    train(pipe, 2, seed=2)
+    failing_after(1, monkeypatch)  # stage 0's file is written, stage 1's is not
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        checkpoint.save(pipe, tmp_path)
+    monkeypatch.undo()
+    assert committed(tmp_path) == before
+    resumed = make_pipeline()
+    checkpoint.load(resumed, tmp_path)
+    assert_same(weights(resumed), saved)
+    assert not any(torch.equal(saved[k], v) for k, v in weights(pipe).items() if k.endswith("weight"))
+    # The failed save's file is garbage; the next save that completes removes it.
+    assert len(files(tmp_path)) == 1 + 3 + 1
+    checkpoint.save(pipe, tmp_path)
+    assert files(tmp_path) == sorted([checkpoint.MANIFEST] + committed(tmp_path))
+
+
+def test_a_first_save_that_fails_leaves_no_checkpoint(tmp_path, monkeypatch):
+    pipe = make_pipeline()
+    train(pipe, 1, seed=1)
+    failing_after(2, monkeypatch)
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        checkpoint.save(pipe, tmp_path)
+    monkeypatch.undo()
+    with pytest.raises(FileNotFoundError, match="manifest.json is missing"):
+        checkpoint.load(make_pipeline(), tmp_path)
+
+
+def test_saving_with_backwards_in_flight_writes_nothing(tmp_path):
+    pipe = make_pipeline()
+    pipe.step(torch.randn(4, 4, dtype=torch.float64), torch.randint(0, 3, (4,)))
+    assert pipe.in_flight
+    with pytest.raises(CheckpointError, match="in flight; call flush"):
+        checkpoint.save(pipe, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_checkpoint_loads_only_into_the_same_stage_count(tmp_path):
+    pipe = make_pipeline()
+    train(pipe, 1, seed=1)
+    checkpoint.save(pipe, tmp_path)
+    torch.manual_seed(0)
+    other = pipecore.Pipeline(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double(), 2, "pipedream", 2,
+                              loss_fn=nn.CrossEntropyLoss())
+    with pytest.raises(ValueError, match="has 3 stages, this pipeline has 2"):
+        checkpoint.load(other, tmp_path)

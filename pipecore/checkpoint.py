@@ -124,6 +124,8 @@ def _agreement(pipe: Pipeline) -> Callable[..., Any]:
         raise CheckpointError("checkpoint not saved: the process group was destroyed; with one process per stage, "
                               "save before torch.distributed.destroy_process_group()")
 
+    device = pipe._transport.device  # where the backend takes tensors (a GPU for NCCL)
+
     def together(what: str, error: str | None, value: Any = None) -> Any:
         # Point-to-point through rank 0 rather than a collective: a gloo collective leaves work on the
         # backend's threads that can abort the process at exit if the script never destroys the group.
@@ -133,16 +135,16 @@ def _agreement(pipe: Pipeline) -> Callable[..., Any]:
                 reports = [(error, value)]
                 for r in range(1, world):
                     got: list[Any] = [None]
-                    dist.recv_object_list(got, src=r)
+                    dist.recv_object_list(got, src=r, device=device)
                     reports.append(got[0])
                 failed = [(r, e) for r, (e, _) in enumerate(reports) if e is not None]
                 verdict = (failed[0] if failed else None, value)
                 for r in range(1, world):
-                    dist.send_object_list([verdict], dst=r)
+                    dist.send_object_list([verdict], dst=r, device=device)
             else:
-                dist.send_object_list([(error, None)], dst=0)
+                dist.send_object_list([(error, None)], dst=0, device=device)
                 got = [None]
-                dist.recv_object_list(got, src=0)
+                dist.recv_object_list(got, src=0, device=device)
                 verdict = got[0]
         except RuntimeError as exc:
             raise CheckpointError(

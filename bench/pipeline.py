@@ -18,7 +18,7 @@ at a barrier): each micro-batch forward+backward, then the optimizer step. Repor
 samples/s over rounds, and the median over rounds of each round's ratio to the baselines (ratios taken
 within a round cancel the load drifts of a shared machine). For pipecore systems, also each rank's compute
 share: the fraction of a window its stage spent in forward, backward and update (the rest is messages,
-waiting, and the engine's own work).
+waiting, and the engine's own work), and its update share: the part of that spent in optimizer steps.
 """
 
 from __future__ import annotations
@@ -129,7 +129,11 @@ def pipecore_pipeline(system: str, rank: int, world: int, batches) -> Callable[[
 
     # Seconds this rank's stage has spent in forward, backward and update so far (the rest of a window is
     # messages, waiting and the engine's own work).
-    window.compute_seconds = lambda: sum(sum(st.seconds.values()) for st in pipe.stages.values())  # type: ignore[attr-defined]
+    # Split into "compute" (F+B+U) and "update" (U alone).
+    window.compute_seconds = lambda: {  # type: ignore[attr-defined]
+        "compute": sum(sum(st.seconds.values()) for st in pipe.stages.values()),
+        "update": sum(st.seconds.get("U", 0.0) for st in pipe.stages.values()),
+    }
     return window
 
 
@@ -151,26 +155,31 @@ def worker(systems: list[str], steps: int, rounds: int) -> dict:
         windows[system](WARMUP_STEPS)
         dist.barrier()
     seconds: dict[str, list[float]] = {s: [] for s in systems}
-    compute: dict[str, list[float]] = {s: [] for s in systems if hasattr(windows[s], "compute_seconds")}
+    compute: dict[str, dict[str, list[float]]] = {
+        s: {"compute": [], "update": []} for s in systems if hasattr(windows[s], "compute_seconds")}
     for r in range(rounds):
         for j in range(len(systems)):
             system = systems[(j + r) % len(systems)]  # rotate so no system always follows the same one
             busy = getattr(windows[system], "compute_seconds", None)
-            before = busy() if busy else 0.0
+            before = busy() if busy else {}
             dist.barrier()
             start = time.perf_counter()
             windows[system](steps)
             dist.barrier()
             seconds[system].append(time.perf_counter() - start)
             if busy:
-                compute[system].append((busy() - before) / seconds[system][-1])
+                for part, total in busy().items():
+                    compute[system][part].append((total - before[part]) / seconds[system][-1])
         if rank == 0:
             print(f"round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
-    # every rank's compute share, for rank 0's report
-    shares: list[dict[str, float]] = [{}] * world
-    dist.all_gather_object(shares, {s: statistics.median(v) for s, v in compute.items()})
+    # every rank's compute and update shares, for rank 0's report
+    shares: list[dict[str, dict[str, float]]] = [{}] * world
+    dist.all_gather_object(shares, {s: {part: statistics.median(v) for part, v in parts.items()}
+                                    for s, parts in compute.items()})
     dist.destroy_process_group()
-    return {"seconds": seconds, "compute_share": {s: [shares[r][s] for r in range(world)] for s in compute}}
+    return {"seconds": seconds,
+            **{f"{part}_share": {s: [shares[r][s][part] for r in range(world)] for s in compute}
+               for part in ("compute", "update")}}
 
 
 def launch(systems: list[str], ranks: int, steps: int, rounds: int) -> dict:
@@ -181,7 +190,7 @@ def launch(systems: list[str], ranks: int, steps: int, rounds: int) -> dict:
 def summarize(measured: dict, steps: int) -> list[dict]:
     """Median samples/s per system, the median over rounds of the per-round ratios to the baselines, and
     for pipecore systems each rank's compute share (median over rounds of the fraction of the window its
-    stage spent in forward, backward and update)."""
+    stage spent in forward, backward and update) and update share (the same for updates alone)."""
     seconds: dict[str, list[float]] = measured["seconds"]
     samples = steps * BATCH
     rounds = len(next(iter(seconds.values())))
@@ -200,6 +209,7 @@ def summarize(measured: dict, steps: int) -> list[dict]:
             row[key] = None if per_round is None else statistics.median(per_round)
             row[key + "_range"] = None if per_round is None else [min(per_round), max(per_round)]
         row["compute_share_per_rank"] = measured["compute_share"].get(system)
+        row["update_share_per_rank"] = measured["update_share"].get(system)
         results.append(row)
     return results
 
@@ -225,10 +235,12 @@ def main() -> None:
         raise SystemExit(f"unknown systems {unknown}; choose from {TORCH + PIPECORE + VARIANTS}")
     print(f"{len(systems)} systems on {args.ranks} ranks, {args.rounds} rounds of {args.steps} steps ...", file=sys.stderr)
     results = summarize(launch(systems, args.ranks, args.steps, args.rounds), args.steps)
-    print(f"{'system':<28}{'samples/s':>12}{'vs 1 process':>14}{'vs Schedule1F1B':>17}  compute share per rank")
+    print(f"{'system':<28}{'samples/s':>12}{'vs 1 process':>14}{'vs Schedule1F1B':>17}  compute share per rank "
+          "(of which updates)")
     for r in results:
         vs_ref = f"{r['vs_schedule_1f1b']:.2f}x" if r["vs_schedule_1f1b"] is not None else "-"
-        share = " ".join(f"{x:.0%}" for x in r["compute_share_per_rank"] or [])
+        share = " ".join(f"{x:.0%} ({u:.0%})" for x, u in zip(r["compute_share_per_rank"] or [],
+                                                             r["update_share_per_rank"] or []))
         print(f"{r['system']:<28}{r['samples_per_s']:>12.1f}{r['vs_single_process']:>13.2f}x{vs_ref:>17}  {share}")
     report = {
         "benchmark": "pipeline", "device": "cpu", "backend": "gloo", "dtype": "float32",

@@ -89,6 +89,8 @@ class TensorStage(StageWorker):
         if self.scratch is not None:
             self._stable_storages.add(self.scratch.untyped_storage().data_ptr())
         index = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
+        named = dict(module.named_parameters())
+        self._module_params = [named[name] for name in self.layout.names]  # in the flat layout's order
         self._parameter_slots = [
             (module.get_submodule(full.rpartition(".")[0]), full.rpartition(".")[2], index[id(p)])
             for full, p in module.named_parameters(remove_duplicate=False)
@@ -144,9 +146,8 @@ class TensorStage(StageWorker):
 
     def _bind_module_to_live(self) -> None:
         # The user's modules see the latest weights (e.g. for evaluation), without a copy.
-        params = dict(self.module.named_parameters())
-        for name, view in self.layout.views(self.ring.live).items():
-            params[name].data = view
+        for param, view in zip(self._module_params, self._views(self.ring.live)):
+            param.data = view
 
     # -- saved-tensor hooks: weights are saved as references ------------------------------------
 

@@ -79,10 +79,13 @@ def main() -> None:
         losses = train(pipe, batches(2, seed=5), first, last)
         torch.save({"losses": losses, "state": pipe.state_dict()}, os.path.join(out, f"resumed-{rank}.pt"))
     elif mode == "die":
-        pipe = make_pipeline(world, "pipedream", timeout=float(sys.argv[3]))
+        timeout, how = float(sys.argv[3]), sys.argv[4]
+        pipe = make_pipeline(world, "pipedream", timeout=timeout)
         data = batches(STEPS)
         if rank == 1:
             pipe.step(data[0][0] if first else None, data[0][1] if last else None)
+            if how == "stall":
+                time.sleep(3 * timeout)  # alive, connections open, but silent: only the timeout can tell
             os._exit(0)  # dies mid-run, without a word to its neighbours (its last sends may be lost too)
         start = time.monotonic()
         try:

@@ -134,13 +134,16 @@ def test_a_save_that_cannot_complete_fails_on_every_rank_and_commits_nothing(tmp
         [checkpoint.MANIFEST] + json.loads((tmp_path / "shared" / checkpoint.MANIFEST).read_text())["files"])
 
 
-def test_a_dead_rank_is_reported_by_name_within_the_timeout(tmp_path):
+@pytest.mark.parametrize("how", ["exit", "stall"])
+def test_a_dead_or_silent_rank_is_reported_by_name_within_the_timeout(how, tmp_path):
     timeout = 5.0
     start = time.monotonic()
-    launch(2, "die", str(tmp_path), str(timeout), timeout=120)
+    launch(2, "die", str(tmp_path), str(timeout), how, timeout=120)
     elapsed, message = (tmp_path / "error-0.txt").read_text().split("\n", 1)
     assert "rank 1" in message
     assert float(elapsed) < timeout + 10
+    if how == "stall":  # nothing breaks: the error comes from the timeout, not from a closed connection
+        assert float(elapsed) > 0.9 * timeout
     assert time.monotonic() - start < 120
 
 

@@ -4,10 +4,11 @@ A checkpoint written by P ranks (each rank saves its stage) can be read by the o
 the reverse: files are per stage, not per process. Call ``pipe.flush()`` first for asynchronous
 algorithms (no micro-batch may be in flight).
 
-The manifest is the commit point. Each save writes its stage files under new names, then replaces the
-manifest in one atomic rename, then deletes the files of earlier saves. A save that fails or is killed
-part way therefore leaves the previous checkpoint in the directory whole and loadable (or, for a first
-save, no manifest at all), never a mix of old and new stages.
+The manifest is the commit point. Each save writes its stage files under new names and flushes them to
+the disk, then replaces the manifest in one atomic rename, then deletes the files of earlier saves. A save
+that fails or is killed part way therefore leaves the previous checkpoint in the directory whole and
+loadable (or, for a first save, no manifest at all), never a mix of old and new stages. A save that fails
+removes the files it wrote; what a killed one left is removed by the next save that commits.
 
 With one process per stage, ``save`` is collective: every rank calls it with the same directory, which
 must be on a file system that every rank sees. It returns on every rank once the checkpoint is complete,
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import secrets
 from typing import Any, Callable
@@ -29,7 +31,9 @@ from .engine.pipeline import Pipeline
 
 MANIFEST = "manifest.json"
 FORMAT = 1
-_STAGE_FILE = re.compile(r"stage\d{3}(-[0-9a-f]+)?\.pt")
+_AGREE_TAG = 40  # the pipeline's own messages on the default group use other tags
+# Files a save writes: stage files (also the unsuffixed names of earlier versions) and the staged manifest.
+_GARBAGE = re.compile(r"stage\d{3}(-[0-9a-f]+)?\.pt|manifest\.json\.[0-9a-f]+\.tmp")
 
 
 class CheckpointError(RuntimeError):
@@ -55,16 +59,22 @@ def save(pipe: Pipeline, directory: str | os.PathLike) -> None:
     token = agree("checking that no backward is in flight", error, secrets.token_hex(4))
     assert state is not None
     meta = state["pipecore"]
-    error = None
+    error, written = None, []
     try:
         os.makedirs(directory, exist_ok=True)
         for s, st in pipe.stages.items():
             keys = list(st.module.state_dict())
-            torch.save({"tensors": {k: state[k] for k in keys}, "pipecore": {**meta, "stages": {s: meta["stages"][s]}}},
-                       os.path.join(directory, _stage_file(s, token)))
+            written.append(os.path.join(directory, _stage_file(s, token)))
+            _write_durably(written[-1], lambda f: torch.save(
+                {"tensors": {k: state[k] for k in keys}, "pipecore": {**meta, "stages": {s: meta["stages"][s]}}}, f))
     except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as a RuntimeError
         error = f"{directory}: {exc}"
-    agree("writing the stage files", error)
+        _remove_quietly(written)
+    try:
+        agree("writing the stage files", error)
+    except CheckpointError:
+        _remove_quietly(written)
+        raise
     error = None
     if 0 in pipe.stages:
         try:
@@ -94,18 +104,40 @@ def _commit(directory: str, pipe: Pipeline, token: str, meta: dict[str, Any]) ->
         "files": files,
     }
     staging = os.path.join(directory, f"{MANIFEST}.{token}.tmp")
-    with open(staging, "w") as f:
-        json.dump(manifest, f, indent=2)
+    _write_durably(staging, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
+    os.replace(staging, os.path.join(directory, MANIFEST))
+    _sync_directory(directory)
+    # Committed: the files of earlier saves (and of saves killed part way) are garbage now.
+    _remove_quietly([os.path.join(directory, n) for n in present - set(files) if _GARBAGE.fullmatch(n)])
+
+
+def _write_durably(path: str, write: Callable[[Any], Any]) -> None:
+    """Write a file and flush it to the disk, so that a manifest never commits data still in a cache."""
+    with open(path, "wb") as f:
+        write(f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(staging, os.path.join(directory, MANIFEST))
-    # Committed: the stage files of earlier saves (and of saves that failed part way) are garbage now.
-    for name in present - set(files):
-        if _STAGE_FILE.fullmatch(name):
-            try:
-                os.remove(os.path.join(directory, name))
-            except OSError:
-                pass  # left-over garbage; the next save tries again
+
+
+def _sync_directory(directory: str) -> None:
+    try:  # makes the rename durable on POSIX; not possible (nor needed) everywhere
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove_quietly(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.remove(path)
+        except OSError:
+            pass  # garbage; the next save that commits removes it
 
 
 def _agreement(pipe: Pipeline) -> Callable[..., Any]:
@@ -124,39 +156,60 @@ def _agreement(pipe: Pipeline) -> Callable[..., Any]:
         raise CheckpointError("checkpoint not saved: the process group was destroyed; with one process per stage, "
                               "save before torch.distributed.destroy_process_group()")
 
-    device = pipe._transport.device  # where the backend takes tensors (a GPU for NCCL)
+    transport = pipe._transport
+    device, timeout = transport.device, transport.timeout  # a GPU for NCCL; the pipeline's timeout
+
+    def send(obj: Any, dst: int) -> None:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+        for tensor in (torch.tensor([data.numel()], dtype=torch.int64, device=device), data):
+            _finish(dist.isend(tensor, dst, tag=_AGREE_TAG), dst, timeout)
+
+    def receive(src: int) -> Any:
+        size = torch.empty(1, dtype=torch.int64, device=device)
+        _finish(dist.irecv(size, src, tag=_AGREE_TAG), src, timeout)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        _finish(dist.irecv(data, src, tag=_AGREE_TAG), src, timeout)
+        return pickle.loads(data.cpu().numpy().tobytes())
 
     def together(what: str, error: str | None, value: Any = None) -> Any:
         # Point-to-point through rank 0 rather than a collective: a gloo collective leaves work on the
-        # backend's threads that can abort the process at exit if the script never destroys the group.
+        # backend's threads that can abort the process at exit if the script never destroys the group;
+        # and each wait has the pipeline's timeout rather than the process group's (30 minutes by default).
         rank, world = dist.get_rank(), dist.get_world_size()
         try:
             if rank == 0:
-                reports = [(error, value)]
-                for r in range(1, world):
-                    got: list[Any] = [None]
-                    dist.recv_object_list(got, src=r, device=device)
-                    reports.append(got[0])
+                reports = [(error, value)] + [receive(r) for r in range(1, world)]
                 failed = [(r, e) for r, (e, _) in enumerate(reports) if e is not None]
                 verdict = (failed[0] if failed else None, value)
                 for r in range(1, world):
-                    dist.send_object_list([verdict], dst=r, device=device)
+                    send(verdict, r)
             else:
-                dist.send_object_list([(error, None)], dst=0, device=device)
-                got = [None]
-                dist.recv_object_list(got, src=0, device=device)
-                verdict = got[0]
-        except RuntimeError as exc:
+                send((error, None), 0)
+                verdict = receive(0)
+        except _Silent as exc:
             raise CheckpointError(
-                f"checkpoint not saved ({what}): rank {rank} got no answer from the other ranks "
-                f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); every rank must call "
-                "checkpoint.save with the same directory"
-            ) from exc
+                f"checkpoint not saved ({what}): rank {exc.peer} did not answer rank {rank} within "
+                f"{timeout.total_seconds():g} s ({exc.detail}); every rank must call checkpoint.save"
+            ) from None
         failure, value = verdict
         if failure is not None:
             raise CheckpointError(f"checkpoint not saved ({what}): rank {failure[0]}: {failure[1]}")
         return value
     return together
+
+
+class _Silent(Exception):
+    def __init__(self, peer: int, detail: str):
+        self.peer, self.detail = peer, detail
+
+
+def _finish(work: Any, peer: int, timeout: Any) -> None:
+    try:
+        done = work.wait(timeout)
+    except RuntimeError as exc:
+        raise _Silent(peer, str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
+    if done is False:
+        raise _Silent(peer, "timed out")
 
 
 def load(pipe: Pipeline, directory: str | os.PathLike) -> None:

@@ -88,10 +88,18 @@ def test_a_save_that_fails_part_way_leaves_the_previous_checkpoint_whole(tmp_pat
     checkpoint.load(resumed, tmp_path)
     assert_same(weights(resumed), saved)
     assert not any(torch.equal(saved[k], v) for k, v in weights(pipe).items() if k.endswith("weight"))
-    # The failed save's file is garbage; the next save that completes removes it.
-    assert len(files(tmp_path)) == 1 + 3 + 1
+    # The failed save removed what it had written.
+    assert files(tmp_path) == sorted([checkpoint.MANIFEST] + before)
+
+
+def test_the_next_save_removes_what_a_killed_save_left(tmp_path):
+    pipe = make_pipeline()
+    train(pipe, 1, seed=1)
     checkpoint.save(pipe, tmp_path)
-    assert files(tmp_path) == sorted([checkpoint.MANIFEST] + committed(tmp_path))
+    for name in ("stage000-0badf00d.pt", "manifest.json.0badf00d.tmp", "stage001.pt", "notes.txt"):
+        (tmp_path / name).write_bytes(b"")
+    checkpoint.save(pipe, tmp_path)
+    assert files(tmp_path) == sorted([checkpoint.MANIFEST, "notes.txt"] + committed(tmp_path))
 
 
 def test_a_first_save_that_fails_leaves_no_checkpoint(tmp_path, monkeypatch):

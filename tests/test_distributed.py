@@ -121,6 +121,9 @@ def test_checkpoints_move_between_ranks_and_one_process(tmp_path):
 def test_a_save_that_cannot_complete_fails_on_every_rank_and_commits_nothing(tmp_path):
     _check_ok(launch(2, "save", str(tmp_path)))
     errors = [torch.load(tmp_path / f"save-{rank}.pt") for rank in range(2)]
+    elapsed, alone = errors[0].pop("alone")
+    assert "rank 1 did not answer rank 0 within 5 s" in alone and 4.5 < elapsed < 15, (elapsed, alone)
+    assert not (tmp_path / "alone").exists()
     # The last rank has no backward in flight after a step; it still learns that rank 0 has.
     assert errors[0] == errors[1]
     assert "rank 0" in errors[0]["in-flight"] and "in flight" in errors[0]["in-flight"]

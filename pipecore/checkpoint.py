@@ -7,8 +7,9 @@ algorithms (no micro-batch may be in flight).
 The manifest is the commit point. Each save writes its stage files under new names and flushes them to
 the disk, then replaces the manifest in one atomic rename, then deletes the files of earlier saves. A save
 that fails or is killed part way therefore leaves the previous checkpoint in the directory whole and
-loadable (or, for a first save, no manifest at all), never a mix of old and new stages. A save that fails
-removes the files it wrote; what a killed one left is removed by the next save that commits.
+loadable (or, for a first save, no manifest at all), never a mix of old and new stages. When the processes
+agree that a save failed, each removes the files it wrote; what a killed save left is removed by the next
+save that commits.
 
 With one process per stage, ``save`` is collective: every rank calls it with the same directory, which
 must be on a file system that every rank sees. It returns on every rank once the checkpoint is complete,
@@ -18,12 +19,13 @@ rank 0 cannot see), so no rank is left waiting for another.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import re
 import secrets
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -69,19 +71,29 @@ def save(pipe: Pipeline, directory: str | os.PathLike) -> None:
                 {"tensors": {k: state[k] for k in keys}, "pipecore": {**meta, "stages": {s: meta["stages"][s]}}}, f))
     except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as a RuntimeError
         error = f"{directory}: {exc}"
-        _remove_quietly(written)
-    try:
+    with _discarding_on_failure(written):
         agree("writing the stage files", error)
-    except CheckpointError:
-        _remove_quietly(written)
-        raise
     error = None
     if 0 in pipe.stages:
         try:
             _commit(directory, pipe, token, meta)
         except (OSError, CheckpointError) as exc:
             error = str(exc)
-    agree("writing the manifest", error)
+    with _discarding_on_failure(written):
+        agree("writing the manifest", error)
+
+
+@contextlib.contextmanager
+def _discarding_on_failure(written: list[str]) -> Iterator[None]:
+    """Remove this process's stage files if the ranks agree that the save failed. Not when a rank did not
+    answer: then the others may have gone on, and rank 0 may have committed files that are ours."""
+    try:
+        yield
+    except _NoAnswer:
+        raise
+    except CheckpointError:
+        _remove_quietly(written)
+        raise
 
 
 def _commit(directory: str, pipe: Pipeline, token: str, meta: dict[str, Any]) -> None:
@@ -104,8 +116,12 @@ def _commit(directory: str, pipe: Pipeline, token: str, meta: dict[str, Any]) ->
         "files": files,
     }
     staging = os.path.join(directory, f"{MANIFEST}.{token}.tmp")
-    _write_durably(staging, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
-    os.replace(staging, os.path.join(directory, MANIFEST))
+    try:
+        _write_durably(staging, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
+        os.replace(staging, os.path.join(directory, MANIFEST))
+    except OSError:
+        _remove_quietly([staging])
+        raise
     _sync_directory(directory)
     # Committed: the files of earlier saves (and of saves killed part way) are garbage now.
     _remove_quietly([os.path.join(directory, n) for n in present - set(files) if _GARBAGE.fullmatch(n)])
@@ -187,7 +203,7 @@ def _agreement(pipe: Pipeline) -> Callable[..., Any]:
                 send((error, None), 0)
                 verdict = receive(0)
         except _Silent as exc:
-            raise CheckpointError(
+            raise _NoAnswer(
                 f"checkpoint not saved ({what}): rank {exc.peer} did not answer rank {rank} within "
                 f"{timeout.total_seconds():g} s ({exc.detail}); every rank must call checkpoint.save"
             ) from None
@@ -199,8 +215,14 @@ def _agreement(pipe: Pipeline) -> Callable[..., Any]:
 
 
 class _Silent(Exception):
+    """A wait for ``peer`` failed or timed out."""
+
     def __init__(self, peer: int, detail: str):
         self.peer, self.detail = peer, detail
+
+
+class _NoAnswer(CheckpointError):
+    """A rank did not take part in the save: the ranks may disagree on how far it got."""
 
 
 def _finish(work: Any, peer: int, timeout: Any) -> None:

@@ -92,6 +92,24 @@ def test_a_save_that_fails_part_way_leaves_the_previous_checkpoint_whole(tmp_pat
     assert files(tmp_path) == sorted([checkpoint.MANIFEST] + before)
 
 
+def test_a_save_whose_manifest_cannot_be_replaced_removes_its_files(tmp_path, monkeypatch):
+    pipe = make_pipeline()
+    train(pipe, 1, seed=1)
+    checkpoint.save(pipe, tmp_path)
+    before = committed(tmp_path)
+    train(pipe, 1, seed=2)
+
+    def replace(src, dst):
+        raise PermissionError(13, "Permission denied", dst)
+
+    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    with pytest.raises(CheckpointError, match="writing the manifest.*Permission denied"):
+        checkpoint.save(pipe, tmp_path)
+    monkeypatch.undo()
+    assert committed(tmp_path) == before
+    assert files(tmp_path) == sorted([checkpoint.MANIFEST] + before)
+
+
 def test_the_next_save_removes_what_a_killed_save_left(tmp_path):
     pipe = make_pipeline()
     train(pipe, 1, seed=1)

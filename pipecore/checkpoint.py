@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pickle
 import re
 import secrets
 from typing import Any, Callable, Iterator
@@ -33,7 +32,6 @@ from .engine.pipeline import Pipeline
 
 MANIFEST = "manifest.json"
 FORMAT = 1
-_AGREE_TAG = 40  # the pipeline's own messages on the default group use other tags
 # Files a save writes: stage files (also the unsuffixed names of earlier versions) and the staged manifest.
 _GARBAGE = re.compile(r"stage\d{3}(-[0-9a-f]+)?\.pt|manifest\.json\.[0-9a-f]+\.tmp")
 
@@ -172,66 +170,24 @@ def _agreement(pipe: Pipeline) -> Callable[..., Any]:
         raise CheckpointError("checkpoint not saved: the process group was destroyed; with one process per stage, "
                               "save before torch.distributed.destroy_process_group()")
 
+    from .runtime.distributed import PeerError
+
     transport = pipe._transport
-    device, timeout = transport.device, transport.timeout  # a GPU for NCCL; the pipeline's timeout
-
-    def send(obj: Any, dst: int) -> None:
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
-        for tensor in (torch.tensor([data.numel()], dtype=torch.int64, device=device), data):
-            _finish(dist.isend(tensor, dst, tag=_AGREE_TAG), dst, timeout)
-
-    def receive(src: int) -> Any:
-        size = torch.empty(1, dtype=torch.int64, device=device)
-        _finish(dist.irecv(size, src, tag=_AGREE_TAG), src, timeout)
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-        _finish(dist.irecv(data, src, tag=_AGREE_TAG), src, timeout)
-        return pickle.loads(data.cpu().numpy().tobytes())
 
     def together(what: str, error: str | None, value: Any = None) -> Any:
-        # Point-to-point through rank 0 rather than a collective: a gloo collective leaves work on the
-        # backend's threads that can abort the process at exit if the script never destroys the group;
-        # and each wait has the pipeline's timeout rather than the process group's (30 minutes by default).
-        rank, world = dist.get_rank(), dist.get_world_size()
         try:
-            if rank == 0:
-                reports = [(error, value)] + [receive(r) for r in range(1, world)]
-                failed = [(r, e) for r, (e, _) in enumerate(reports) if e is not None]
-                verdict = (failed[0] if failed else None, value)
-                for r in range(1, world):
-                    send(verdict, r)
-            else:
-                send((error, None), 0)
-                verdict = receive(0)
-        except _Silent as exc:
-            raise _NoAnswer(
-                f"checkpoint not saved ({what}): rank {exc.peer} did not answer rank {rank} within "
-                f"{timeout.total_seconds():g} s ({exc.detail}); every rank must call checkpoint.save"
-            ) from None
-        failure, value = verdict
-        if failure is not None:
-            raise CheckpointError(f"checkpoint not saved ({what}): rank {failure[0]}: {failure[1]}")
-        return value
+            reports = transport.share((error, value))
+        except PeerError as exc:
+            raise _NoAnswer(f"checkpoint not saved ({what}): {exc}; every rank must call checkpoint.save") from None
+        failed = [(rank, e) for rank, (e, _) in enumerate(reports) if e is not None]
+        if failed:
+            raise CheckpointError(f"checkpoint not saved ({what}): rank {failed[0][0]}: {failed[0][1]}")
+        return reports[0][1]
     return together
-
-
-class _Silent(Exception):
-    """A wait for ``peer`` failed or timed out."""
-
-    def __init__(self, peer: int, detail: str):
-        self.peer, self.detail = peer, detail
 
 
 class _NoAnswer(CheckpointError):
     """A rank did not take part in the save: the ranks may disagree on how far it got."""
-
-
-def _finish(work: Any, peer: int, timeout: Any) -> None:
-    try:
-        done = work.wait(timeout)
-    except RuntimeError as exc:
-        raise _Silent(peer, str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
-    if done is False:
-        raise _Silent(peer, "timed out")
 
 
 def load(pipe: Pipeline, directory: str | os.PathLike) -> None:

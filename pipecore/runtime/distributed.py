@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import pickle
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ _KIND_CODE = {F: 0, B: 1}
 _REVERSE = {F: B, B: F}  # the link that carries messages back from the same neighbour
 _TAG = {F: 10, B: 20}
 _LOSS_TAG = 30
+_SHARE_TAG = 40
 _HEADER_BYTES = _HEADER * 8
 
 Layout = tuple[tuple[int, ...], torch.dtype]
@@ -270,6 +272,35 @@ class DistributedTransport:
             if dist.is_initialized():
                 for group in groups:
                     dist.destroy_process_group(group)
+
+    # Small objects from every rank -----------------------------------------------------------------
+
+    def share(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank: each rank sends its own to rank 0,
+        which sends the list back. Point-to-point over the default group rather than a collective: a gloo
+        collective can leave work behind that aborts the process at exit when the script never destroys the
+        group. Every rank must call it; a rank that does not answer within the timeout is a
+        :class:`PeerError` naming it."""
+        if self.rank == 0:
+            objs = [obj] + [self._receive_object(src) for src in range(1, self.num_stages)]
+            for dst in range(1, self.num_stages):
+                self._send_object(objs, dst)
+            return objs
+        self._send_object(obj, 0)
+        return self._receive_object(0)
+
+    def _send_object(self, obj: Any, dst: int) -> None:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+        for tensor in (torch.tensor([data.numel()], dtype=torch.int64, device=self.device), data):
+            self._complete(self._post(tensor, dst, _SHARE_TAG))
+
+    def _receive_object(self, src: int) -> Any:
+        what = "its share of an exchange between all ranks"
+        size = torch.empty(1, dtype=torch.int64, device=self.device)
+        self._wait(self._post_receive(size, src, _SHARE_TAG, what), what, src)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self._wait(self._post_receive(data, src, _SHARE_TAG, what), what, src)
+        return pickle.loads(data.cpu().numpy().tobytes())
 
     # Mini-batch losses -----------------------------------------------------------------------------
 

@@ -24,11 +24,11 @@ import json
 import os
 import re
 import secrets
-from typing import Any, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 import torch
 
-from .engine.pipeline import Pipeline
+from .engine.pipeline import Pipeline, merge_state_dicts
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -113,16 +113,27 @@ def _commit(directory: str, pipe: Pipeline, token: str, meta: dict[str, Any]) ->
         "stage_layers": meta["stage_layers"],
         "files": files,
     }
-    staging = os.path.join(directory, f"{MANIFEST}.{token}.tmp")
-    try:
-        _write_durably(staging, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
-        os.replace(staging, os.path.join(directory, MANIFEST))
-    except OSError:
-        _remove_quietly([staging])
-        raise
-    _sync_directory(directory)
+    write_atomically(os.path.join(directory, MANIFEST), lambda f: f.write(json.dumps(manifest, indent=2).encode()))
     # Committed: the files of earlier saves (and of saves killed part way) are garbage now.
     _remove_quietly([os.path.join(directory, n) for n in present - set(files) if _GARBAGE.fullmatch(n)])
+
+
+def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> None:
+    """Write a file so that readers, and a crash at any point, see either the previous file or the complete
+    new one: ``write(f)`` fills a temporary file next to ``path``, which is flushed to the disk and renamed
+    over ``path``. If ``write`` or the rename fails, the temporary file is removed and ``path`` is untouched.
+
+    Example: ``write_atomically("ckpt.pt", lambda f: torch.save(state, f))``.
+    """
+    path = os.fspath(path)
+    staging = f"{path}.{secrets.token_hex(4)}.tmp"
+    try:
+        _write_durably(staging, write)
+        os.replace(staging, path)
+    except BaseException:
+        _remove_quietly([staging])
+        raise
+    _sync_directory(os.path.dirname(path) or ".")
 
 
 def _write_durably(path: str, write: Callable[[Any], Any]) -> None:
@@ -207,13 +218,8 @@ def load(pipe: Pipeline, directory: str | os.PathLike) -> None:
     if manifest["num_stages"] != pipe.num_stages:
         raise ValueError(f"checkpoint in {directory} has {manifest['num_stages']} stages, this pipeline has "
                          f"{pipe.num_stages}")
-    state: dict[str, Any] = {}
-    meta: dict[str, Any] | None = None
+    parts = []
     for s in pipe.stages:
         part = torch.load(os.path.join(directory, manifest["files"][s]), weights_only=False)
-        state.update(part["tensors"])
-        if meta is None:
-            meta = {**part["pipecore"], "stages": {}}
-        meta["stages"].update(part["pipecore"]["stages"])
-    state["pipecore"] = meta
-    pipe.load_state_dict(state)
+        parts.append({**part["tensors"], "pipecore": part["pipecore"]})
+    pipe.load_state_dict(merge_state_dicts(parts))

@@ -78,6 +78,19 @@ def main() -> None:
         checkpoint.load(pipe, os.path.join(out, "local-ckpt"))
         losses = train(pipe, batches(2, seed=5), first, last)
         torch.save({"losses": losses, "state": pipe.state_dict()}, os.path.join(out, f"resumed-{rank}.pt"))
+    elif mode == "full":
+        # Every rank gets the whole model (full_state_dict) and every stage's statistics; a fresh pipeline on
+        # each rank then resumes from that whole-model state and trains on.
+        algorithm = sys.argv[3]
+        pipe = make_pipeline(world, algorithm, timeout=60)
+        train(pipe, batches(STEPS), first, last)
+        full = pipe.full_state_dict()
+        stages = [st["stage"] for st in pipe.stats(all_stages=True)]
+        resumed = make_pipeline(world, algorithm, timeout=60)
+        resumed.load_state_dict(full)
+        losses = train(resumed, batches(2, seed=5), first, last)
+        torch.save({"full": full, "stages": stages, "losses": losses, "state": resumed.state_dict()},
+                   os.path.join(out, f"full-{rank}.pt"))
     elif mode == "die":
         timeout, how = float(sys.argv[3]), sys.argv[4]
         pipe = make_pipeline(world, "pipedream", timeout=timeout)

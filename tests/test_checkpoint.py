@@ -149,3 +149,26 @@ def test_a_checkpoint_loads_only_into_the_same_stage_count(tmp_path):
                               loss_fn=nn.CrossEntropyLoss())
     with pytest.raises(ValueError, match="has 3 stages, this pipeline has 2"):
         checkpoint.load(other, tmp_path)
+
+
+def test_write_atomically_replaces_a_file_whole_or_not_at_all(tmp_path, monkeypatch):
+    path = tmp_path / "state.bin"
+    checkpoint.write_atomically(path, lambda f: f.write(b"old"))
+    checkpoint.write_atomically(path, lambda f: f.write(b"new"))
+    assert path.read_bytes() == b"new" and files(tmp_path) == ["state.bin"]
+
+    def fail_part_way(f):
+        f.write(b"ne")
+        raise OSError("No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.write_atomically(path, fail_part_way)
+    assert path.read_bytes() == b"new" and files(tmp_path) == ["state.bin"]
+
+    def replace(src, dst):
+        raise OSError("read-only file system")
+
+    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    with pytest.raises(OSError, match="read-only"):
+        checkpoint.write_atomically(path, lambda f: f.write(b"newer"))
+    assert path.read_bytes() == b"new" and files(tmp_path) == ["state.bin"]

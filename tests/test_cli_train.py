@@ -13,6 +13,8 @@ import pipecore
 from pipecore.cli import main
 from pipecore.cli.train import build_mlp, epoch_batches, stage_partition
 
+from _same import assert_same
+
 # Small settings keep every run well under a second of training.
 SMALL = ["--hidden", "32", "--batch-size", "32", "--no-progress"]
 EPOCH_LINE = re.compile(r"^\s*(\d+)\s+(\d+\.\d{4})\s+(\d+\.\d\d)%\s+(\S+)$", re.MULTILINE)
@@ -38,23 +40,6 @@ def final_accuracy(out: str) -> float:
 
 def load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
-
-
-def assert_same(a: object, b: object, where: str = "") -> None:
-    """``a`` and ``b`` are equal, tensors bit for bit (nested dicts, lists and tuples)."""
-    assert type(a) is type(b), where
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert list(a) == list(b), where
-        for key in a:
-            assert_same(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 def test_default_run_prints_epochs_and_summary(capsys: pytest.CaptureFixture[str]) -> None:
@@ -144,6 +129,23 @@ def test_resume_rejects_other_settings_and_finished_runs(capsys: pytest.CaptureF
     assert code == 0 and "note: --lr 0.01 differs from the checkpoint's 0.05" in out
 
 
+def test_a_save_that_fails_leaves_the_previous_checkpoint(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    ckpt = tmp_path / "ckpt.pt"
+    assert train(capsys, "--epochs", "1", *SMALL, "--save", str(ckpt))[0] == 0
+    before = ckpt.read_bytes()
+
+    def save_part_then_fail(obj: object, f: io.BufferedWriter) -> None:
+        f.write(before[:100])
+        raise RuntimeError("No space left on device")
+
+    monkeypatch.setattr(torch, "save", save_part_then_fail)
+    code, _, err = train(capsys, "--epochs", "2", *SMALL, "--resume", str(ckpt), "--save", str(ckpt))
+    assert code == 2 and f"cannot write {ckpt}: No space left on device" in err, err
+    assert ckpt.read_bytes() == before  # not truncated: the old checkpoint still resumes
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # and nothing else is left behind
+
+
 def test_plot_writes_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     png = tmp_path / "curve.png"
     code, out, _ = train(capsys, "--epochs", "2", *SMALL, "--plot", str(png))
@@ -212,6 +214,16 @@ def test_bad_input_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], argv: 
     errors = [line for line in err.splitlines() if line.startswith("pipecore")]
     assert len(errors) == 1 and message in errors[0], err
     assert "Traceback" not in err and "epoch" not in out
+
+
+def test_under_torchrun_the_stages_must_match_the_processes(capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, _, err = train(capsys, "--stages", "4", "--epochs", "1")
+    assert code == 2 and err.strip() == (
+        "pipecore train: error: --stages 4 but torchrun started 2 processes: pipecore runs one process per stage; "
+        "pass --stages 2 or --nproc-per-node 4")
 
 
 def test_partition_gives_every_stage_a_linear_layer() -> None:

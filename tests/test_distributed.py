@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pipecore import checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 import dist_run  # noqa: E402
+from _same import assert_same  # noqa: E402
 
 SCRIPT = str(Path(__file__).parent / "dist_run.py")
 EXAMPLE = str(Path(__file__).parent.parent / "examples" / "train_mlp.py")
@@ -223,6 +225,31 @@ def test_destroying_the_process_groups_then_exiting_is_clean(tmp_path):
         assert losses[0] == losses[1] and len(losses[0]) == 2
 
 
+def test_every_rank_gets_the_whole_model_and_can_resume_from_it(tmp_path):
+    """full_state_dict() on each rank equals the one-process state_dict (weights and optimizer state of every
+    stage, bit for bit); load_state_dict takes that whole-model state on a rank and training continues like
+    the one-process run."""
+    world, algorithm = 2, "pipedream"
+    _check_ok(launch(world, "full", str(tmp_path), algorithm))
+    _, state, pipe = local_run(world, algorithm)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        losses = dist_run.train(pipe, dist_run.batches(2, seed=5), True, True)
+    finally:
+        torch.set_num_threads(threads)
+    continued = pipe.state_dict()
+    for rank in range(world):
+        got = torch.load(tmp_path / f"full-{rank}.pt", weights_only=False)
+        assert list(got["full"]) == list(state)
+        assert_same(got["full"], state)
+        assert got["stages"] == [0, 1]
+        assert got["losses"] == losses
+        for key, value in got["state"].items():
+            if key != "pipecore":
+                assert torch.equal(value, continued[key]), key
+
+
 def test_world_size_must_equal_num_stages(tmp_path):
     _check_ok(launch(2, "mismatch", str(tmp_path)))
     message = (tmp_path / "error-0.txt").read_text()
@@ -236,9 +263,9 @@ def _outside_any_rank() -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1"}
 
 
-def _torchrun(*args: str, cwd: Path) -> subprocess.Popen:
-    """``torchrun *args examples/train_mlp.py`` in ``cwd``."""
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args, EXAMPLE], cwd=cwd,
+def _torchrun(*args: str, cwd: Path, program: tuple[str, ...] = (EXAMPLE,)) -> subprocess.Popen:
+    """``torchrun *args PROGRAM`` in ``cwd`` (default: examples/train_mlp.py)."""
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args, *program], cwd=cwd,
                             env=_outside_any_rank(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -276,3 +303,42 @@ def test_the_example_prints_the_same_losses_alone_under_torchrun_and_on_two_node
     assert losses(nodes) == expected, nodes
     for folder in (alone, one_node, two_nodes):
         assert (folder / "checkpoints" / "train_mlp" / "manifest.json").is_file()
+
+
+def test_pipecore_train_under_torchrun_matches_one_process_and_checkpoints_move_between_them(tmp_path):
+    """``torchrun --nproc-per-node 2 -m pipecore train --stages 2``: rank 0 alone prints; the losses, test
+    accuracies (of the whole model, gathered from the ranks) and the checkpoint equal the one-process run's;
+    each run resumes the other's checkpoint and both continue identically."""
+    settings = ["train", "--stages", "2", "--algorithm", "pipedream", "--hidden", "32", "--batch-size", "32",
+                "--no-progress"]
+
+    def alone(*args: str) -> str:
+        run = subprocess.run([sys.executable, "-m", "pipecore", *settings, *args], cwd=tmp_path,
+                             env=_outside_any_rank(), capture_output=True, text=True, timeout=240)
+        assert run.returncode == 0, run.stdout + run.stderr
+        return run.stdout
+
+    def ranks(*args: str) -> str:
+        return _finish([_torchrun("--standalone", "--nproc-per-node", "2", cwd=tmp_path,
+                                  program=("-m", "pipecore", *settings, *args))])
+
+    def report(output: str) -> list[str]:
+        """Epoch, loss and test accuracy of every epoch line, and the final accuracy (times vary)."""
+        return re.findall(r"^ *\d+ +\d+\.\d{4} +\d+\.\d\d%|^test accuracy .*$", output, re.MULTILINE)
+
+    one = alone("--epochs", "2", "--save", "alone.pt")
+    two = ranks("--epochs", "2", "--save", "ranks.pt")
+    assert two.count("epoch      loss") == 1 and "one process per stage: 2 ranks (gloo)" in two, two
+    assert len(report(one)) == 3 and report(two) == report(one), two
+    stage_rows = [line.split()[0] for line in two[two.index("stage  layers"):].splitlines()[1:3]]
+    assert stage_rows == ["0", "1"], two  # rank 0 reports both ranks' stages
+    a = torch.load(tmp_path / "alone.pt", weights_only=False)
+    b = torch.load(tmp_path / "ranks.pt", weights_only=False)
+    assert_same(b["pipeline"], a["pipeline"])
+    assert b["history"] == a["history"]
+
+    resumed_alone = alone("--epochs", "3", "--resume", "ranks.pt", "--save", "alone3.pt")
+    resumed_ranks = ranks("--epochs", "3", "--resume", "alone.pt", "--save", "ranks3.pt")
+    assert report(resumed_ranks) == report(resumed_alone) and len(report(resumed_alone)) == 4
+    assert_same(torch.load(tmp_path / "ranks3.pt", weights_only=False)["pipeline"],
+                torch.load(tmp_path / "alone3.pt", weights_only=False)["pipeline"])

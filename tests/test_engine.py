@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ import pipecore
 from pipecore import AdamW, Pipeline, SGD
 from pipecore.engine.stage import TensorStage
 from pipecore.schedule.ir import B
+
+from _same import assert_same
 
 M = 4  # micro-batches per mini-batch in these tests
 
@@ -597,3 +600,58 @@ def test_stats_report_versions_and_bytes():
         assert st["weight_version_bytes"] == (3 - s) * st["parameters"] * 8
         assert set(st["seconds_per_action"]) >= {"F", "B", "U"}
     assert stats[0]["delay_max"] == 2 and stats[2]["delay_max"] == 0
+
+
+def test_seconds_per_action_is_a_median_that_one_slow_action_does_not_move():
+    pipe = Pipeline(mlp(3), 2, "1f1b", 2, loss_fn=nn.CrossEntropyLoss())
+    for _ in range(3):
+        pipe.step(torch.randn(4, 5, dtype=torch.float64), torch.zeros(4, dtype=torch.long))
+    st = pipe.stages[0]
+    st._timed("F", time.perf_counter() - 5.0)  # one forward that took 5 s (a one-time import, a GC pass)
+    assert pipe.stats()[0]["seconds_per_action"]["F"] < 1.0
+    assert st.seconds["F"] > 5.0  # the totals (the benchmarks' compute shares) still count it
+
+
+def test_full_state_dict_in_one_process_is_the_state_dict_and_parts_merge_back():
+    from pipecore.engine.pipeline import merge_state_dicts
+
+    pipe = Pipeline(mlp(4), 2, "pipedream", 2, optimizer=SGD(lr=0.1, momentum=0.9), loss_fn=nn.CrossEntropyLoss())
+    xs, ys = data(3, batch=4)
+    for x, y in zip(xs, ys):
+        pipe.step(x, y)
+    pipe.flush()
+    state = pipe.state_dict()
+    assert_same(pipe.full_state_dict(), state)
+    assert pipe.stats(all_stages=True) == pipe.stats()
+    # What two ranks would hold, one stage each, merged in either order, is the whole state again.
+    keys = [pipe.stages[s].module.state_dict().keys() for s in (0, 1)]
+    parts = [{**{k: state[k] for k in keys[s]},
+              "pipecore": {**state["pipecore"], "stages": {s: state["pipecore"]["stages"][s]}}} for s in (0, 1)]
+    assert_same(merge_state_dicts(parts), state)
+    assert_same(merge_state_dicts(parts[::-1])["pipecore"], state["pipecore"])
+    with pytest.raises(ValueError, match="at least one"):
+        merge_state_dicts([])
+
+
+def test_load_state_dict_takes_a_state_that_holds_this_process_stages():
+    def build():
+        return Pipeline(mlp(4), 2, "1f1b", 2, optimizer=SGD(lr=0.1, momentum=0.9), loss_fn=nn.CrossEntropyLoss())
+
+    pipe = build()
+    xs, ys = data(2, batch=4)
+    for x, y in zip(xs, ys):
+        pipe.step(x, y)
+    state = pipe.state_dict()
+    one_stage = build()
+    del one_stage.stages[1]  # as on rank 0 of two: only stage 0 is this process's
+    one_stage.load_state_dict(state)  # the other stage's keys are ignored
+    for name, value in one_stage.stages[0].live_parameters().items():
+        assert torch.equal(value, state[name])
+    with pytest.raises(KeyError, match=r"unexpected keys \['9.weight'\]"):
+        one_stage.load_state_dict({**state, "9.weight": torch.zeros(1)})
+    missing = {k: v for k, v in state.items() if k != "0.bias"}
+    with pytest.raises(KeyError, match=r"missing keys \['0.bias'\]"):
+        one_stage.load_state_dict(missing)
+    no_stage_zero = {**state, "pipecore": {**state["pipecore"], "stages": {1: state["pipecore"]["stages"][1]}}}
+    with pytest.raises(KeyError, match=r"no optimizer state or versions of stage\(s\) \[0\]"):
+        one_stage.load_state_dict(no_stage_zero)

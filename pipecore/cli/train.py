@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ examples:
   pipecore train --algorithm pipedream --epochs 10 --plot curve.png
   pipecore train -a pipemare --option warmup_steps=200 --option D=0.2
   pipecore train --epochs 5 --save ckpt.pt && pipecore train --epochs 10 --resume ckpt.pt
+  torchrun --nproc-per-node 4 -m pipecore train    # one process per stage; rank 0 reports
 """
 
 #: Default learning rate per optimizer.
@@ -312,7 +314,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     import torch
-    from tqdm import tqdm
 
     import pipecore
 
@@ -321,10 +322,10 @@ def _train(args: argparse.Namespace) -> int:
             f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}; "
             f"use a multiple of {args.microbatches}"
         )
-    for flag, path in (("--save", args.save), ("--plot", args.plot)):
-        # Fail before training, not after it.
-        if path and not Path(path).resolve().parent.is_dir():
-            raise ValueError(f"{flag}: the directory of {path} does not exist")
+    processes = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+    if processes > 1 and processes != args.stages:
+        raise ValueError(f"--stages {args.stages} but torchrun started {processes} processes: pipecore runs one process "
+                         f"per stage; pass --stages {processes} or --nproc-per-node {args.stages}")
     args.depth = args.depth if args.depth is not None else max(3, args.stages - 1)
     options = dict(args.option)
 
@@ -355,32 +356,79 @@ def _train(args: argparse.Namespace) -> int:
 
     torch.manual_seed(args.seed)
     model = build_mlp(data.features, args.hidden, args.depth, data.classes)
+    joined_here = not _process_group_initialized()
     pipe = pipecore.Pipeline(
         model, args.stages, algorithm=args.algorithm, n_microbatches=args.microbatches,
         optimizer=_optimizer(args.optimizer, args.lr), loss_fn=torch.nn.CrossEntropyLoss(),
         partition=stage_partition(model, args.stages), **options,
     )
+    try:
+        with pipe:  # closes it at the end: with one process per stage, that releases its process groups
+            return _run_pipeline(args, pipe, data, algorithm, settings, ckpt, start_epoch, history, notes)
+    finally:
+        if joined_here and _process_group_initialized():
+            torch.distributed.destroy_process_group()  # under torchrun the pipeline joined it; leave it too
+
+
+def _quiet(*args: Any, **kwargs: Any) -> None:
+    """``print`` on the ranks that do not report."""
+
+
+def _process_group_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _run_pipeline(args: argparse.Namespace, pipe: Any, data: Digits, algorithm: Any, settings: dict[str, Any],
+                  ckpt: dict[str, Any] | None, start_epoch: int, history: list[dict[str, float]],
+                  notes: list[str]) -> int:
+    import torch
+    from tqdm import tqdm
+
+    import pipecore
+    from ..checkpoint import write_atomically
+
+    # With one process per stage (under torchrun) every rank trains its stage; rank 0 alone prints and writes.
+    leader = pipe.rank in (None, 0)
+    say = print if leader else _quiet
+    for flag, path in (("--save", args.save), ("--plot", args.plot)):
+        # Fail before training, not after it.
+        if leader and path and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"{flag}: the directory of {path} does not exist")
     if ckpt is not None:
         pipe.load_state_dict(ckpt["pipeline"])
+    n_train = len(data.y_train)
+    steps_per_epoch = n_train // args.batch_size
+    # The whole model, for evaluation: with one process per stage, this rank's copy of the other stages is
+    # stale, so every evaluation loads the stages' live weights (full_state_dict) into it.
+    scorer = build_mlp(data.features, args.hidden, args.depth, data.classes)
+
+    def test_accuracy() -> tuple[float, int]:
+        full = pipe.full_state_dict()
+        scorer.load_state_dict({k: v for k, v in full.items() if k != "pipecore"})
+        return evaluate(scorer, data.x_test, data.y_test)
 
     shape = mlp_shape(data.features, args.hidden, args.depth, data.classes)
     optimizer = f"SGD lr {args.lr:g} momentum 0.9" if args.optimizer == "sgd" else f"AdamW lr {args.lr:g}"
-    print(f"digits: {n_train} train / {len(data.y_test)} test samples, {data.features} features, "
-          f"{data.classes} classes; MLP {shape}")
-    print(f"{algorithm.name}: {args.stages} stages, {args.microbatches} micro-batches of "
-          f"{args.batch_size // args.microbatches} (batch {args.batch_size}, {steps_per_epoch} steps/epoch), "
-          f"{optimizer}, seed {args.seed}, {_plural(torch.get_num_threads(), 'thread')}")
+    say(f"digits: {n_train} train / {len(data.y_test)} test samples, {data.features} features, "
+        f"{data.classes} classes; MLP {shape}")
+    say(f"{algorithm.name}: {args.stages} stages, {args.microbatches} micro-batches of "
+        f"{args.batch_size // args.microbatches} (batch {args.batch_size}, {steps_per_epoch} steps/epoch), "
+        f"{optimizer}, seed {args.seed}, {_plural(torch.get_num_threads(), 'thread')}")
     for note in notes:
-        print(note)
+        say(note)
     if ckpt is not None:
-        print(f"resumed from {args.resume} at epoch {start_epoch}")
-    print()
+        say(f"resumed from {args.resume} at epoch {start_epoch}")
+    if pipe.rank is not None:
+        say(f"one process per stage: {args.stages} ranks ({torch.distributed.get_backend()}); rank 0 reports")
+    say()
     header = f"{'epoch':>5}  {'loss':>8}  {'test acc':>8}  {'time':>6}"
-    print(header)
+    say(header)
     for h in history:
-        print(f"{h['epoch']:>5}  {h['loss']:>8.4f}  {100 * h['accuracy']:>7.2f}%  {'-':>6}")
+        say(f"{h['epoch']:>5}  {h['loss']:>8.4f}  {100 * h['accuracy']:>7.2f}%  {'-':>6}")
 
-    hide_bar = True if args.no_progress else None  # None: tqdm shows the bar only on a terminal
+    hide_bar = True if args.no_progress or not leader else None  # None: tqdm shows the bar only on a terminal
     started = time.perf_counter()
     trained = 0
     for epoch in range(start_epoch, args.epochs):
@@ -399,31 +447,36 @@ def _train(args: argparse.Namespace) -> int:
         bar.close()
         pipe.flush()  # drain asynchronous algorithms: evaluate and checkpoint one consistent version
         trained += len(batches) * args.batch_size
-        accuracy, _ = evaluate(model, data.x_test, data.y_test)
+        accuracy, _ = test_accuracy()
         record = {"epoch": epoch + 1, "loss": sum(losses) / len(losses), "accuracy": accuracy}
         history.append(record)
-        print(f"{epoch + 1:>5}  {record['loss']:>8.4f}  {100 * accuracy:>7.2f}%  {time.perf_counter() - t0:>5.2f}s",
-              flush=True)
+        say(f"{epoch + 1:>5}  {record['loss']:>8.4f}  {100 * accuracy:>7.2f}%  {time.perf_counter() - t0:>5.2f}s",
+            flush=True)
     elapsed = time.perf_counter() - started
 
-    accuracy, correct = evaluate(model, data.x_test, data.y_test)
-    print()
-    print(f"test accuracy {100 * accuracy:.2f}% ({correct}/{len(data.y_test)}) after {_plural(args.epochs, 'epoch')}")
-    print(f"time {elapsed:.2f}s for {_plural(args.epochs - start_epoch, 'epoch')} "
-          f"({trained / elapsed:,.0f} samples/s)")
-    print()
-    print("per stage (staleness: versions behind live per weight read; delay: updates between a micro-batch's "
-          "F and B; mean/max)")
-    print(stage_table(pipe.stats()))
-
+    accuracy, correct = test_accuracy()
+    # Collective with one process per stage: every rank takes part, rank 0 prints and writes.
+    stats = pipe.stats(all_stages=True)
+    state = pipe.full_state_dict() if args.save else None
+    say()
+    say(f"test accuracy {100 * accuracy:.2f}% ({correct}/{len(data.y_test)}) after {_plural(args.epochs, 'epoch')}")
+    say(f"time {elapsed:.2f}s for {_plural(args.epochs - start_epoch, 'epoch')} "
+        f"({trained / elapsed:,.0f} samples/s)")
+    say()
+    say("per stage (staleness: versions behind live per weight read; delay: updates between a micro-batch's "
+        "F and B; mean/max)")
+    say(stage_table(stats))
+    if not leader:
+        return 0
     if args.save or args.plot:
         print()
     if args.save:
-        state = {"pipeline": pipe.state_dict(), "epoch": args.epochs, "args": settings, "history": history}
+        ckpt_state = {"pipeline": state, "epoch": args.epochs, "args": settings, "history": history}
         try:
-            torch.save(state, args.save)
-        except OSError as error:
-            raise ValueError(f"cannot write {args.save}: {error.strerror or error}") from None
+            # A run killed while saving leaves the previous checkpoint, not a truncated file.
+            write_atomically(args.save, lambda f: torch.save(ckpt_state, f))
+        except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
+            raise ValueError(f"cannot write {args.save}: {getattr(error, 'strerror', None) or error}") from None
         print(f"saved checkpoint (epoch {args.epochs}) to {args.save}")
     if args.plot:
         plot_curves(args.plot, history, f"pipecore train: {algorithm.name}, {args.stages} stages, MLP {shape}")

@@ -79,6 +79,8 @@ class Pipeline:
         points = split_points(layers, num_stages, partition)
         bounds = list(zip([0] + points, points + [len(layers)]))
         self.stage_layers = [[name for name, _ in layers[a:b]] for a, b in bounds]
+        # The state_dict keys of every stage, this process's or not (a full state names them all).
+        self._stage_keys = [list(nn.Sequential(OrderedDict(layers[a:b])).state_dict()) for a, b in bounds]
         self.rank = _join_process_group(num_stages, timeout)
         owned = range(num_stages) if self.rank is None else [self.rank]
         # The ring of each stage holds exactly the versions the algorithm needs; the simulator says how many.
@@ -269,10 +271,21 @@ class Pipeline:
         }
         return state
 
+    def full_state_dict(self) -> dict[str, Any]:
+        """Every stage's :meth:`state_dict` in one, on every process, tensors on the CPU: the whole model's
+        keys plus ``"pipecore"`` for all stages. In one process that is :meth:`state_dict` on the CPU; with
+        one process per stage it is collective (every rank calls it; a rank that does not is reported by
+        name after the pipeline's timeout). For evaluating or saving the whole model on one rank; each
+        rank's share of it is one stage's weights and optimizer state."""
+        return merge_state_dicts(self._gather(_on_cpu(self.state_dict())))
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` for this process's stages. Keys must match exactly."""
-        expected = {k for st in self.stages.values() for k in st.module.state_dict()} | {"pipecore"}
-        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        """Restore this process's stages from a :meth:`state_dict` that holds them: this process's own, a
+        :meth:`full_state_dict`, or a merge of the ranks' (:func:`merge_state_dicts`). Keys of other stages
+        are ignored; a missing key of this process's stages, or a key of no stage, is an error."""
+        own = {k for s in self.stages for k in self._stage_keys[s]} | {"pipecore"}
+        known = {k for keys in self._stage_keys for k in keys} | {"pipecore"}
+        missing, extra = sorted(own - set(state)), sorted(set(state) - known)
         if missing or extra:
             raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {extra}")
         meta = state["pipecore"]
@@ -282,6 +295,9 @@ class Pipeline:
             raise ValueError(f"checkpoint is for (algorithm, stages, micro-batches) {theirs}, this pipeline is {mine}")
         if meta.get("stage_layers", self.stage_layers) != self.stage_layers:
             raise ValueError(f"checkpoint splits the layers as {meta['stage_layers']}, this pipeline as {self.stage_layers}")
+        absent = sorted(set(self.stages) - set(meta["stages"]))
+        if absent:
+            raise KeyError(f"load_state_dict: the state holds no optimizer state or versions of stage(s) {absent}")
         if self.in_flight:
             raise RuntimeError("call flush() before load_state_dict()")
         for s, st in self.stages.items():
@@ -291,12 +307,26 @@ class Pipeline:
                 buf.copy_(state[name])
         self._restart()
 
+    def _gather(self, obj: Any) -> list[Any]:
+        """``obj`` from every process, in rank order (collective with one process per stage)."""
+        if self.rank is None:
+            return [obj]
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("the process group was destroyed; with one process per stage, gather the pipeline's "
+                               "state and statistics before torch.distributed.destroy_process_group()")
+        return self._transport.share(obj)
+
     # -- introspection ---------------------------------------------------------------------------
 
-    def stats(self) -> list[dict[str, Any]]:
-        """Per stage of this process: layers, versions held, bytes of weight versions, staleness seen
-        (``staleness``: live minus read version; ``delay``: updates between a forward's read and its backward),
-        and seconds per action kind."""
+    def stats(self, all_stages: bool = False) -> list[dict[str, Any]]:
+        """Per stage of this process (with ``all_stages``, of every stage, in stage order, on every process;
+        collective with one process per stage): layers, versions held, bytes of weight versions, staleness
+        seen (``staleness``: live minus read version; ``delay``: updates between a forward's read and its
+        backward), and the median seconds of the stage's recent actions of each kind."""
+        if all_stages:
+            return sorted((st for part in self._gather(self.stats()) for st in part), key=lambda st: st["stage"])
         out = []
         for s, st in self.stages.items():
             stale, delay = self._staleness[s], self._delays[s]
@@ -314,9 +344,35 @@ class Pipeline:
                 "staleness_max": stale.max,
                 "delay_mean": delay.mean,
                 "delay_max": delay.max,
-                "seconds_per_action": {k: st.seconds[k] / st.counts[k] for k in st.counts},
+                "seconds_per_action": st.seconds_per_action(),
             })
         return out
+
+
+def merge_state_dicts(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One state dict from :meth:`Pipeline.state_dict` parts that hold different stages (e.g. one per rank):
+    the union of their keys, with ``"pipecore"`` holding every part's stages."""
+    merged: dict[str, Any] = OrderedDict()
+    meta: dict[str, Any] | None = None
+    for part in parts:
+        merged.update((k, v) for k, v in part.items() if k != "pipecore")
+        if meta is None:
+            meta = {**part["pipecore"], "stages": {}}
+        meta["stages"].update(part["pipecore"]["stages"])
+    if meta is None:
+        raise ValueError("merge_state_dicts needs at least one state dict")
+    meta["stages"] = dict(sorted(meta["stages"].items()))
+    merged["pipecore"] = meta
+    return merged
+
+
+def _on_cpu(value: Any) -> Any:
+    """``value`` with every tensor in its nested dicts moved to the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    return value
 
 
 def _device_of(module: nn.Module) -> torch.device:

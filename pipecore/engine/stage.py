@@ -10,7 +10,9 @@ forward's graph (``swap``), or a fresh forward with the backward read on the sav
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from array import array
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -27,6 +29,27 @@ from ..versions import UpdateInfo
 from .flat import FlatLayout
 from .optim import StageOptimizer
 from .split_backward import PendingWeightGradients, input_gradient, weight_gradients
+
+
+class _RecentSeconds:
+    """The durations of the last 1,024 actions of one kind, in a buffer allocated once (a long run's
+    statistics take no more memory than a short one's)."""
+
+    __slots__ = ("values", "count")
+
+    def __init__(self, size: int = 1024):
+        self.values = array("d", bytes(8 * size))
+        self.count = 0
+
+    def add(self, seconds: float) -> None:
+        self.values[self.count % len(self.values)] = seconds
+        self.count += 1
+
+    def add_to_last(self, seconds: float) -> None:
+        self.values[(self.count - 1) % len(self.values)] += seconds
+
+    def median(self) -> float:
+        return statistics.median(self.values[: min(self.count, len(self.values))])
 
 
 @dataclass
@@ -103,7 +126,7 @@ class TensorStage(StageWorker):
         self.losses: dict[int, float] = {}
         self.pinned_versions: set[int] = set()
         self.seconds: dict[str, float] = defaultdict(float)
-        self.counts: dict[str, int] = defaultdict(int)
+        self.recent_seconds: dict[str, _RecentSeconds] = defaultdict(_RecentSeconds)
         self._packing: torch.Tensor | None = None
         self._unpack_target: torch.Tensor | None = None
         # Send the input gradient before computing weight gradients (see split_backward); the pipeline's
@@ -304,7 +327,9 @@ class TensorStage(StageWorker):
             self._accumulate(weight_gradients(pending, len(self._grad_views)))
         finally:
             self._unpack_target = None
-        self.seconds["B"] += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.seconds["B"] += seconds
+        self.recent_seconds["B"].add_to_last(seconds)  # the rest of the backward whose input gradient went first
 
     def _accumulate(self, grads: Sequence[torch.Tensor | None]) -> None:
         pairs = [(acc, g) for acc, g in zip(self._grad_views, grads) if g is not None]
@@ -336,9 +361,16 @@ class TensorStage(StageWorker):
 
     # -- helpers ---------------------------------------------------------------------------------
 
+    def seconds_per_action(self) -> dict[str, float]:
+        """Median seconds of the recent actions of each kind. A median, because a few actions also pay
+        one-time costs: torch imports sympy (~0.4 s) the first time a backward is given output gradients,
+        and the garbage collector then walks the new objects once."""
+        return {kind: recent.median() for kind, recent in self.recent_seconds.items()}
+
     def _timed(self, kind: str, t0: float) -> None:
-        self.seconds[kind] += time.perf_counter() - t0
-        self.counts[kind] += 1
+        seconds = time.perf_counter() - t0
+        self.seconds[kind] += seconds
+        self.recent_seconds[kind].add(seconds)
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.is_floating_point() and x.dtype != self.layout.dtype and self.layout.numel:

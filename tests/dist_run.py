@@ -89,8 +89,9 @@ def main() -> None:
         resumed = make_pipeline(world, algorithm, timeout=60)
         resumed.load_state_dict(full)
         losses = train(resumed, batches(2, seed=5), first, last)
-        torch.save({"full": full, "stages": stages, "losses": losses, "state": resumed.state_dict()},
-                   os.path.join(out, f"full-{rank}.pt"))
+        devices = {name: p.device.type for name, p in pipe.model.named_parameters()}
+        torch.save({"full": full, "stages": stages, "losses": losses, "state": resumed.state_dict(),
+                    "devices": devices}, os.path.join(out, f"full-{rank}.pt"))
     elif mode == "die":
         timeout, how = float(sys.argv[3]), sys.argv[4]
         pipe = make_pipeline(world, "pipedream", timeout=timeout)

@@ -226,7 +226,8 @@ def test_destroying_the_process_groups_then_exiting_is_clean(tmp_path):
 
 
 def test_every_rank_gets_the_whole_model_and_can_resume_from_it(tmp_path):
-    """full_state_dict() on each rank equals the one-process state_dict (weights and optimizer state of every
+    """Each rank keeps only its stage's layers in memory (the others move to the meta device), yet
+    full_state_dict() on each rank equals the one-process state_dict (weights and optimizer state of every
     stage, bit for bit); load_state_dict takes that whole-model state on a rank and training continues like
     the one-process run."""
     world, algorithm = 2, "pipedream"
@@ -245,6 +246,10 @@ def test_every_rank_gets_the_whole_model_and_can_resume_from_it(tmp_path):
         assert_same(got["full"], state)
         assert got["stages"] == [0, 1]
         assert got["losses"] == losses
+        # The rank's copy of the other stage's layers holds no memory (and cannot run by mistake).
+        own = set(pipe.stages[rank].module.state_dict())
+        assert got["devices"] == {k: "cpu" if k in own else "meta" for k in got["devices"]}
+        assert set(got["devices"]) == set(state) - {"pipecore"}
         for key, value in got["state"].items():
             if key != "pipecore":
                 assert torch.equal(value, continued[key]), key

@@ -33,7 +33,9 @@ class Pipeline:
     """Train ``model`` as ``num_stages`` pipeline stages with a staleness-aware algorithm.
 
     Args:
-        model: an ``nn.Sequential`` or a list of modules; stages are contiguous slices.
+        model: an ``nn.Sequential`` or a list of modules; stages are contiguous slices. Its parameters
+            become views of the live weights; with one process per stage, the layers of other stages move
+            to the meta device (this rank holds only its stage; see :meth:`full_state_dict`).
         num_stages: number of stages ``P``.
         algorithm: one of :func:`pipecore.algorithm_names` (or an alias such as ``"pipedream-flush"``).
         n_microbatches: micro-batches per mini-batch ``m``; ``step()`` needs a batch divisible by it.
@@ -99,6 +101,8 @@ class Pipeline:
                 self.algorithm, s, module, build_optimizer(optimizer, layout, _device_of(module)),
                 sizing.weight_versions(s), sizing.derived_weights(s), loss_fn, self._targets.pop, on_nonfinite,
             )
+        if self.rank is not None:
+            _release_other_stages(layers, bounds[self.rank])
         if not isinstance(split_backward, bool):
             raise TypeError(f"split_backward must be True or False, got {split_backward!r}")
         for s, st in self.stages.items():
@@ -373,6 +377,19 @@ def _on_cpu(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _on_cpu(v) for k, v in value.items()}
     return value
+
+
+def _release_other_stages(layers: Sequence[tuple[str, nn.Module]], own: tuple[int, int]) -> None:
+    """With one process per stage, move the layers of the other stages to the meta device: each rank then
+    holds only its stage's weights, and running the other layers by mistake fails loudly instead of
+    computing with weights that never train. A layer that shares a tensor with this rank's stage stays."""
+    a, b = own
+    def tensors(layer: nn.Module) -> list[torch.Tensor]:
+        return [*layer.parameters(), *layer.buffers()]
+    mine = {id(t) for _, layer in layers[a:b] for t in tensors(layer)}
+    for i, (_, layer) in enumerate(layers):
+        if not a <= i < b and not any(id(t) in mine for t in tensors(layer)):
+            layer.to("meta")
 
 
 def _device_of(module: nn.Module) -> torch.device:

@@ -38,6 +38,13 @@ def batches(steps: int, seed: int = 1):
             for n in sizes]
 
 
+def poisoned_batches():
+    """``batches(STEPS)`` with a NaN in the first sample of the second batch: one micro-batch's loss is NaN."""
+    data = batches(STEPS)
+    data[1][0][0, 0] = float("nan")
+    return data
+
+
 def make_pipeline(num_stages: int, algorithm: str, **kwargs) -> pipecore.Pipeline:
     """``algorithm`` may end in ``+slack``: the same algorithm with the option ``slack=1``."""
     m = MICROBATCHES
@@ -92,6 +99,20 @@ def main() -> None:
         devices = {name: p.device.type for name, p in pipe.model.named_parameters()}
         torch.save({"full": full, "stages": stages, "losses": losses, "state": resumed.state_dict(),
                     "devices": devices}, os.path.join(out, f"full-{rank}.pt"))
+    elif mode == "nonfinite":
+        # A NaN loss in one micro-batch. With on_nonfinite="skip", every rank skips that update group: the
+        # last rank sees the loss, the others learn it from the backward messages. With "raise", the last
+        # rank raises NonFiniteLoss and the others report it by name within the timeout.
+        for algorithm in sys.argv[3].split(","):
+            pipe = make_pipeline(world, algorithm, timeout=60, on_nonfinite="skip")
+            losses = train(pipe, poisoned_batches(), first, last)
+            torch.save({"losses": losses, "state": pipe.state_dict()}, os.path.join(out, f"skip-{algorithm}-{rank}.pt"))
+        pipe = make_pipeline(world, "pipedream", timeout=5)
+        try:
+            train(pipe, poisoned_batches(), first, last)
+        except (pipecore.NonFiniteLoss, pipecore.PeerError) as exc:
+            with open(os.path.join(out, f"raise-{rank}.txt"), "w") as f:
+                f.write(f"{type(exc).__name__}: {exc}")
     elif mode == "die":
         timeout, how = float(sys.argv[3]), sys.argv[4]
         pipe = make_pipeline(world, "pipedream", timeout=timeout)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -253,6 +254,35 @@ def test_every_rank_gets_the_whole_model_and_can_resume_from_it(tmp_path):
         for key, value in got["state"].items():
             if key != "pipecore":
                 assert torch.equal(value, continued[key]), key
+
+
+def test_a_nonfinite_loss_is_skipped_on_every_rank_or_raised_and_reported(tmp_path):
+    """on_nonfinite="skip": every rank skips the update group of a NaN loss, so weights and losses equal the
+    one-process run's bit for bit (rank 0 never sees the loss; it learns of it from the gradient messages).
+    on_nonfinite="raise": the last rank raises NonFiniteLoss, the other names it within the timeout."""
+    algorithms = ["gpipe", "pipedream", "2bw"]
+    _check_ok(launch(2, "nonfinite", str(tmp_path), ",".join(algorithms)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for algorithm in algorithms:
+            pipe = dist_run.make_pipeline(2, algorithm, on_nonfinite="skip")
+            losses = dist_run.train(pipe, dist_run.poisoned_batches(), True, True)
+            state = pipe.state_dict()
+            assert [math.isnan(x) for x in losses] == [False, True, False, False]
+            for rank in range(2):
+                got = torch.load(tmp_path / f"skip-{algorithm}-{rank}.pt", weights_only=False)
+                assert repr(got["losses"]) == repr(losses), f"{algorithm}: rank {rank}"
+                for key, value in got["state"].items():
+                    if key != "pipecore":
+                        assert torch.equal(value, state[key]), f"{algorithm}: {key} on rank {rank}"
+                        assert torch.isfinite(value).all()
+    finally:
+        torch.set_num_threads(threads)
+    last = (tmp_path / "raise-1.txt").read_text()
+    assert last.startswith("NonFiniteLoss: non-finite loss nan at stage 1"), last
+    other = (tmp_path / "raise-0.txt").read_text()
+    assert other.startswith("PeerError: rank 0") and "rank 1" in other, other
 
 
 def test_world_size_must_equal_num_stages(tmp_path):

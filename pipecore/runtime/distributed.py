@@ -60,6 +60,9 @@ _HEADER = 8 + _MAX_DIMS  # kind, microbatch, tag, poisoned, dtype, ndim, has_pay
 _ACK = 7
 _KIND_CODE = {F: 0, B: 1}
 _REVERSE = {F: B, B: F}  # the link that carries messages back from the same neighbour
+# Tags keep the kinds of message apart on gloo. NCCL ignores tags and matches a pair's messages in order,
+# which is enough here: each link group carries one kind; on the default group, losses travel only inside
+# step() (a rank takes its loss before step() returns) and share() only between steps, never both at once.
 _TAG = {F: 10, B: 20}
 _LOSS_TAG = 30
 _SHARE_TAG = 40

@@ -384,8 +384,10 @@ def _release_other_stages(layers: Sequence[tuple[str, nn.Module]], own: tuple[in
     holds only its stage's weights, and running the other layers by mistake fails loudly instead of
     computing with weights that never train. A layer that shares a tensor with this rank's stage stays."""
     a, b = own
+
     def tensors(layer: nn.Module) -> list[torch.Tensor]:
         return [*layer.parameters(), *layer.buffers()]
+
     mine = {id(t) for _, layer in layers[a:b] for t in tensors(layer)}
     for i, (_, layer) in enumerate(layers):
         if not a <= i < b and not any(id(t) in mine for t in tensors(layer)):

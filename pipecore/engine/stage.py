@@ -363,8 +363,8 @@ class TensorStage(StageWorker):
 
     def seconds_per_action(self) -> dict[str, float]:
         """Median seconds of the recent actions of each kind. A median, because a few actions also pay
-        one-time costs: torch imports sympy (~0.4 s) the first time a backward is given output gradients,
-        and the garbage collector then walks the new objects once."""
+        one-time costs: torch imports sympy the first time a backward is given output gradients (many times
+        an action's usual time), and the garbage collector then walks the new objects once."""
         return {kind: recent.median() for kind, recent in self.recent_seconds.items()}
 
     def _timed(self, kind: str, t0: float) -> None:

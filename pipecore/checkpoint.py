@@ -168,33 +168,21 @@ def _remove_quietly(paths: list[str]) -> None:
 def _agreement(pipe: Pipeline) -> Callable[..., Any]:
     """``agree(what, error, value=None)``: every process learns whether any process reported an ``error``
     (then all raise the first one) and gets the ``value`` of the process that owns stage 0."""
-    if pipe.rank is None:
-        def alone(what: str, error: str | None, value: Any = None) -> Any:
-            if error is not None:
-                raise CheckpointError(f"checkpoint not saved ({what}): {error}")
-            return value
-        return alone
-
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        raise CheckpointError("checkpoint not saved: the process group was destroyed; with one process per stage, "
-                              "save before torch.distributed.destroy_process_group()")
-
     from .runtime.distributed import PeerError
 
-    transport = pipe._transport
-
-    def together(what: str, error: str | None, value: Any = None) -> Any:
+    def agree(what: str, error: str | None, value: Any = None) -> Any:
         try:
-            reports = transport.share((error, value))
+            reports = pipe._gather((error, value))
         except PeerError as exc:
             raise _NoAnswer(f"checkpoint not saved ({what}): {exc}; every rank must call checkpoint.save") from None
+        except RuntimeError as exc:  # the process group is gone
+            raise CheckpointError(f"checkpoint not saved ({what}): {exc}") from None
         failed = [(rank, e) for rank, (e, _) in enumerate(reports) if e is not None]
         if failed:
-            raise CheckpointError(f"checkpoint not saved ({what}): rank {failed[0][0]}: {failed[0][1]}")
+            rank, e = failed[0]
+            raise CheckpointError(f"checkpoint not saved ({what}): {'' if pipe.rank is None else f'rank {rank}: '}{e}")
         return reports[0][1]
-    return together
+    return agree
 
 
 class _NoAnswer(CheckpointError):

@@ -208,6 +208,14 @@ def main() -> None:
         dist.all_gather_object(gathered, losses)  # other traffic on the default group, as a script has
         dist.destroy_process_group()
         torch.save(losses, os.path.join(out, f"losses-{rank}.pt"))
+        errors = []  # what needs the other ranks afterwards says why it cannot run
+        for gather in (pipe.full_state_dict, lambda: checkpoint.save(pipe, os.path.join(out, "late"))):
+            try:
+                gather()
+            except RuntimeError as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+        with open(os.path.join(out, f"late-{rank}.txt"), "w") as f:
+            f.write("\n".join(errors))
     elif mode == "save":
         # Saving is collective: a rank with backwards in flight, or a directory that rank 0 cannot see the
         # other ranks' files in, fails the save on every rank at once (no rank waits for another), and

@@ -224,6 +224,12 @@ def test_destroying_the_process_groups_then_exiting_is_clean(tmp_path):
         _check_ok(launch(2, "destroy", str(tmp_path)))
         losses = [torch.load(tmp_path / f"losses-{rank}.pt") for rank in range(2)]
         assert losses[0] == losses[1] and len(losses[0]) == 2
+    # Gathering the model or saving a checkpoint afterwards is a clear error on every rank, not a hang.
+    for rank in range(2):
+        full, save = (tmp_path / f"late-{rank}.txt").read_text().splitlines()
+        assert full.startswith("RuntimeError: the process group was destroyed"), full
+        assert save.startswith("CheckpointError: checkpoint not saved (checking that no backward is in flight): "
+                               "the process group was destroyed"), save
 
 
 def test_every_rank_gets_the_whole_model_and_can_resume_from_it(tmp_path):

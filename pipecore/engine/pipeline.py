@@ -318,8 +318,8 @@ class Pipeline:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            raise RuntimeError("the process group was destroyed; with one process per stage, gather the pipeline's "
-                               "state and statistics before torch.distributed.destroy_process_group()")
+            raise RuntimeError("the process group was destroyed; with one process per stage, gather state and "
+                               "statistics or save checkpoints before torch.distributed.destroy_process_group()")
         return self._transport.share(obj)
 
     # -- introspection ---------------------------------------------------------------------------

@@ -63,7 +63,7 @@ def save(pipe: Pipeline, directory: str | os.PathLike) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
         for s, st in pipe.stages.items():
-            keys = list(st.module.state_dict())
+            keys = st.state_keys
             written.append(os.path.join(directory, _stage_file(s, token)))
             _write_durably(written[-1], lambda f: torch.save(
                 {"tensors": {k: state[k] for k in keys}, "pipecore": {**meta, "stages": {s: meta["stages"][s]}}}, f))

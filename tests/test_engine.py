@@ -468,7 +468,7 @@ def test_split_backward_defers_weight_gradients_until_after_the_send():
 
 
 def test_more_stages_than_layers():
-    with pytest.raises(ValueError, match="larger than the number of layers"):
+    with pytest.raises(ValueError, match="larger than the number of modules"):
         Pipeline(mlp(2), 5, "gpipe", 2, loss_fn=nn.CrossEntropyLoss())
 
 

@@ -1,22 +1,13 @@
-"""Splitting a sequential model into contiguous stages."""
+"""Where the captured graph is cut into stages."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from torch import nn
 
-
-def as_layers(model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
-    """The model's layers with their names in ``model.state_dict()`` (``"0"``, ``"1"``, ... for a list)."""
-    if isinstance(model, nn.Sequential):
-        return list(model.named_children())
-    if isinstance(model, (list, tuple, nn.ModuleList)):
-        return [(str(i), m) for i, m in enumerate(model)]
-    raise TypeError(
-        f"pipecore.Pipeline needs an nn.Sequential or a list of modules (stages are contiguous slices of it), "
-        f"got {type(model).__name__}"
-    )
+if TYPE_CHECKING:
+    from .graph import CapturedModel
 
 
 def balanced_by_parameters(sizes: Sequence[int], num_stages: int) -> list[int]:
@@ -46,24 +37,61 @@ def balanced_by_parameters(sizes: Sequence[int], num_stages: int) -> list[int]:
     return sorted(splits)[1:]
 
 
-def split_points(
-    layers: Sequence[tuple[str, nn.Module]], num_stages: int, partition: Sequence[int] | None
-) -> list[int]:
-    """Validated start indices of stages 1..P-1."""
-    n = len(layers)
-    if num_stages < 1:
+def stage_starts(captured: "CapturedModel", num_stages: int, partition: Sequence[int | str] | None) -> list[int]:
+    """Validated compute-node indices where stages ``1..P-1`` start.
+
+    ``partition`` lists cut points (node indices or module names). By default the graph is cut only where a
+    module starts (a child of the model, or an item of a ``ModuleList``/``Sequential`` it holds: for the
+    GPT, each block), balanced by parameter count; such cuts keep a module's internal values, shape
+    arithmetic included, inside one stage.
+    """
+    n = len(captured.nodes)
+    if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-    if num_stages > n:
-        raise ValueError(f"num_stages={num_stages} is larger than the number of layers ({n}); each stage needs a layer")
     if partition is None:
-        sizes = [sum(p.numel() for p in m.parameters()) for _, m in layers]
-        return balanced_by_parameters(sizes, num_stages)
+        units = module_units(captured)
+        if num_stages > len(units):
+            raise ValueError(f"num_stages={num_stages} is larger than the number of modules the captured graph can be "
+                             f"cut between ({len(units)}); each stage needs one. Pass partition= with node indices "
+                             f"to cut inside modules (see Pipeline.describe())")
+        starts = [a for a, _ in units]
+        sizes = captured.node_parameters()
+        unit_sizes = [sum(sizes[a:b]) for a, b in units]
+        return [starts[i] for i in balanced_by_parameters(unit_sizes, num_stages)]
     points = list(partition)
     if len(points) != num_stages - 1:
         raise ValueError(
-            f"partition must list {num_stages - 1} split indices (the first layer of stages 1..{num_stages - 1}), "
-            f"got {points}"
+            f"partition must list {num_stages - 1} cut points (where stages 1..{num_stages - 1} start), got {points}"
         )
-    if any(not 0 < p < n for p in points) or any(a >= b for a, b in zip(points, points[1:])):
-        raise ValueError(f"partition {points} must be strictly increasing indices in 1..{n - 1}")
-    return points
+    if num_stages > n:
+        raise ValueError(f"num_stages={num_stages} is larger than the number of nodes in the captured graph ({n})")
+    starts = [captured.cut_index(p) for p in points]
+    if any(a >= b for a, b in zip(starts, starts[1:])):
+        raise ValueError(f"partition {points} must cut the graph at strictly increasing positions, got node indices "
+                         f"{starts}")
+    return starts
+
+
+def module_units(captured: "CapturedModel") -> list[tuple[int, int]]:
+    """The node ranges ``[a, b)`` that start where a module starts: the default partition's units."""
+    containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+    root = captured.model
+
+    def unit(name: str | None) -> str | None:
+        if name is None:
+            return None
+        parts, module = [], root
+        for part in name.split("."):
+            parts.append(part)
+            module = module.get_submodule(part) if module is not None and hasattr(module, "get_submodule") else None
+            if module is None or not isinstance(module, containers):
+                break
+        return ".".join(parts)
+
+    starts, previous = [0], unit(captured.module_of(captured.nodes[0]))
+    for i, node in enumerate(captured.nodes[1:], 1):
+        current = unit(captured.module_of(node))
+        if current is not None and current != previous:
+            starts.append(i)
+        previous = current
+    return list(zip(starts, starts[1:] + [len(captured.nodes)]))

@@ -21,10 +21,14 @@ from ..runtime.transport import LocalTransport, Transport
 from ..schedule.ir import B, F
 from ..schedule.validate import validate
 from ..simulate import simulate
+from ..schedule.ties import TieSync, partners_of, smallest_delay
 from .flat import FlatLayout
+from .graph import CapturedModel, StageGraph, tied_parameters
+from .inputs import Batch, as_model_inputs, split_batch
 from .optim import SGD, build_optimizer
-from .partition import as_layers, split_points
+from .partition import stage_starts
 from .stage import TensorStage
+from .tied import StageTies
 
 _NONFINITE = ("raise", "skip")
 
@@ -33,21 +37,31 @@ class Pipeline:
     """Train ``model`` as ``num_stages`` pipeline stages with a staleness-aware algorithm.
 
     Args:
-        model: an ``nn.Sequential`` or a list of modules; stages are contiguous slices. Its parameters
-            become views of the live weights; with one process per stage, the layers of other stages move
-            to the meta device (this rank holds only its stage; see :meth:`full_state_dict`).
+        model: any ``nn.Module`` whose forward ``torch.fx`` can capture (an ``nn.Sequential`` or a list of
+            modules included). The captured graph is cut into stages of generated code whose inputs and
+            outputs are the values that cross each cut. Its parameters become views of the live weights;
+            a parameter shared by several stages (tied) is held by each and kept identical; with one process
+            per stage, the modules of other stages move to the meta device (this rank holds only its
+            stage; see :meth:`full_state_dict`).
         num_stages: number of stages ``P``.
         algorithm: one of :func:`pipecore.algorithm_names` (or an alias such as ``"pipedream-flush"``).
         n_microbatches: micro-batches per mini-batch ``m``; ``step()`` needs a batch divisible by it.
         optimizer: ``pipecore.SGD(...)``, ``pipecore.AdamW(...)`` (fused), or a torch optimizer factory.
         loss_fn: ``loss_fn(output, target)`` returning the mean loss of a micro-batch.
-        partition: None (balanced by parameter count) or the first layer index of stages ``1..P-1``.
+        partition: None (balanced by parameter count, cutting only where a module starts) or where stages
+            ``1..P-1`` start: compute-node indices of the captured graph (for an ``nn.Sequential``, layer
+            indices) or module names such as ``"blocks.3"`` (see :meth:`describe`).
         on_nonfinite: ``"raise"`` (default) or ``"skip"`` (drop the update a NaN/inf loss belongs to).
         timeout: seconds a rank waits for a neighbour before raising (multi-process runs only).
         split_backward: compute each backward's input gradient first, send it, then compute the weight
             gradients (same values, bit for bit), so the upstream rank waits for less. It pays off when
             the gradient's round trip between ranks is the bottleneck; each split backward costs one more
             ``autograd.grad`` call per parameter group. Default False.
+        example_input: optional inputs as :meth:`step` takes them. Forward arguments with a default that
+            it does not give are captured as constants (their defaults); with it, every value that crosses
+            a cut is checked to be a tensor at construction, and :meth:`describe` shows shapes.
+        leaf_modules: module types or names whose forward is not traced (kept as one node): the fallback
+            for code ``torch.fx`` cannot capture, such as Python control flow on tensor values.
         **options: algorithm options (``backward_rule``, ``update_every``, ``lam``, ``alpha``, ...).
 
     Each micro-batch loss is divided by the number of micro-batches one update accumulates (``m`` for the
@@ -67,6 +81,8 @@ class Pipeline:
         on_nonfinite: str = "raise",
         timeout: float = 30.0,
         split_backward: bool = False,
+        example_input: Any = None,
+        leaf_modules: Sequence[type | str] = (),
         **options: Any,
     ):
         if on_nonfinite not in _NONFINITE:
@@ -77,32 +93,37 @@ class Pipeline:
         self.model = model
         self.num_stages = num_stages
         self.n_microbatches = n_microbatches
-        layers = as_layers(model)
-        points = split_points(layers, num_stages, partition)
-        bounds = list(zip([0] + points, points + [len(layers)]))
-        self.stage_layers = [[name for name, _ in layers[a:b]] for a, b in bounds]
+        self.captured = captured = CapturedModel(model, leaf_modules, example_input)
+        graphs = captured.split(stage_starts(captured, num_stages, partition))
+        self.stage_graphs = graphs
+        self.stage_layers = [list(g.modules) for g in graphs]
         # The state_dict keys of every stage, this process's or not (a full state names them all).
-        self._stage_keys = [list(nn.Sequential(OrderedDict(layers[a:b])).state_dict()) for a, b in bounds]
+        model_keys = set(captured.model.state_dict())
+        self._stage_keys = [[k for k in g.module.state_dict() if k in model_keys] for g in graphs]
+        self._boundary_meta = _boundary_meta(captured, graphs, example_input) if example_input is not None else None
         self.rank = _join_process_group(num_stages, timeout)
         owned = range(num_stages) if self.rank is None else [self.rank]
         # The ring of each stage holds exactly the versions the algorithm needs; the simulator says how many.
         sizing = simulate(self.algorithm, num_stages, n_microbatches, n_minibatches=self.algorithm.warmup_minibatches)
         optimizer = optimizer if optimizer is not None else SGD(lr=0.01)
-        self._targets: dict[int, torch.Tensor] = {}
-        self._inputs: dict[int, torch.Tensor] = {}
+        self._targets: dict[int, Any] = {}
+        self._inputs: dict[int, Any] = {}
         self.stages: dict[int, TensorStage] = {}
         for s in owned:
-            a, b = bounds[s]
-            module = nn.Sequential(OrderedDict(layers[a:b]))
             if self.rank is not None and torch.distributed.get_backend() == "nccl":
-                module.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", self.rank))))
-            layout = FlatLayout.of(module, s)
+                graphs[s].module.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", self.rank))))
+            layout = FlatLayout.of(graphs[s].module, s)
             self.stages[s] = TensorStage(
-                self.algorithm, s, module, build_optimizer(optimizer, layout, _device_of(module)),
+                self.algorithm, s, graphs[s], build_optimizer(optimizer, layout, _device_of(graphs[s].module)),
                 sizing.weight_versions(s), sizing.derived_weights(s), loss_fn, self._targets.pop, on_nonfinite,
             )
+            self.stages[s].state_keys = self._stage_keys[s]
         if self.rank is not None:
-            _release_other_stages(layers, bounds[self.rank])
+            _release_other_stages(captured.model, graphs[self.rank].module)
+        self.ties = tied_parameters(graphs, captured.model)
+        self._tie_sync: TieSync | None = None
+        if self.ties:
+            self._tie_sync = self._tie_stages(timeout)
         if not isinstance(split_backward, bool):
             raise TypeError(f"split_backward must be True or False, got {split_backward!r}")
         for s, st in self.stages.items():
@@ -129,10 +150,42 @@ class Pipeline:
         self._minibatch_loss: dict[int, float] = {}
         self._horizon = 2
         schedule = validate(self.algorithm.schedule(self._horizon))
+        sync = self._tie_sync
+        for st in self.stages.values():
+            if st.ties is not None and sync is not None:
+                st.ties.restart(sync)
         self._executor = Executor(
             schedule, self.stages, Costs.uniform(self.num_stages), transport=self._transport,
             source=self._inputs.pop, keep_events=False, on_event=self._observe,
+            needs=None if sync is None else sync.needs,
         )
+
+    def _tie_stages(self, timeout: float) -> TieSync:
+        """Give every owner of a tied weight its share of the gradient exchange; the tied gradients are
+        applied with the smallest delay that keeps the schedule running (0 for synchronous schedules)."""
+        from ..runtime.ties import DistributedTiedGradients, LocalTiedGradients
+
+        owners = {name: tuple(s for s, _ in held) for name, held in self.ties.items()}
+        partners = partners_of(list(owners.values()))
+        sync = TieSync(partners, self.algorithm.update_every, smallest_delay(self.algorithm, partners))
+        if self.rank is None:
+            exchange: Any = LocalTiedGradients(owners)
+        else:
+            shapes = {}
+            for name, held in self.ties.items():
+                st = self.stages.get(self.rank)
+                local = dict(held).get(self.rank)
+                if st is not None and local is not None:
+                    view = st.grad_view(local)
+                    shapes[name] = (view.shape, view.dtype)
+            exchange = DistributedTiedGradients(owners, self.rank, timeout, _device_of(self.stages[self.rank].module),
+                                                shapes=shapes)
+        self._tie_exchange = exchange
+        for s, st in self.stages.items():
+            views = {name: st.grad_view(local) for name, held in self.ties.items() for owner, local in held if owner == s}
+            if views:
+                st.ties = StageTies(s, views, exchange, sync)
+        return sync
 
     def _observe(self, event: Event) -> None:
         rec, s = event.record, event.action.stage
@@ -153,36 +206,37 @@ class Pipeline:
     def _owns(self, stage: int) -> bool:
         return stage in self.stages
 
-    def step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> float:
+    def step(self, x: Batch | None, y: Batch | None) -> float:
         """Train on one mini-batch; returns its mean loss (the mean of its micro-batch losses).
 
-        In a multi-process run only the first stage reads ``x`` and only the last reads ``y`` (others may
-        pass None); every rank gets the mini-batch loss. Asynchronous algorithms leave later micro-batches'
-        backwards in flight; :meth:`flush` drains them.
+        ``x`` holds the model's inputs: a tensor (a forward with one input), a tuple (positional) or a dict
+        (by argument name) of tensors; ``y`` is the target as ``loss_fn`` takes it (a tensor, tuple or dict of
+        tensors). Every tensor is split into ``n_microbatches`` along dimension 0. In a multi-process run only
+        the first stage reads ``x`` and only the last reads ``y`` (others may pass None); every rank gets the
+        mini-batch loss. Asynchronous algorithms leave later micro-batches' backwards in flight;
+        :meth:`flush` drains them.
         """
         self._check_open("step")
         m = self.n_microbatches
         first_stage, last_stage = self._owns(0), self._owns(self.num_stages - 1)
-        needed = [("x", x, first_stage), ("y", y, last_stage)]
-        for name, value, required in needed:
-            if required and not isinstance(value, torch.Tensor):
-                raise TypeError(f"step(): {name} must be a tensor on the rank that runs "
-                                f"{'the first' if name == 'x' else 'the last'} stage, got {type(value).__name__}")
-        if first_stage and last_stage and x.shape[0] != y.shape[0]:
-            raise ValueError(f"input batch has {x.shape[0]} samples but target batch has {y.shape[0]}")
+        for name, value, required in [("x", x, first_stage), ("y", y, last_stage)]:
+            if required and value is None:
+                raise TypeError(f"step(): {name} is required on the rank that runs "
+                                f"{'the first' if name == 'x' else 'the last'} stage, got None")
+        inputs = as_model_inputs(x, self.captured) if first_stage else None
+        x_chunks = split_batch(dict(zip(self.captured.input_names, inputs)), m, "x") if inputs is not None else None
+        y_chunks = split_batch(y, m, "y") if last_stage else None
+        if x_chunks is not None and y_chunks is not None and x_chunks.samples != y_chunks.samples:
+            raise ValueError(f"input batch has {x_chunks.samples} samples but target batch has {y_chunks.samples}")
         first = self._fed * m
-        for name, value, required in needed:
-            if not required:
-                continue
-            if value.shape[0] % m:
-                raise ValueError(
-                    f"batch of {value.shape[0]} samples is not divisible by n_microbatches={m}; pipecore does not "
-                    f"re-chunk silently: use a batch size that is a multiple of {m} (e.g. drop_last=True)"
-                )
-            store = self._inputs if name == "x" else self._targets
-            device = _device_of(self.stages[0 if name == "x" else self.num_stages - 1].module)
-            for u, chunk in enumerate(value.split(value.shape[0] // m)):
-                store[first + u] = chunk.to(device)
+        if x_chunks is not None:
+            device = _device_of(self.stages[0].module)
+            for u, chunk in enumerate(x_chunks.chunks):
+                self._inputs[first + u] = _pack(tuple(t.to(device) for t in chunk))
+        if y_chunks is not None:
+            device = _device_of(self.stages[self.num_stages - 1].module)
+            for u, chunk in enumerate(y_chunks.chunks):
+                self._targets[first + u] = _to_device(y_chunks.rebuild(chunk), device)
         minibatch = self._fed
         self._fed += 1
         if self.rank is not None and not last_stage:
@@ -201,7 +255,14 @@ class Pipeline:
         self._check_open("flush")
         if self._fed == 0:
             return
-        self._executor.extend(self.algorithm.schedule(self._fed))
+        drained = self.algorithm.schedule(self._fed)
+        if self._tie_sync is not None:
+            # The last update of each owner applies every tied gradient still pending.
+            self._executor.needs = self._tie_sync.draining(drained).needs
+            for st in self.stages.values():
+                if st.ties is not None:
+                    st.ties.sync = self._tie_sync.draining(drained)
+        self._executor.extend(drained)
         self._executor.run()
         if self.rank is not None:
             self._transport.wait_sends()
@@ -257,9 +318,7 @@ class Pipeline:
         state: dict[str, Any] = OrderedDict()
         meta = {}
         for s, st in self.stages.items():
-            params = st.live_parameters()
-            for key, value in st.module.state_dict().items():
-                state[key] = params[key].clone() if key in params else value.detach().clone()
+            state.update(st.module_state())
             meta[s] = {
                 "version": st.book.live,
                 "updates": st.book.updates,
@@ -308,7 +367,8 @@ class Pipeline:
             sm = meta["stages"][s]
             st.load({n: state[n] for n in st.layout.names}, sm["version"], sm["updates"], sm["optimizer"], sm["velocity"])
             for name, buf in st.module.named_buffers():
-                buf.copy_(state[name])
+                if name in state:
+                    buf.copy_(state[name])
         self._restart()
 
     def _gather(self, obj: Any) -> list[Any]:
@@ -352,6 +412,35 @@ class Pipeline:
             })
         return out
 
+    def describe(self) -> str:
+        """Each stage's modules, compute nodes (indices into the captured graph), parameters and the values
+        that cross its cuts (with shapes and dtypes when an ``example_input`` was given)."""
+        lines = [f"Pipeline: {type(self.captured.model).__name__} as {self.num_stages} stages, {self.algorithm.name}, "
+                 f"{self.n_microbatches} micro-batches; inputs {', '.join(self.captured.input_names)}"]
+        index = {node.name: i for i, node in enumerate(self.captured.nodes)}
+        meta = self._boundary_meta or {}
+        for g in self.stage_graphs:
+            params = sum(p.numel() for p in g.module.parameters())
+            first, last = index[g.nodes[0]], index[g.nodes[-1]]
+            lines.append(f"stage {g.index}: nodes {first}-{last} ({len(g.nodes)}), {params:,} parameters")
+            lines.append(f"  modules: {_abbreviate(g.modules)}")
+            if g.index > 0:
+                lines.append("  receives: " + ", ".join(f"{n}{' ' + meta[n] if n in meta else ''}" for n in g.inputs))
+            if g.outputs:
+                lines.append("  sends:    " + ", ".join(f"{n}{' ' + meta[n] if n in meta else ''}" for n in g.outputs))
+        for name, held in self.ties.items():
+            lines.append(f"tied: {name} held by stages {', '.join(f'{s} ({local})' for s, local in held)}"
+                         + (f"; gradients applied {self._tie_sync.delay} update(s) late" if self._tie_sync and self._tie_sync.delay else ""))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.describe()
+
+
+def _abbreviate(names: Sequence[str], limit: int = 12) -> str:
+    shown = list(names[:limit])
+    return ", ".join(shown) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "") if shown else "-"
+
 
 def merge_state_dicts(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One state dict from :meth:`Pipeline.state_dict` parts that hold different stages (e.g. one per rank):
@@ -379,19 +468,62 @@ def _on_cpu(value: Any) -> Any:
     return value
 
 
-def _release_other_stages(layers: Sequence[tuple[str, nn.Module]], own: tuple[int, int]) -> None:
-    """With one process per stage, move the layers of the other stages to the meta device: each rank then
-    holds only its stage's weights, and running the other layers by mistake fails loudly instead of
-    computing with weights that never train. A layer that shares a tensor with this rank's stage stays."""
-    a, b = own
+def _release_other_stages(model: nn.Module, own: nn.Module) -> None:
+    """With one process per stage, move the parameters and buffers of the other stages to the meta device:
+    each rank then holds only its stage's weights, and running the other modules by mistake fails loudly
+    instead of computing with weights that never train. Tensors this rank's stage holds stay."""
+    mine = {id(t) for t in (*own.parameters(), *own.buffers())}
+    moved: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in list(table.items()):
+                if t is None or id(t) in mine or t.device.type == "meta":
+                    continue
+                if id(t) not in moved:
+                    meta = t.detach().to("meta")
+                    moved[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+                table[name] = moved[id(t)]
 
-    def tensors(layer: nn.Module) -> list[torch.Tensor]:
-        return [*layer.parameters(), *layer.buffers()]
 
-    mine = {id(t) for _, layer in layers[a:b] for t in tensors(layer)}
-    for i, (_, layer) in enumerate(layers):
-        if not a <= i < b and not any(id(t) in mine for t in tensors(layer)):
-            layer.to("meta")
+def _pack(values: tuple[torch.Tensor, ...]) -> Any:
+    """Stage 0's input payload: one tensor as itself, several as a tuple (as stages send them)."""
+    return values[0] if len(values) == 1 else values
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return type(value)(_to_device(v, device) for v in value)
+
+
+def _boundary_meta(captured: CapturedModel, graphs: Sequence[StageGraph], example_input: Any) -> dict[str, str]:
+    """Run the captured graph once on ``example_input`` (no gradients) and describe every value that crosses
+    a cut; a value that is not a tensor is an error naming it and the stage that would send it."""
+    values = as_model_inputs(example_input, captured)
+    recorded: dict[str, Any] = {}
+
+    class _Recorder(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            out = super().run_node(n)
+            recorded[n.name] = out
+            return out
+
+    with torch.no_grad():
+        _Recorder(captured.gm).run(*values)
+    meta = {}
+    for g in graphs[:-1]:
+        for name in g.outputs:
+            value = recorded[name]
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"stage {g.index} would send {name!r} to stage {g.index + 1}, but on the example input it is a "
+                    f"{type(value).__name__} ({value!r}), not a tensor: only tensors cross a cut. Move the cut "
+                    f"(partition=...) so that {name!r} is computed in the stage that uses it"
+                )
+            meta[name] = f"{tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
+    return meta
 
 
 def _device_of(module: nn.Module) -> torch.device:

@@ -27,6 +27,8 @@ from ..runtime.worker import StageWorker
 from ..schedule.ir import Action
 from ..versions import UpdateInfo
 from .flat import FlatLayout
+from .graph import StageGraph
+from .tied import StageTies
 from .optim import StageOptimizer
 from .split_backward import PendingWeightGradients, input_gradient, weight_gradients
 
@@ -56,9 +58,9 @@ class _RecentSeconds:
 class _InFlight:
     """What a forward leaves for its backward."""
 
-    stage_input: torch.Tensor | None
+    inputs: tuple[Any, ...]               # the stage's arguments (those that carry a gradient require grad)
     leaves: list[torch.Tensor] | None     # per-parameter autograd leaves (views of the weights read)
-    output: torch.Tensor | None
+    outputs: Any                          # the values sent (a tuple), or the last stage's loss
     forward_weights: torch.Tensor | None  # kept only under the stash rule
     rng_state: torch.Tensor | None        # kept only under the recompute rule
     target: torch.Tensor | None = None    # last stage, recompute rule: the loss is recomputed too
@@ -84,7 +86,7 @@ class TensorStage(StageWorker):
         self,
         algorithm: Algorithm,
         stage: int,
-        module: nn.Module,
+        graph: StageGraph,
         optimizer: StageOptimizer,
         num_slots: int,
         derived: bool,
@@ -93,7 +95,11 @@ class TensorStage(StageWorker):
         on_nonfinite: str,
     ):
         super().__init__(algorithm, stage)
+        module = graph.module
         self.module = module
+        self.boundary = graph
+        # The model's state_dict keys this stage holds (the generated module may hold more, e.g. constants).
+        self.state_keys: list[str] = list(module.state_dict())
         self.layout = FlatLayout.of(module, stage)
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         flat = torch.zeros(self.layout.buffer_numel, dtype=self.layout.dtype, device=device)
@@ -133,6 +139,9 @@ class TensorStage(StageWorker):
         # split_backward option sets it for every stage but the first.
         self.split_backward = False
         self._deferred: tuple[PendingWeightGradients, torch.Tensor | None] | None = None
+        # Tied weights this stage shares with others (set by the pipeline); None when it shares none.
+        self.ties: StageTies | None = None
+        self._last_backward_count = 0
         self._bind_module_to_live()
 
     # -- weights -------------------------------------------------------------------------------
@@ -216,7 +225,7 @@ class TensorStage(StageWorker):
                 self._leaf_cache[key] = leaves
         return leaves
 
-    def _run_module(self, params: Sequence[torch.Tensor], x: Any) -> torch.Tensor:
+    def _run_module(self, params: Sequence[torch.Tensor], inputs: tuple[Any, ...]) -> Any:
         # Swap the given tensors in as the module's parameters for one call (what torch.func.functional_call
         # does, without re-resolving names on every call).
         slots = self._parameter_slots
@@ -224,10 +233,38 @@ class TensorStage(StageWorker):
         try:
             for sub, name, i in slots:
                 sub._parameters[name] = params[i]
-            return self.module(x)
+            return self.module(*inputs)
         finally:
             for (sub, name, _), original in zip(slots, originals):
                 sub._parameters[name] = original
+
+    # -- boundary values -------------------------------------------------------------------------
+
+    def _stage_inputs(self, payload: Any) -> tuple[Any, ...]:
+        """The received values as the module's arguments; those that may carry a gradient (floating tensors
+        computed from parameters upstream) become leaves that require grad."""
+        values = _unpack(payload, len(self.boundary.inputs))
+        if self.stage == 0:
+            return values
+        out = []
+        for value, wants_grad in zip(values, self.boundary.grad_inputs):
+            if isinstance(value, torch.Tensor):
+                if wants_grad and value.is_floating_point():
+                    self._check_input(value)
+                    value = value.detach().requires_grad_(True)
+            out.append(value)
+        return tuple(out)
+
+    def _stage_outputs(self, y: Any) -> tuple[torch.Tensor, ...]:
+        """The generated module's outputs, checked: only tensors cross a cut."""
+        for name, value in zip(self.boundary.outputs, y):
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"stage {self.stage} would send {name!r} to stage {self.stage + 1}, but it is a "
+                    f"{type(value).__name__} ({value!r}), not a tensor: only tensors cross a cut. Move the cut "
+                    f"(partition=...) so that {name!r} is computed in the stage that uses it"
+                )
+        return tuple(y)
 
     # -- compute hooks ---------------------------------------------------------------------------
 
@@ -238,18 +275,17 @@ class TensorStage(StageWorker):
         weights = self.materialize(read)
         if rule == "stash" and read.derivation is not None:
             weights = weights.clone()  # the scratch is reused; the backward needs these exact values
-        x = payload
-        if isinstance(x, torch.Tensor) and self.stage > 0:
-            self._check_input(x)
-            x = x.detach().requires_grad_(x.is_floating_point())
+        inputs = self._stage_inputs(payload)
         target = self.target(k) if self.is_last else None
         if rule == "recompute":
             rng = torch.get_rng_state()
             with torch.no_grad():
-                y = self._forward_checked(self._views(weights), x)
+                y = self._forward_checked(self._views(weights), inputs)
                 if self.is_last:
                     self._loss(k, y, target)
-            record = _InFlight(x, None, None, None, rng, target)
+                else:
+                    y = self._stage_outputs(y)
+            record = _InFlight(inputs, None, None, None, rng, target)
         else:
             leaves = self._leaves(weights)
             if rule == "swap":
@@ -257,52 +293,60 @@ class TensorStage(StageWorker):
                 self._packing = weights
                 try:
                     with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                        y = self._forward_checked(leaves, x)
+                        y = self._forward_checked(leaves, inputs)
                         loss = self._loss(k, y, target) if self.is_last else None
                 finally:
                     self._packing = None
             else:
                 # stash: the graph keeps the forward's own weights, which stay pinned until the backward.
-                y = self._forward_checked(leaves, x)
+                y = self._forward_checked(leaves, inputs)
                 loss = self._loss(k, y, target) if self.is_last else None
-            record = _InFlight(x, leaves, loss if self.is_last else y, weights if rule == "stash" else None, None)
+            if not self.is_last:
+                y = self._stage_outputs(y)
+            record = _InFlight(inputs, leaves, loss if self.is_last else y, weights if rule == "stash" else None, None)
         self.in_flight[k] = record
         self.sync_ring()
         self._timed("F", t0)
-        return None if self.is_last else y.detach()
+        return None if self.is_last else _pack(tuple(t.detach() for t in y))
 
     def compute_backward(self, action: Action, reads: Sequence[WeightRead], forward_reads: Sequence[WeightRead],
                          payloads: Sequence[Any]) -> list[Any]:
         t0 = time.perf_counter()
+        self._last_backward_count = len(action.microbatches)
         outs = []
         for k, read, grad_out in zip(action.microbatches, reads, payloads):
             rec = self.in_flight.pop(k)
             if self.algorithm.backward_rule == "recompute":
                 params = self._leaves(self.materialize(read))
-                x = rec.stage_input
-                if isinstance(x, torch.Tensor):
-                    x = x.detach().requires_grad_(x.is_floating_point() and self.stage > 0)
+                inputs = tuple(x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.requires_grad
+                               else x for x in rec.inputs)
                 with torch.random.fork_rng(devices=[]):
                     torch.set_rng_state(rec.rng_state)
-                    y = self._run_module(params, x)
-                    output = self._loss_fn(y, rec.target) / self.algorithm.update_every if self.is_last else y
+                    y = self._run_module(params, inputs)
+                    output = self._loss_fn(y, rec.target) / self.algorithm.update_every if self.is_last else tuple(y)
                 leaves = params
             else:
-                leaves, output, x = rec.leaves, rec.output, rec.stage_input
+                leaves, output, inputs = rec.leaves, rec.outputs, rec.inputs
                 if rec.forward_weights is None:
                     self._unpack_target = self.materialize(read)
             # The first stage has no upstream neighbour: a user input that requires grad gets nothing.
-            wants_input_grad = self.stage > 0 and isinstance(x, torch.Tensor) and x.requires_grad
-            inputs = leaves + ([x] if wants_input_grad else [])
-            if not inputs:  # nothing to differentiate: no parameters and no input gradient to send
-                outs.append(None)
+            wanted = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad] if self.stage > 0 else []
+            if self.is_last:
+                tensors, grads = [output], None
+            else:
+                pairs = [(y, g) for y, g in zip(output, _unpack(grad_out, len(output)))
+                         if g is not None and y.requires_grad]
+                tensors, grads = [y for y, _ in pairs], [g for _, g in pairs]
+            if not (leaves or wanted) or not tensors:  # nothing to differentiate, or no gradient arrived
+                self._unpack_target = None
+                outs.append(None if self.stage == 0 else _pack((None,) * len(inputs)))
                 continue
-            grad_output = None if self.is_last else grad_out
             # Only the action's last micro-batch defers: an earlier one's derived weights (scratch) are
-            # overwritten by the next micro-batch's read.
-            if self.split_backward and wants_input_grad and leaves and k == action.microbatches[-1]:
+            # overwritten by the next micro-batch's read. Split backwards take one tensor in and one out.
+            if (self.split_backward and len(wanted) == 1 and len(inputs) == 1 and len(tensors) == 1 and leaves
+                    and k == action.microbatches[-1]):
                 try:
-                    dx, pending = input_gradient(output, grad_output, x, leaves)
+                    dx, pending = input_gradient(tensors[0], None if grads is None else grads[0], wanted[0], leaves)
                     self._deferred = (pending, self._unpack_target)
                 finally:
                     self._unpack_target = None
@@ -311,12 +355,21 @@ class TensorStage(StageWorker):
             # Weight gradients accumulate into the leaves' .grad, the gradient buffer (see _leaves); a
             # parameter that takes no part gets nothing added.
             try:
-                torch.autograd.backward(output, grad_tensors=grad_output, inputs=inputs)
+                torch.autograd.backward(tensors, grad_tensors=grads, inputs=leaves + wanted)
             finally:
                 self._unpack_target = None
-            outs.append(x.grad if wants_input_grad else None)
+            if self.stage == 0:
+                outs.append(None)
+            else:
+                outs.append(_pack(tuple(x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None
+                                        for x in inputs)))
         self._timed("B", t0)
         return outs
+
+    def finish_backward(self) -> None:
+        super().finish_backward()
+        if self.ties is not None:
+            self.ties.after_backward(self._last_backward_count)
 
     def compute_weight_gradients(self) -> None:
         if self._deferred is None:
@@ -345,6 +398,8 @@ class TensorStage(StageWorker):
         target_slot = self.ring.acquire() if info.keeps_previous else live_slot
         out = self.ring.slot(target_slot)
         group = action.index - 1
+        if self.ties is not None:
+            self.ties.before_update(action.index, self.poisoned_groups)
         if group in self.poisoned_groups:
             if target_slot != live_slot:
                 out.copy_(w)  # skipped update: the new version carries the old weights unchanged
@@ -379,16 +434,12 @@ class TensorStage(StageWorker):
                 f"{self.stage} has {self.layout.dtype} weights; give both stages one dtype"
             )
 
-    def _forward_checked(self, params: Sequence[torch.Tensor], x: Any) -> torch.Tensor:
+    def _forward_checked(self, params: Sequence[torch.Tensor], inputs: tuple[Any, ...]) -> Any:
         try:
-            return self._run_module(params, x)
+            return self._run_module(params, inputs)
         except RuntimeError as exc:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             source = f"stage {self.stage - 1}'s output" if self.stage > 0 else "the input micro-batch"
-            raise ValueError(
-                f"stage {self.stage} cannot take {source} of shape {shape} "
-                f"(dtype {getattr(x, 'dtype', None)}): {exc}"
-            ) from exc
+            raise ValueError(f"stage {self.stage} cannot take {source} {_describe(inputs, self.boundary.inputs)}: {exc}") from exc
 
     def _loss_fn(self, y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         assert self.loss_fn is not None
@@ -401,8 +452,8 @@ class TensorStage(StageWorker):
             loss = self._loss_fn(y, target)
         except RuntimeError as exc:
             raise ValueError(
-                f"the loss function cannot take the last stage's output of shape {tuple(y.shape)} with the target "
-                f"of shape {tuple(target.shape)}: {exc}"
+                f"the loss function cannot take the last stage's output {_describe(y)} with the target "
+                f"{_describe(target)}: {exc}"
             ) from exc
         if loss.dim() != 0:
             raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)} (use reduction='mean')")
@@ -419,6 +470,12 @@ class TensorStage(StageWorker):
         return loss / self.algorithm.update_every
 
     # -- checkpoint ----------------------------------------------------------------------------
+
+    def module_state(self) -> dict[str, torch.Tensor]:
+        """This stage's entries of the model's ``state_dict``: live weights and buffers, cloned."""
+        params = self.live_parameters()
+        state = self.module.state_dict()
+        return {key: params[key] if key in params else state[key].detach().clone() for key in self.state_keys}
 
     def live_parameters(self) -> dict[str, torch.Tensor]:
         return {name: v.detach().clone() for name, v in self.layout.views(self.ring.live).items()}
@@ -441,7 +498,37 @@ class TensorStage(StageWorker):
         if velocity is not None:
             self.velocity.copy_(velocity)
         self.grad.zero_()
+        if self.ties is not None:
+            self.ties.reset()
         self._bind_module_to_live()
+
+    def grad_view(self, name: str) -> torch.Tensor:
+        """The slice of the gradient buffer that holds parameter ``name``'s gradient."""
+        return self._grad_views[self.layout.names.index(name)]
+
+
+def _pack(values: tuple[Any, ...]) -> Any:
+    """A message payload: one value travels as itself, several as a tuple."""
+    return values[0] if len(values) == 1 else values
+
+
+def _unpack(payload: Any, count: int) -> tuple[Any, ...]:
+    """The values of a payload packed by :func:`_pack` for ``count`` values."""
+    return (payload,) if count == 1 else tuple(payload)
+
+
+def _describe(value: Any, names: Sequence[str] = ()) -> str:
+    """Shapes and dtypes of a value or a structure of tensors, for error messages."""
+    if isinstance(value, torch.Tensor):
+        return f"of shape {tuple(value.shape)} (dtype {value.dtype})"
+    if isinstance(value, (tuple, list)):
+        if len(value) == 1:
+            return _describe(value[0])
+        labels = list(names) + [str(i) for i in range(len(names), len(value))]
+        return "(" + ", ".join(f"{label} {_describe(v)}" for label, v in zip(labels, value)) + ")"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r} {_describe(v)}" for k, v in value.items()) + "}"
+    return f"of type {type(value).__name__}"
 
 
 def _state_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -13,9 +13,9 @@ stage-0 forward of micro-batch ``n`` or later, so a pipeline can keep running ac
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
-from ..schedule.ir import Action, B, F, U
+from ..schedule.ir import Action, B, F, Kind, U
 from ..schedule.progress import positions, runnable
 from ..schedule.schedule import Schedule, upstream
 from ..schedule.validate import ScheduleError
@@ -75,6 +75,9 @@ class Executor:
     source: Callable[[int], Any] = lambda microbatch: None
     keep_events: bool = True
     on_event: Callable[[Event], None] | None = None
+    #: Further work an action waits for besides its upstream message, as ``(stage, kind, micro-batch)``
+    #: (the tied-weight owners' backwards before an update); checked here for stages this process runs.
+    needs: Callable[[Action], Sequence[tuple[int, Kind, int]]] | None = None
     events: list[Event] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -106,7 +109,7 @@ class Executor:
         """Run every action that can run; with ``available``, forwards of micro-batch ``available`` and
         later cannot (their input has not been given yet). Without it, the schedule must finish."""
         rows = self.schedule.stages
-        target = runnable(self.schedule, self.cursor, available, self._index)
+        target = runnable(self.schedule, self.cursor, available, self._index, self.needs)
         if available is None and any(t < len(rows[s]) for s, t in enumerate(target)):
             blocked = next(rows[s][t] for s, t in enumerate(target) if t < len(rows[s]))
             raise ScheduleError("deadlock: no stage can make progress", self.schedule, blocked)
@@ -118,6 +121,9 @@ class Executor:
                     action = rows[s][self.cursor[s]]
                     need = upstream(action, self.schedule.num_stages)
                     if need is not None and not self.transport.ready(action.stage, action.kind, need[2]):
+                        break
+                    if self.needs is not None and not all(
+                            self._index[n] < self.cursor[n[0]] for n in self.needs(action) if n[0] in self.workers):
                         break
                     self._execute(action)
                     self.cursor[s] += 1

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
-from .ir import F, Kind
+from .ir import Action, F, Kind
 from .periodic import PeriodicRow, microbatch_positions
 from .schedule import Schedule, upstream
 
@@ -50,12 +50,15 @@ def runnable(
     cursors: Sequence[int],
     available: int | None = None,
     index: Positions | None = None,
+    needs: Callable[[Action], Sequence[tuple[int, Kind, int]]] | None = None,
 ) -> list[int]:
     """Advance every stage's cursor as far as dependencies allow.
 
     ``cursors[s]`` is the number of stage ``s``'s actions already executed. With ``available``, forwards of
     micro-batch ``available`` and later cannot run (their input has not been given). Returns the cursors
     after every action that can run has run; the result does not depend on the order stages are visited.
+    ``needs`` names further work an action waits for (e.g. the other owners' gradients of tied weights before
+    an update), as ``(stage, kind, micro-batch)``.
     """
     index = positions(schedule) if index is None else index
     P = schedule.num_stages
@@ -72,6 +75,8 @@ def runnable(
                     break
                 need = upstream(a, P)
                 if need is not None and not index[need] < cur[need[0]]:
+                    break
+                if needs is not None and not all(index[n] < cur[n[0]] for n in needs(a)):
                     break
                 cur[s] += 1
                 progressed = True

@@ -1,0 +1,94 @@
+"""Mini-batches as users give them (a tensor, a tuple or a dict of tensors) and their micro-batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union
+
+import torch
+
+if TYPE_CHECKING:
+    from .graph import CapturedModel
+
+Batch = Union[torch.Tensor, Sequence[torch.Tensor], Mapping[str, torch.Tensor]]
+
+
+def as_model_inputs(x: Batch, captured: "CapturedModel") -> tuple[torch.Tensor, ...]:
+    """The tensors the captured forward reads, in its argument order, from ``x``: a tensor (a forward that
+    reads one input), a tuple (positional arguments) or a dict (arguments by name)."""
+    names = captured.input_names
+    arguments = captured.argument_names
+    if isinstance(x, torch.Tensor):
+        if len(names) != 1:
+            raise TypeError(f"the model's forward reads {len(names)} inputs ({', '.join(names)}); give x as a tuple "
+                            f"or a dict of tensors, not one tensor")
+        return (x,)
+    if isinstance(x, Mapping):
+        given = dict(x)
+    elif isinstance(x, (tuple, list)):
+        if len(x) > len(arguments):
+            raise TypeError(f"x has {len(x)} values but the model's forward takes {len(arguments)} arguments "
+                            f"({', '.join(arguments)})")
+        given = dict(zip(arguments, x))
+    else:
+        raise TypeError(f"x must be a tensor, a tuple or a dict of tensors, got {type(x).__name__}")
+    unknown = [k for k in given if k not in arguments]
+    if unknown:
+        raise KeyError(f"x has {unknown} but the model's forward takes {list(arguments)}")
+    specialised = [k for k in given if k in captured.specialised and given[k] is not None]
+    if specialised:
+        raise ValueError(f"x gives {specialised}, which the pipeline captured as their defaults (they were not in "
+                         f"example_input); pass example_input with them to Pipeline(...) so the graph reads them")
+    missing = [k for k in names if k not in given]
+    if missing:
+        raise KeyError(f"x is missing {missing}: the model's forward reads {list(names)}")
+    out = tuple(given[k] for k in names)
+    for name, value in zip(names, out):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"input {name!r} must be a tensor, got {type(value).__name__}")
+    return out
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """A batch's tensors split into micro-batches: ``chunks[u]`` holds micro-batch ``u``'s slice of each."""
+
+    chunks: list[tuple[torch.Tensor, ...]]
+    samples: int
+    rebuild: Callable[[tuple[torch.Tensor, ...]], Any]
+
+
+def split_batch(batch: Any, n: int, what: str) -> Chunks:
+    """Split every tensor of ``batch`` (a tensor, tuple or dict of tensors) into ``n`` micro-batches along
+    dimension 0; all must have the same number of samples, divisible by ``n``."""
+    if isinstance(batch, torch.Tensor):
+        names, tensors, rebuild = ["0"], [batch], lambda t: t[0]
+    elif isinstance(batch, Mapping):
+        keys = list(batch)
+        names, tensors = [repr(k) for k in keys], list(batch.values())
+        rebuild = lambda t, keys=keys: dict(zip(keys, t))  # noqa: E731
+    elif isinstance(batch, (tuple, list)):
+        names, tensors = [str(i) for i in range(len(batch))], list(batch)
+        kind = type(batch)
+        rebuild = lambda t, kind=kind: kind(t)  # noqa: E731
+    else:
+        raise TypeError(f"{what} must be a tensor, a tuple or a dict of tensors, got {type(batch).__name__}")
+    if not tensors:
+        raise ValueError(f"{what} holds no tensor")
+    for name, t in zip(names, tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}[{name}] must be a tensor, got {type(t).__name__}")
+        if t.dim() == 0:
+            raise ValueError(f"{what}[{name}] is a scalar; every tensor of a batch has the samples along dimension 0")
+    sizes = {name: t.shape[0] for name, t in zip(names, tensors)}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"the tensors of {what} have different batch sizes (dimension 0): "
+                         + ", ".join(f"{name}: {size}" for name, size in sizes.items()))
+    samples = tensors[0].shape[0]
+    if samples % n:
+        raise ValueError(
+            f"batch of {samples} samples is not divisible by n_microbatches={n}; pipecore does not "
+            f"re-chunk silently: use a batch size that is a multiple of {n} (e.g. drop_last=True)"
+        )
+    parts = [t.split(samples // n) for t in tensors]
+    return Chunks([tuple(p[u] for p in parts) for u in range(n)], samples, rebuild)

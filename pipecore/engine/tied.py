@@ -1,0 +1,66 @@
+"""One stage's share of tied weights: posting its gradients, applying the owners' sum before an update.
+
+Each owner of a tied weight holds a copy in its own flat buffer. After the backward that completes an
+update group, the owner posts its gradient of every tied weight; before an update it replaces its own
+gradient with the sum of all owners' gradients of the group the :class:`~pipecore.schedule.ties.TieSync`
+says that update consumes (added in stage order, so every owner gets the same bits). Same gradients, same
+optimizer, same updates: the copies stay bit-identical.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Collection, Mapping
+
+import torch
+
+from ..schedule.ties import TieSync
+
+if TYPE_CHECKING:
+    from ..runtime.ties import TiedGradients
+
+
+class StageTies:
+    """The tied weights of one stage: ``views`` maps a tie's name to its slice of the stage's gradient buffer."""
+
+    def __init__(self, stage: int, views: Mapping[str, torch.Tensor], exchange: "TiedGradients", sync: TieSync):
+        self.stage = stage
+        self.views = dict(views)
+        self.exchange = exchange
+        self.sync = sync
+        self._backwarded = 0   # micro-batches backwarded since the schedule started
+        self._posted = 0       # groups posted, counted from construction (or the last load)
+        self._applied = 0      # groups consumed by updates, counted the same way
+        self._base = 0         # self._applied when the schedule started
+
+    def restart(self, sync: TieSync) -> None:
+        """A new schedule starts (after a flush, which consumed every group)."""
+        self.sync = sync
+        self._backwarded = 0
+        self._base = self._applied
+
+    def reset(self) -> None:
+        """Forget the counts (after loading a checkpoint; nothing is pending then)."""
+        self._backwarded = self._posted = self._applied = self._base = 0
+
+    def after_backward(self, microbatches: int) -> None:
+        """Post this stage's tied gradients when the backward completed an update group."""
+        before = self._backwarded // self.sync.update_every
+        self._backwarded += microbatches
+        for _ in range(self._backwarded // self.sync.update_every - before):
+            self.exchange.post(self.stage, self._posted, {name: v.detach().clone() for name, v in self.views.items()})
+            self._posted += 1
+
+    def before_update(self, update: int, poisoned: Collection[int]) -> None:
+        """Write into the gradient buffer the owners' summed gradients that update ``update`` applies:
+        zero while the first groups are still in flight, several groups' sum at a drain's last update. A
+        group with a non-finite loss (``poisoned``, counted from the schedule's start) contributes nothing."""
+        last = self._base + self.sync.group_applied(self.stage, update)
+        total = {name: torch.zeros_like(v) for name, v in self.views.items()}
+        while self._applied <= last:
+            reduced = self.exchange.reduce(self.stage, self._applied)
+            if self._applied - self._base not in poisoned:
+                for name, grad in reduced.items():
+                    total[name] += grad
+            self._applied += 1
+        for name, view in self.views.items():
+            view.copy_(total[name])

@@ -38,6 +38,32 @@ def batches(steps: int, seed: int = 1):
             for n in sizes]
 
 
+def make_gpt():
+    from pipecore.models import GPT
+
+    torch.manual_seed(0)
+    return GPT(11, 8, n_layer=3, n_head=2, n_embd=8).double()
+
+
+def gpt_batches(steps: int, seed: int = 1):
+    """Token batches whose sequence length changes between steps (8, 6, 7, ...)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(steps):
+        t = 8 - i % 3
+        out.append((torch.randint(0, 11, (8, t), generator=g), torch.randint(0, 11, (8, t), generator=g)))
+    return out
+
+
+def lm_loss(logits, target):
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def make_gpt_pipeline(num_stages: int, algorithm: str, **kwargs) -> pipecore.Pipeline:
+    return pipecore.Pipeline(make_gpt(), num_stages, algorithm, MICROBATCHES,
+                             optimizer=pipecore.SGD(lr=0.1, momentum=0.9), loss_fn=lm_loss, **kwargs)
+
+
 def poisoned_batches():
     """``batches(STEPS)`` with a NaN in the first sample of the second batch: one micro-batch's loss is NaN."""
     data = batches(STEPS)
@@ -73,6 +99,11 @@ def main() -> None:
         for algorithm in sys.argv[3].split(","):
             pipe = make_pipeline(world, algorithm, timeout=60, split_backward=split)
             losses = train(pipe, batches(STEPS), first, last)
+            torch.save({"losses": losses, "state": pipe.state_dict()}, os.path.join(out, f"{algorithm}-{rank}.pt"))
+    elif mode == "gpt":
+        for algorithm in sys.argv[3].split(","):
+            pipe = make_gpt_pipeline(world, algorithm, timeout=60)
+            losses = train(pipe, gpt_batches(STEPS), first, last)
             torch.save({"losses": losses, "state": pipe.state_dict()}, os.path.join(out, f"{algorithm}-{rank}.pt"))
     elif mode == "checkpoint":
         # ranks train, save per-stage files; the test resumes them in one process

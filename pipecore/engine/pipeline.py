@@ -423,7 +423,8 @@ class Pipeline:
             params = sum(p.numel() for p in g.module.parameters())
             first, last = index[g.nodes[0]], index[g.nodes[-1]]
             lines.append(f"stage {g.index}: nodes {first}-{last} ({len(g.nodes)}), {params:,} parameters")
-            lines.append(f"  modules: {_abbreviate(g.modules)}")
+            outer = [m for m in g.modules if not any(m.startswith(o + ".") for o in g.modules)]
+            lines.append(f"  modules: {_abbreviate(outer)}")
             if g.index > 0:
                 lines.append("  receives: " + ", ".join(f"{n}{' ' + meta[n] if n in meta else ''}" for n in g.inputs))
             if g.outputs:

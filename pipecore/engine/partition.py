@@ -88,10 +88,15 @@ def module_units(captured: "CapturedModel") -> list[tuple[int, int]]:
                 break
         return ".".join(parts)
 
+    # A new unit starts where a module starts; the model's own code before the first module (an input
+    # reshape) joins the first module's unit rather than making a unit without parameters.
     starts, previous = [0], unit(captured.module_of(captured.nodes[0]))
+    seen_module = previous is not None
     for i, node in enumerate(captured.nodes[1:], 1):
         current = unit(captured.module_of(node))
         if current is not None and current != previous:
-            starts.append(i)
+            if seen_module:
+                starts.append(i)
+            seen_module = True
         previous = current
     return list(zip(starts, starts[1:] + [len(captured.nodes)]))

@@ -122,6 +122,7 @@ class Pipeline:
             _release_other_stages(captured.model, graphs[self.rank].module)
         self.ties = tied_parameters(graphs, captured.model)
         self._tie_sync: TieSync | None = None
+        self._tie_exchange: Any = None
         if self.ties:
             self._tie_sync = self._tie_stages(timeout)
         if not isinstance(split_backward, bool):
@@ -266,6 +267,8 @@ class Pipeline:
         self._executor.run()
         if self.rank is not None:
             self._transport.wait_sends()
+            if self._tie_exchange is not None:
+                self._tie_exchange.wait_sends()
         self._restart()
 
     def close(self) -> None:
@@ -285,7 +288,11 @@ class Pipeline:
 
     def _release(self, deliver: bool) -> None:
         self._closed = True
-        self._transport.close(deliver)
+        try:
+            if self._tie_exchange is not None:
+                self._tie_exchange.close(deliver)
+        finally:
+            self._transport.close(deliver)
 
     def _check_open(self, what: str) -> None:
         if self._closed:

@@ -1,8 +1,22 @@
 """Point-to-point transport over ``torch.distributed`` (gloo on CPU, NCCL on GPU): one process per stage.
 
-Rank ``s`` runs stage ``s``. A message is one buffer: the tensor's bytes followed by a small int64 header
-(kind, micro-batch, stage-0 version tag, non-finite mark, acknowledgement, dtype and shape), so activations
-whose shape changes between steps need no configuration.
+Rank ``s`` runs stage ``s``. A message's payload is ``None``, one tensor, or a tuple whose entries are tensors
+or ``None`` (a stage with several boundary tensors; an integer tensor's gradient is ``None``). The receiver
+gets back the same structure, with each tensor's dtype and shape, so activations whose shape changes between
+steps need no configuration.
+
+Wire format: a message is one ``uint8`` buffer, aligned to 8 bytes throughout::
+
+    [tensor 0 bytes, padded to 8] [tensor 1 bytes, padded to 8] ...   the payload's tensors, in order
+    [description: int64 words]                                        what the payload looks like
+    [header: 8 int64 words]                                           at the very end, at a known place
+
+The description is ``structure, count`` (structure 0: ``None``, 1: one tensor, 2: a tuple of ``count``
+entries), then per entry its dtype code and, for a tensor, ``ndim, *shape`` (a ``None`` entry is the code
+``-1`` alone). The header is ``kind, micro-batch, stage-0 version tag, non-finite mark, acknowledgement,
+description length in words, total bytes of the message, announcement flag``. Only the header has a fixed
+place, so neither the number of tensors nor their dimensions are bounded; a dtype outside ``_DTYPES`` (for
+instance a complex one) is refused on the sender with a :class:`ValueError` before anything is sent.
 
 Ordering rule (why no pair of ranks can deadlock): the only operation that waits for a neighbour is the
 receive of the input of the next action in the rank's own schedule. Sends are posted without waiting and
@@ -28,19 +42,23 @@ in flight. Everything runs on the calling thread: no helper thread competes with
 GIL, which matters most when ranks share a machine's cores.
 
 Latency hiding: a receive is always posted on each of this rank's incoming links, from construction on,
-sized like the previous tensor on that link. Sender and receiver track that size identically. When it
-changes (or there is no tensor), the sender first fills the pre-posted buffer with a header that announces
-the new layout, then sends the tensor in a buffer of the new size; the first message on a link is announced
-the same way. The next receive is posted as soon as the previous message is taken, also across ``step()``
-and ``flush()``: gloo transfers a message only once its receive is posted, and posting a receive after its
-message was sent takes milliseconds in the tail (``bench/post_latency.py``). The posted buffer is not tied
-to a micro-batch; the header says which one arrived. A receive still posted at exit is dropped.
+sized like the previous message on that link (a bare header before the first). Sender and receiver track
+that size identically. When the next message's size differs (its layout description travels inside it, so
+a new shape of the same byte size needs nothing more), the sender first fills the pre-posted buffer with an
+announcement: a message of exactly the previous size whose header has the announcement flag set and gives
+the new size; it then sends the message itself, which the receiver takes into a buffer posted at that size.
+The first message on a link is announced the same way. Announcements count as messages for the
+acknowledgements. The next receive is posted as soon as the previous message is taken, also across
+``step()`` and ``flush()``: gloo transfers a message only once its receive is posted, and posting a receive
+after its message was sent takes milliseconds in the tail (``bench/post_latency.py``). The posted buffer is
+not tied to a micro-batch; the header says which one arrived. A receive still posted at exit is dropped.
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime
+import math
 import pickle
 import weakref
 from collections import deque
@@ -55,9 +73,17 @@ from .worker import Message
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool]
-_MAX_DIMS = 8
-_HEADER = 8 + _MAX_DIMS  # kind, microbatch, tag, poisoned, dtype, ndim, has_payload, acknowledged, shape...
-_ACK = 7
+_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_ITEMSIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _DTYPES}
+# Header words, at the end of every message.
+_KIND, _MICROBATCH, _VERSION_TAG, _POISONED, _ACK, _WORDS, _SIZE, _ANNOUNCE = range(8)
+_HEADER = 8
+_HEADER_BYTES = _HEADER * 8
+# Structure codes, the first word of a description.
+_NONE, _TENSOR, _TUPLE = 0, 1, 2
+# Words read from a message's end in one go: the header and, but for very large tuples, the description
+# (on a GPU each read is a device-to-host copy that waits for the device).
+_TAIL_WORDS = 64
 _KIND_CODE = {F: 0, B: 1}
 _REVERSE = {F: B, B: F}  # the link that carries messages back from the same neighbour
 # Tags keep the kinds of message apart on gloo. NCCL ignores tags and matches a pair's messages in order,
@@ -66,25 +92,80 @@ _REVERSE = {F: B, B: F}  # the link that carries messages back from the same nei
 _TAG = {F: 10, B: 20}
 _LOSS_TAG = 30
 _SHARE_TAG = 40
-_HEADER_BYTES = _HEADER * 8
-
-Layout = tuple[tuple[int, ...], torch.dtype]
 
 
-_ITEMSIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _DTYPES}
+def _padded(nbytes: int) -> int:
+    """``nbytes`` rounded up to 8, so that what follows stays aligned for int64 and float64 views."""
+    return (nbytes + 7) // 8 * 8
 
 
-def _raw_bytes(layout: Layout) -> int:
-    shape, dtype = layout
-    n = _ITEMSIZE[dtype]
-    for d in shape:
-        n *= d
-    return n
+def _describe(payload: Any, rank: int) -> tuple[list[torch.Tensor | None], list[int], int]:
+    """The payload's entries, its description words and the bytes its tensors take (padded). Checks
+    everything before anything is sent: a refused payload leaves the link as it was."""
+    if payload is None:
+        return [], [_NONE, 0], 0
+    if isinstance(payload, torch.Tensor):
+        structure, entries = _TENSOR, [payload]
+    elif isinstance(payload, tuple):
+        structure, entries = _TUPLE, list(payload)
+    else:
+        raise TypeError(f"rank {rank}: a message carries None, a tensor or a tuple of tensors and None, "
+                        f"not {type(payload).__name__}")
+    words = [structure, len(entries)]
+    nbytes = 0
+    for entry in entries:
+        if entry is None:
+            words.append(-1)
+            continue
+        if not isinstance(entry, torch.Tensor):
+            raise TypeError(f"rank {rank}: a message's tuple holds tensors and None, not {type(entry).__name__}")
+        code = _DTYPE_CODE.get(entry.dtype)
+        if code is None:
+            raise ValueError(f"rank {rank}: cannot send a tensor of dtype {entry.dtype}; the transport supports "
+                             + ", ".join(str(d) for d in _DTYPES))
+        shape = entry.shape
+        words += (code, len(shape), *shape)
+        nbytes += _padded(entry.numel() * _ITEMSIZE[entry.dtype])
+    return entries, words, nbytes
 
 
-def _payload_bytes(layout: Layout | None) -> int:
-    """Bytes of a tensor with this layout, padded to 8 so the int64 header after it stays aligned."""
-    return 0 if layout is None else (_raw_bytes(layout) + 7) // 8 * 8
+def _unpack(buffer: torch.Tensor, tail: list[int]) -> Any:
+    """The payload of a received message (views into ``buffer``), given the int64 words at its end."""
+    header = tail[-_HEADER:]
+    words = header[_WORDS]
+    if words + _HEADER <= len(tail):
+        description = tail[len(tail) - _HEADER - words: len(tail) - _HEADER]
+    else:  # a description longer than the tail read in one go
+        end = buffer.numel() - _HEADER_BYTES
+        description = buffer[end - 8 * words: end].view(torch.int64).tolist()
+    structure, count = description[0], description[1]
+    entries: list[torch.Tensor | None] = []
+    i, offset = 2, 0
+    for _ in range(count):
+        code = description[i]
+        if code < 0:
+            entries.append(None)
+            i += 1
+            continue
+        ndim = description[i + 1]
+        shape = description[i + 2: i + 2 + ndim]
+        i += 2 + ndim
+        dtype = _DTYPES[code]
+        nbytes = math.prod(shape) * _ITEMSIZE[dtype]
+        entries.append(buffer[offset: offset + nbytes].view(dtype).view(shape))
+        offset += _padded(nbytes)
+    if structure == _NONE:
+        return None
+    if structure == _TENSOR:
+        return entries[0]
+    if structure == _TUPLE:
+        return tuple(entries)
+    raise ValueError(f"unknown structure code {structure}")
+
+
+def _tail(buffer: torch.Tensor) -> list[int]:
+    """The int64 words at the end of a received message: its header and usually its description."""
+    return buffer[-min(buffer.numel(), 8 * _TAIL_WORDS):].view(torch.int64).tolist()
 
 
 def _first_line(exc: BaseException) -> str:
@@ -99,9 +180,8 @@ class PeerError(RuntimeError):
 class _Posted:
     """The receive posted for a link's next message."""
 
-    buffer: torch.Tensor
+    buffer: torch.Tensor  # sized like the link's previous message
     work: Any  # the backend's Work
-    layout: Layout | None  # the layout the buffer was sized for
 
 
 @dataclass
@@ -154,8 +234,10 @@ class DistributedTransport:
         # (less Python per message); they take ranks within the group.
         self._world = dist.group.WORLD
         self._links = _link_groups(rank, num_stages, self.timeout)
-        self._sent_layout: dict[Kind, Layout] = {}
-        self._recv_layout: dict[Kind, Layout] = {}
+        # Per link: the size of the previous message, which the receiver's posted buffer has (sender and
+        # receiver track it identically; before the first message, a bare header).
+        self._sent_size: dict[Kind, int] = {F: _HEADER_BYTES, B: _HEADER_BYTES}
+        self._recv_size: dict[Kind, int] = {F: _HEADER_BYTES, B: _HEADER_BYTES}
         self._posted: dict[Kind, _Posted] = {}
         # Per link (named by the kind of message it carries): the sends not completed yet, in posting
         # order; how many sends were completed; how many messages were received.
@@ -179,43 +261,38 @@ class DistributedTransport:
     # Sending ---------------------------------------------------------------------------------------
 
     def send(self, stage: int, kind: Kind, microbatch: int, message: Message) -> None:
-        payload = message.payload
-        if payload is not None and not isinstance(payload, torch.Tensor):
-            raise TypeError(f"rank {self.rank}: stages exchange tensors, got {type(payload).__name__}")
-        fields = [_KIND_CODE[kind], microbatch, -1 if message.tag is None else message.tag, int(message.poisoned)]
-        layout = None
-        if payload is None:
-            fields += [0, 0, 0]
-        else:
-            if payload.dim() > _MAX_DIMS:
-                raise ValueError(f"rank {self.rank}: activations may have at most {_MAX_DIMS} dimensions")
-            if payload.dtype not in _ITEMSIZE:
-                raise ValueError(f"rank {self.rank}: cannot send dtype {payload.dtype}")
-            layout = (tuple(payload.shape), payload.dtype)
-            fields += [_DTYPES.index(payload.dtype), payload.dim(), 1]
-        fields.append(self._received[_REVERSE[kind]])  # what we took from this neighbour so far
-        if layout is not None:
-            fields += layout[0]
-        header = torch.tensor(fields + [0] * (_HEADER - len(fields)), dtype=torch.int64)
-        previous = self._sent_layout.get(kind)
-        if layout is None or layout != previous:
-            # The receiver's posted buffer has the previous size: fill it with the announcing header.
-            self._post_send(kind, self._pack(header, None, previous), stage)
-        if layout is not None:
-            self._post_send(kind, self._pack(header, payload, layout), stage)
-            self._sent_layout[kind] = layout
-
-    def _pack(self, header: torch.Tensor, payload: torch.Tensor | None, layout: Layout | None) -> torch.Tensor:
-        size = _payload_bytes(layout)
-        buffer = torch.empty(size + _HEADER_BYTES, dtype=torch.uint8, device=self.device)
-        if payload is not None:
-            raw = payload.detach().contiguous().reshape(-1).view(torch.uint8)
-            buffer[: raw.numel()].copy_(raw)
-            buffer[raw.numel(): size].zero_()
-        else:
-            buffer[:size].zero_()
-        buffer[size:].view(torch.int64).copy_(header)
-        return buffer
+        """Send ``message`` (payload ``None``, a tensor, or a tuple of tensors and ``None``) to ``stage``.
+        Raises :class:`TypeError` or :class:`ValueError` (an unsupported dtype) before sending anything."""
+        entries, words, data = _describe(message.payload, self.rank)
+        description = len(words)
+        size = data + 8 * (description + _HEADER)
+        tag = -1 if message.tag is None else message.tag
+        # What we took from this neighbour so far acknowledges its sends.
+        header = [_KIND_CODE[kind], microbatch, tag, int(message.poisoned), self._received[_REVERSE[kind]]]
+        previous = self._sent_size[kind]
+        if size != previous:
+            # The receiver's posted buffer has the previous size: fill it with the announcement of this size.
+            announcement = torch.zeros(previous, dtype=torch.uint8, device=self.device)
+            announcement[-_HEADER_BYTES:].view(torch.int64).copy_(
+                torch.tensor(header + [0, size, 1], dtype=torch.int64))
+            self._post_send(kind, announcement, stage)
+            self._sent_size[kind] = size
+        buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        offset = 0
+        for entry in entries:
+            if entry is None:
+                continue
+            nbytes = entry.numel() * _ITEMSIZE[entry.dtype]
+            # One copy, straight from the (possibly strided, possibly other-device) tensor into the buffer.
+            buffer[offset: offset + nbytes].view(entry.dtype).view(entry.shape).copy_(entry.detach())
+            end = _padded(nbytes) + offset
+            if end != offset + nbytes:
+                buffer[offset + nbytes: end].zero_()
+            offset = end
+        words += header
+        words += (description, size, 0)
+        buffer[data:].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
+        self._post_send(kind, buffer, stage)
 
     def _post(self, buffer: torch.Tensor, dst: int, tag: int, kind: Kind | None = None) -> _Sent:
         group, peer = (self._world, dst) if kind is None else self._links[kind, dst]
@@ -344,12 +421,11 @@ class DistributedTransport:
 
     def _post_next(self, stage: int, kind: Kind) -> None:
         if kind not in self._posted:
-            layout = self._recv_layout.get(kind)
-            buffer, work = self._irecv(layout, stage, kind)
-            self._posted[kind] = _Posted(buffer, work, layout)
+            buffer, work = self._irecv(self._recv_size[kind], stage, kind)
+            self._posted[kind] = _Posted(buffer, work)
 
-    def _irecv(self, layout: Layout | None, stage: int, kind: Kind) -> tuple[torch.Tensor, Any]:
-        buffer = torch.empty(_payload_bytes(layout) + _HEADER_BYTES, dtype=torch.uint8, device=self.device)
+    def _irecv(self, size: int, stage: int, kind: Kind) -> tuple[torch.Tensor, Any]:
+        buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
         peer = self._peer(stage, kind)
         what = f"the next {'activation' if kind is F else 'gradient'}"
         return buffer, self._post_receive(buffer, peer, _TAG[kind], what, kind)
@@ -373,29 +449,37 @@ class DistributedTransport:
         self._wait(posted.work, what, src)
         self._received[kind] += 1
         buffer = posted.buffer
-        header = buffer[-_HEADER_BYTES:].view(torch.int64).tolist()
-        got_kind, got_mb = header[0], header[1]
-        if (got_kind, got_mb) != (_KIND_CODE[kind], microbatch):
+        tail = _tail(buffer)
+        header = tail[-_HEADER:]
+        if (header[_KIND], header[_MICROBATCH]) != (_KIND_CODE[kind], microbatch):
             raise PeerError(
-                f"rank {self.rank} expected {what} from rank {src} but received kind {got_kind} of micro-batch "
-                f"{got_mb}: the ranks run different schedules (same algorithm, stages and micro-batches everywhere?)"
+                f"rank {self.rank} expected {what} from rank {src} but received kind {header[_KIND]} of micro-batch "
+                f"{header[_MICROBATCH]}: the ranks run different schedules (same algorithm, stages and "
+                "micro-batches everywhere?)"
             )
-        layout = None
-        if header[6]:
-            layout = (tuple(header[8: 8 + header[5]]), _DTYPES[header[4]])
-        payload = None
-        if layout is not None:
-            if layout != posted.layout:  # the posted buffer held the announcement; the tensor follows
-                buffer, work = self._irecv(layout, stage, kind)
-                self._wait(work, what, src)
-                self._received[kind] += 1
-                self._recv_layout[kind] = layout
-            shape, dtype = layout
-            payload = buffer[: _raw_bytes(layout)].view(dtype).view(shape)
+        if header[_ANNOUNCE]:  # the posted buffer held the announcement; the message follows at its size
+            size = header[_SIZE]
+            if size < _HEADER_BYTES or size % 8:
+                raise PeerError(f"rank {self.rank}: rank {src} announced a message of {size} bytes for {what}")
+            buffer, work = self._irecv(size, stage, kind)
+            self._wait(work, what, src)
+            self._received[kind] += 1
+            self._recv_size[kind] = size
+            tail = _tail(buffer)
+            header = tail[-_HEADER:]
+        if (header[_ANNOUNCE] or header[_SIZE] != buffer.numel()
+                or (header[_KIND], header[_MICROBATCH]) != (_KIND_CODE[kind], microbatch)):
+            raise PeerError(f"rank {self.rank}: the message from rank {src} for {what} does not match the buffer "
+                            f"({buffer.numel()} bytes) or the announcement before it: the ranks are out of step")
+        try:
+            payload = _unpack(buffer, tail)
+        except (IndexError, ValueError, RuntimeError) as exc:
+            raise PeerError(f"rank {self.rank}: the message from rank {src} for {what} is malformed "
+                            f"({_first_line(exc)})") from exc
         self._post_next(stage, kind)  # the link's next message: later in this step, or in the next one
         self._acknowledge(_REVERSE[kind], header[_ACK])
-        tag = header[2]
-        return Message(payload, None if tag < 0 else tag, poisoned=bool(header[3]))
+        tag = header[_VERSION_TAG]
+        return Message(payload, None if tag < 0 else tag, poisoned=bool(header[_POISONED]))
 
     def _wait(self, work: Any, what: str, peer: int) -> None:
         """Wait for a posted receive."""

@@ -1,0 +1,428 @@
+"""Tied parameters: gradients summed over the stages that share a parameter.
+
+A tied parameter (a language model's token embedding and output head, say) lives in several stages, each
+with its own copy. Before an update, the gradients of one update group from all owners are summed, so that
+every copy applies the same gradient and the copies stay equal. The sum is always formed in increasing stage
+order, ``((g_a + g_b) + g_c)``, by every owner, so all owners get a bit-identical result.
+
+Two implementations of :class:`TiedGradients`:
+
+* :class:`LocalTiedGradients`: every stage in this process; an in-memory mailbox.
+* :class:`DistributedTiedGradients`: one process per stage over ``torch.distributed``; process groups over
+  each tie's owners.
+
+Process groups: per tie, one group over its owners for each owner's outgoing messages, so every group carries
+one direction between any two ranks (as the transport's links do). On NCCL a pair's sends and receives run
+in order on one stream per communicator: with both directions on one group, the receive each owner posts
+ahead of time would hold back its own send, on both sides, for ever. On gloo it also keeps one direction's
+traffic from waiting for the other's.
+
+Wire format of :class:`DistributedTiedGradients`: per tie and update group, each owner sends one ``uint8``
+buffer to every other owner (the same buffer to all of them)::
+
+    [gradient bytes, padded to 8] [update group: int64] [acknowledgements: one int64 per owner, in owner order]
+
+The acknowledgement for owner ``o`` is how many of ``o``'s messages on this tie the sender had received when
+it posted the message. gloo reports a send complete only once someone waits on it (``Work.is_completed()``
+stays false until then), so sends are pruned both by ``is_completed()`` (enough on NCCL) and by these
+acknowledgements: waiting on a send that the peer says it received returns at once. Without them a long run
+on gloo would keep every gradient it ever sent; with them an owner holds about one send per other owner and
+tie, as long as owners alternate post and reduce. Sends that no later message acknowledges (an owner that
+posts several groups ahead, the last group) are completed by :meth:`DistributedTiedGradients.wait_sends` or
+``close()``.
+
+Ordering: a send never waits for its receiver. Each owner keeps the receive of every other owner's next
+message posted ahead of time (from construction when the shapes are given, else from its first post), so a
+message is transferred as soon as it is sent, whether or not its receiver has reached its reduce. The only
+operation that waits is :meth:`DistributedTiedGradients.reduce`, for the other owners' messages of that
+group; an owner that is dead or silent is a :class:`~pipecore.runtime.distributed.PeerError` after the
+timeout, naming the rank and the tie. Messages arrive in order on each (tie, sender), so every owner must
+post the same update groups and reduce them in increasing order; each message names its update group and a
+mismatch is a ``PeerError`` ("out of step") rather than a wrong sum.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import weakref
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from .distributed import PeerError, _first_line, _padded
+
+# Each group carries one tie's messages from one sender, so one tag is enough (NCCL ignores tags and matches
+# in order, which is the order here too).
+_TIE_TAG = 50
+
+Shape = tuple[torch.Size | Sequence[int], torch.dtype]
+
+
+class TiedGradients(Protocol):
+    """Exchanges the gradients of tied parameters between the stages that own them."""
+
+    def post(self, stage: int, group: int, grads: dict[str, torch.Tensor]) -> None:
+        """Stage ``stage``'s own gradients of update group ``group`` (a running count, per stage, that never
+        resets), one tensor per tie name it owns. Called once per group, in increasing group order."""
+
+    def ready(self, stage: int, group: int) -> bool:
+        """Whether ``reduce(stage, group)`` can return without waiting (a blocking transport always says True)."""
+
+    def reduce(self, stage: int, group: int) -> dict[str, torch.Tensor]:
+        """For each tie name ``stage`` owns: the sum of ALL owners' gradients of ``group`` (its own included),
+        added in increasing stage order so every owner gets a bit-identical result. Each (stage, group) is
+        reduced once; afterwards nothing of that group needs to be kept for this stage."""
+
+    def wait_sends(self) -> None:
+        """Complete every posted send (at a flush; a networked implementation waits with its timeout)."""
+
+    def close(self, deliver: bool = True) -> None:
+        """Release what is held (a networked implementation: its process groups, after completing the sends
+        if ``deliver``)."""
+
+
+def _check_ties(ties: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
+    checked: dict[str, tuple[int, ...]] = {}
+    for name, owners in ties.items():
+        owners = tuple(owners)
+        if len(owners) < 2 or list(owners) != sorted(set(owners)) or owners[0] < 0:
+            raise ValueError(f"tie {name!r}: owners must be at least two distinct stages in increasing order, "
+                             f"got {owners}")
+        checked[name] = owners
+    return checked
+
+
+def _owned(ties: Mapping[str, tuple[int, ...]], stage: int) -> list[str]:
+    return [name for name, owners in ties.items() if stage in owners]
+
+
+def _check_post(stage: int, group: int, grads: Mapping[str, torch.Tensor], owned: Sequence[str],
+                last: int | None) -> None:
+    if set(grads) != set(owned):
+        raise ValueError(f"stage {stage} owns the ties {sorted(owned)} but posted gradients for {sorted(grads)}")
+    if last is not None and group <= last:
+        raise ValueError(f"stage {stage} posted update group {group} after group {last}; groups are posted once "
+                         "each, in increasing order")
+
+
+def _sum_in_stage_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``((p0 + p1) + p2) ...``: the same operations in the same order on every owner, hence the same bits."""
+    total = torch.add(parts[0], parts[1])
+    for part in parts[2:]:
+        total.add_(part)
+    return total
+
+
+class LocalTiedGradients:
+    """Every stage in this process: posted gradients wait in a mailbox until every owner reduced them."""
+
+    def __init__(self, ties: Mapping[str, Sequence[int]]):
+        self.ties = _check_ties(ties)
+        # (tie, group) -> owner stage -> its gradient (a clone: the caller zeroes its buffer after posting).
+        self._posted: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
+        # (tie, group) -> the owners that reduced it; the entry goes once all have.
+        self._reduced: dict[tuple[str, int], set[int]] = {}
+        self._last: dict[int, int] = {}
+
+    def post(self, stage: int, group: int, grads: dict[str, torch.Tensor]) -> None:
+        """Keep a copy of ``stage``'s gradients of ``group`` until every owner reduced it."""
+        _check_post(stage, group, grads, _owned(self.ties, stage), self._last.get(stage))
+        self._last[stage] = group
+        for name, grad in grads.items():
+            self._posted.setdefault((name, group), {})[stage] = grad.detach().clone()
+
+    def ready(self, stage: int, group: int) -> bool:
+        """Whether every owner of every tie ``stage`` owns has posted ``group``."""
+        for name in _owned(self.ties, stage):
+            posted = self._posted.get((name, group), {})
+            if any(owner not in posted for owner in self.ties[name]):
+                return False
+        return True
+
+    def reduce(self, stage: int, group: int) -> dict[str, torch.Tensor]:
+        """Per tie ``stage`` owns, the sum in stage order (fresh tensors); raises if not :meth:`ready`."""
+        owned = _owned(self.ties, stage)
+        if not self.ready(stage, group):
+            missing = {name: [o for o in self.ties[name] if o not in self._posted.get((name, group), {})]
+                       for name in owned}
+            raise RuntimeError(f"stage {stage}: update group {group} cannot be reduced yet; not posted by "
+                               f"{ {k: v for k, v in missing.items() if v} } (check ready() first)")
+        sums: dict[str, torch.Tensor] = {}
+        for name in owned:
+            key = (name, group)
+            done = self._reduced.setdefault(key, set())
+            if stage in done:
+                raise RuntimeError(f"stage {stage} reduced update group {group} of tie {name!r} twice")
+            posted = self._posted[key]
+            sums[name] = _sum_in_stage_order([posted[owner] for owner in self.ties[name]])
+            done.add(stage)
+            if len(done) == len(self.ties[name]):  # every owner has its sum: nothing of this group is needed
+                del self._posted[key], self._reduced[key]
+        return sums
+
+    def wait_sends(self) -> None:
+        """Nothing to complete: posting stores the gradients."""
+
+    def close(self, deliver: bool = True) -> None:
+        """Drop everything posted."""
+        self._posted.clear()
+        self._reduced.clear()
+
+
+@dataclass
+class _Sent:
+    """A posted send; its buffer lives until the send is completed."""
+
+    work: Any
+    buffer: torch.Tensor
+
+
+@dataclass
+class _Tie:
+    """What this rank holds for one tie it owns."""
+
+    name: str
+    owners: tuple[int, ...]
+    group: Any  # the group this rank sends its gradients on
+    peers: dict[int, int]  # other owner -> its rank in ``group``
+    sources: dict[int, tuple[Any, int]]  # other owner -> (the group it sends on, its rank there)
+    me: int  # this rank's index among the owners (its acknowledgement slot)
+    shape: torch.Size | None = None
+    dtype: torch.dtype | None = None
+
+    @property
+    def nbytes(self) -> int:
+        assert self.shape is not None and self.dtype is not None
+        return self.shape.numel() * self.dtype.itemsize
+
+    @property
+    def size(self) -> int:
+        """Bytes of one message: the gradient padded to 8, the group and one acknowledgement per owner."""
+        return _padded(self.nbytes) + 8 * (1 + len(self.owners))
+
+
+def _release_at_exit(ties: "weakref.ref[DistributedTiedGradients]") -> None:
+    live = ties()
+    if live is not None and not live.closed:
+        try:
+            live.wait_sends()
+        except (PeerError, RuntimeError):
+            pass  # the receiving rank is gone; nothing can be delivered
+        finally:
+            # Release the groups now rather than during interpreter teardown (see DistributedTransport).
+            live._posted_recv.clear()
+            live._ties = {}
+
+
+class DistributedTiedGradients:
+    """One process per stage (``rank == stage``) over an initialised ``torch.distributed`` (gloo or NCCL).
+
+    Every rank must construct it, with the same ``ties``, at the same point relative to other process-group
+    creations: it creates, per tie, one group over the tie's owners for each owner to send on, and
+    ``new_group`` is collective over the default group. ``shapes`` (tie name -> gradient shape and dtype, for
+    the ties this rank owns) lets the first receives be posted at construction; without it they are posted
+    at this rank's first :meth:`post`, from its own gradients (every owner's copy has the same shape).
+    ``timeout`` (seconds) bounds every wait. Gradients travel in buffers on ``device`` (for NCCL, the GPU).
+    """
+
+    def __init__(self, ties: Mapping[str, Sequence[int]], rank: int, timeout: float = 30.0,
+                 device: torch.device | None = None, shapes: Mapping[str, Shape] | None = None):
+        self.ties = _check_ties(ties)
+        self.rank = rank
+        self.timeout = datetime.timedelta(seconds=timeout)
+        self.device = device or torch.device("cpu")
+        world = dist.get_world_size()
+        self._ties: dict[str, _Tie] = {}
+        for name in sorted(self.ties):  # the same order on every rank, whatever order the dict has
+            owners = self.ties[name]
+            if owners[-1] >= world:
+                raise ValueError(f"tie {name!r}: owner {owners[-1]} is not a rank (world size {world})")
+            # One group per sending owner (see the module docstring), created by every rank in the same order.
+            groups = {sender: dist.new_group(list(owners), timeout=self.timeout) for sender in owners}
+            if rank in owners:
+                own = groups[rank]
+                peers = {o: dist.get_group_rank(own, o) for o in owners if o != rank}
+                sources = {o: (groups[o], dist.get_group_rank(groups[o], o)) for o in owners if o != rank}
+                self._ties[name] = _Tie(name, owners, own, peers, sources, owners.index(rank))
+        # Per (tie, other owner): the posted receive of its next message; sends not completed yet, in order;
+        # how many of them were completed; how many messages were received.
+        self._posted_recv: dict[tuple[str, int], tuple[torch.Tensor, Any]] = {}
+        self._sends: dict[tuple[str, int], deque[_Sent]] = {}
+        self._completed: dict[tuple[str, int], int] = {}
+        self._received: dict[tuple[str, int], int] = {}
+        for tie in self._ties.values():
+            for peer in tie.peers:
+                self._sends[tie.name, peer] = deque()
+                self._completed[tie.name, peer] = self._received[tie.name, peer] = 0
+        # update group -> tie -> this rank's own gradient (a view into the buffer it sent).
+        self._own: dict[int, dict[str, torch.Tensor]] = {}
+        self._last: int | None = None
+        self.closed = False
+        for name, (shape, dtype) in (shapes or {}).items():
+            tie = self._ties.get(name)
+            if tie is not None:
+                tie.shape, tie.dtype = torch.Size(shape), dtype
+                self._post_receives(tie)
+        atexit.register(_release_at_exit, weakref.ref(self))
+
+    def _check_stage(self, stage: int) -> None:
+        if stage != self.rank:
+            raise ValueError(f"rank {self.rank} runs stage {self.rank} only, not stage {stage}")
+        if self.closed:
+            raise RuntimeError(f"rank {self.rank}: the tied-gradient exchange was closed")
+
+    # Sending ---------------------------------------------------------------------------------------
+
+    def post(self, stage: int, group: int, grads: dict[str, torch.Tensor]) -> None:
+        """Send this rank's gradients of ``group`` to the other owners (without waiting) and keep them, copied
+        into the buffer sent, for :meth:`reduce`."""
+        self._check_stage(stage)
+        _check_post(stage, group, grads, list(self._ties), self._last)
+        own: dict[str, torch.Tensor] = {}
+        for name in sorted(grads):
+            tie, grad = self._ties[name], grads[name]
+            if tie.shape is None:  # learned from the first post; the receives can now be posted
+                tie.shape, tie.dtype = grad.shape, grad.dtype
+                self._post_receives(tie)
+            elif (grad.shape, grad.dtype) != (tie.shape, tie.dtype):
+                raise ValueError(f"rank {self.rank}: tie {name!r} has gradients of shape {tuple(tie.shape)} and "
+                                 f"dtype {tie.dtype}, got {tuple(grad.shape)} {grad.dtype}")
+            buffer = torch.empty(tie.size, dtype=torch.uint8, device=self.device)
+            nbytes = tie.nbytes
+            view = buffer[:nbytes].view(grad.dtype).view(grad.shape)
+            view.copy_(grad.detach())  # the caller zeroes its gradient after posting
+            end = _padded(nbytes)
+            if end != nbytes:
+                buffer[nbytes:end].zero_()
+            words = [group] + [self._received.get((name, o), 0) for o in tie.owners]
+            buffer[end:].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
+            for peer, peer_in_group in tie.peers.items():
+                sends = self._sends[name, peer]
+                self._prune(name, peer)
+                try:
+                    sends.append(_Sent(tie.group.send([buffer], peer_in_group, _TIE_TAG), buffer))
+                except RuntimeError as exc:
+                    raise self._failed(name, peer, "sending to", exc) from exc
+            own[name] = view
+        self._own[group] = own
+        self._last = group
+
+    def _prune(self, name: str, peer: int) -> None:
+        """Drop the sends already completed (NCCL says so by itself; gloo only once waited on)."""
+        sends = self._sends[name, peer]
+        while sends and sends[0].work.is_completed():
+            sends.popleft()
+            self._completed[name, peer] += 1
+
+    def _acknowledge(self, name: str, peer: int, count: int) -> None:
+        """``peer`` has received ``count`` of our messages on tie ``name``: complete those sends (at once)."""
+        self._prune(name, peer)
+        sends = self._sends[name, peer]
+        while self._completed[name, peer] < count and sends:
+            self._complete(name, peer, sends.popleft())
+            self._completed[name, peer] += 1
+
+    def _complete(self, name: str, peer: int, sent: _Sent) -> None:
+        try:
+            done = sent.work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise self._failed(name, peer, "sending to", exc) from exc
+        if done is False:
+            raise self._failed(name, peer, "sending to", TimeoutError("the send did not complete"))
+
+    def wait_sends(self) -> None:
+        """Complete every posted send; raises :class:`PeerError` if an owner does not take its messages
+        within the timeout."""
+        for (name, peer), sends in self._sends.items():
+            while sends:
+                self._complete(name, peer, sends.popleft())
+                self._completed[name, peer] += 1
+
+    def close(self, deliver: bool = True) -> None:
+        """Destroy the tie groups; with ``deliver``, first complete the posted sends. Receives still posted are
+        dropped. Nothing can be exchanged afterwards; closing twice does nothing."""
+        if self.closed:
+            return
+        try:
+            if deliver:
+                self.wait_sends()
+        finally:
+            self.closed = True
+            self._posted_recv.clear()
+            self._own.clear()
+            groups = [tie.group for tie in self._ties.values()]
+            groups += [group for tie in self._ties.values() for group, _ in tie.sources.values()]
+            self._ties = {}
+            if dist.is_initialized():  # after destroy_process_group() of the default group, all are gone
+                for group in groups:
+                    dist.destroy_process_group(group)
+
+    # Receiving -------------------------------------------------------------------------------------
+
+    def _post_receives(self, tie: _Tie) -> None:
+        for peer in tie.peers:
+            self._post_receive(tie, peer)
+
+    def _post_receive(self, tie: _Tie, peer: int) -> None:
+        buffer = torch.empty(tie.size, dtype=torch.uint8, device=self.device)
+        group, peer_in_group = tie.sources[peer]
+        try:
+            work = group.recv([buffer], peer_in_group, _TIE_TAG)
+        except RuntimeError as exc:
+            raise self._failed(tie.name, peer, "posting the receive from", exc) from exc
+        self._posted_recv[tie.name, peer] = (buffer, work)
+
+    def ready(self, stage: int, group: int) -> bool:
+        """Always True: :meth:`reduce` waits, with the timeout, like the transport's receive."""
+        return True  # reduce blocks (with the timeout) until the other owners' gradients are there
+
+    def reduce(self, stage: int, group: int) -> dict[str, torch.Tensor]:
+        """Per tie this rank owns, the sum of every owner's gradient of ``group`` in stage order (fresh
+        tensors). Waits for the other owners' messages, which must come in the order of the groups posted:
+        reduce the groups in increasing order. :class:`PeerError` if an owner does not answer in time."""
+        self._check_stage(stage)
+        own = self._own.pop(group, None)
+        if own is None:
+            raise RuntimeError(f"rank {self.rank}: update group {group} was not posted, or was reduced already")
+        sums: dict[str, torch.Tensor] = {}
+        for name in sorted(own):
+            tie = self._ties[name]
+            parts = []
+            for owner in tie.owners:
+                parts.append(own[name] if owner == self.rank else self._take(tie, owner, group))
+            sums[name] = _sum_in_stage_order(parts)
+        return sums
+
+    def _take(self, tie: _Tie, peer: int, group: int) -> torch.Tensor:
+        """``peer``'s gradient of ``group`` on ``tie``: waits for it, posts the receive of the next one and
+        completes the sends that it acknowledges."""
+        buffer, work = self._posted_recv.pop((tie.name, peer))
+        what = f"its gradient of update group {group} for tie {tie.name!r}"
+        try:
+            ok = work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise PeerError(f"rank {self.rank}: rank {peer} failed while {what} was expected "
+                            f"({exc.__class__.__name__}: {_first_line(exc)}); it died or stopped answering "
+                            f"(timeout {self.timeout.total_seconds():g} s)") from exc
+        if ok is False:
+            raise PeerError(f"rank {self.rank}: no answer from rank {peer} within "
+                            f"{self.timeout.total_seconds():g} s while waiting for {what}")
+        self._received[tie.name, peer] += 1
+        self._post_receive(tie, peer)  # before anything else: the peer's next send finds its receive posted
+        end = _padded(tie.nbytes)
+        words = buffer[end:].view(torch.int64).tolist()
+        if words[0] != group:
+            raise PeerError(f"rank {self.rank} expected the gradient of update group {group} for tie {tie.name!r} "
+                            f"from rank {peer} but received group {words[0]}: the owners are out of step")
+        self._acknowledge(tie.name, peer, words[1 + tie.me])
+        assert tie.shape is not None and tie.dtype is not None
+        return buffer[: tie.nbytes].view(tie.dtype).view(tie.shape)
+
+    def _failed(self, name: str, peer: int, doing: str, exc: BaseException) -> PeerError:
+        return PeerError(f"rank {self.rank}: {doing} rank {peer} failed for tie {name!r} ({_first_line(exc)}); "
+                         f"rank {peer} died or stopped answering (timeout {self.timeout.total_seconds():g} s)")

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import io
+import math
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +15,7 @@ import torch
 
 import pipecore
 from pipecore.cli import main
-from pipecore.cli.train import build_mlp, epoch_batches, stage_partition
+from pipecore.cli.train import build_mlp, epoch_batches, held_out_windows, layers_cell, stage_partition
 
 from _same import assert_same
 
@@ -242,3 +246,157 @@ def test_epoch_batches_depend_only_on_seed_and_epoch() -> None:
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not torch.equal(a[0], epoch_batches(100, 32, seed=3, epoch=3)[0])
     assert len(set(torch.cat(a).tolist())) == 96
+
+
+# -- --model gpt and --model resnet ------------------------------------------------------------------------
+
+# A tiny GPT: 2 stages of one block each, short windows; 30 steps an epoch take about half a second.
+TINY_GPT = ["--model", "gpt", "--stages", "2", "--layers", "2", "--embd", "32", "--heads", "2", "--block-size", "16",
+            "--batch-size", "16", "--steps-per-epoch", "30", "--eval-windows", "16", "--no-progress"]
+GPT_LINE = re.compile(r"^\s*(\d+)\s+(\d+\.\d{4})\s+(\d+\.\d{4})\s+(\d+\.\d\d)\s+(\S+)$", re.MULTILINE)
+
+
+def gpt_epochs_of(out: str) -> list[tuple[int, float, float, float, str]]:
+    """(epoch, training loss, held-out loss, held-out perplexity, time) of every epoch line of a gpt run."""
+    return [(int(e), float(a), float(b), float(c), t) for e, a, b, c, t in GPT_LINE.findall(out)]
+
+
+def final_perplexity(out: str) -> tuple[float, float]:
+    match = re.search(r"^held-out perplexity (\d+\.\d\d) \(loss (\d+\.\d{4}) per character, 16 windows of 16\) "
+                      r"after \d+ epochs?$", out, re.MULTILINE)
+    assert match, out
+    return float(match.group(1)), float(match.group(2))
+
+
+def test_gpt_learns_and_reports_perplexity(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    png = tmp_path / "gpt.png"
+    code, out, err = train(capsys, *TINY_GPT, "--epochs", "2", "--plot", str(png))
+    assert code == 0, err
+    assert re.search(r"^text: Python's help topics, [\d,]+ train / [\d,]+ held-out characters, vocabulary \d+; "
+                     r"GPT 2 layers, 2 heads, embd 32, block 16, [\d,]+ parameters$", out, re.MULTILINE), out
+    # AdamW is the gpt's default optimizer; 1f1b updates once per mini-batch, so the lr is not scaled.
+    assert "1f1b: 2 stages, 4 micro-batches of 4 (batch 16, 30 steps/epoch), AdamW lr 0.001, seed 0" in out
+    assert "epoch      loss  test loss  test ppl    time" in out
+    lines = gpt_epochs_of(out)
+    assert [e for e, *_ in lines] == [1, 2]
+    for _, _, test_loss, ppl, seconds in lines:
+        assert ppl == pytest.approx(math.exp(test_loss), rel=1e-3) and seconds.endswith("s")
+    assert lines[1][1] < lines[0][1] and lines[1][2] < lines[0][2]  # training and held-out loss fall
+    assert lines[0][3] < 60  # from about the vocabulary size (~100) at initialisation
+    ppl, loss = final_perplexity(out)
+    assert (ppl, loss) == (lines[-1][3], lines[-1][2])
+    assert "test accuracy" not in out and re.search(r"^time \d+\.\d\ds for 2 epochs \([\d,]+ windows/s", out, re.MULTILINE)
+    # The per-stage table names the stages' top-level modules; the tied head sits in the last stage.
+    table = out[out.index("stage  layers"):].splitlines()
+    assert table[1].split()[:2] == ["0", "tok_emb,pos_emb,drop,blocks.0"]
+    assert table[2].split()[:2] == ["1", "blocks.1,ln_f,head"]
+    assert f"wrote loss and perplexity curves to {png}" in out and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_gpt_resume_equals_uninterrupted_run(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Epochs are a function of (seed, epoch): 1 epoch + resume to 2 prints and saves what 2 straight do,
+    here with an asynchronous algorithm (weight stashing, an update per micro-batch)."""
+    args = [*TINY_GPT, "--algorithm", "pipedream", "--steps-per-epoch", "10"]
+    full, half, resumed = tmp_path / "full.pt", tmp_path / "half.pt", tmp_path / "resumed.pt"
+    code, straight, err = train(capsys, *args, "--epochs", "2", "--save", str(full))
+    assert code == 0, err
+    assert train(capsys, *args, "--epochs", "1", "--save", str(half))[0] == 0
+    code, out, err = train(capsys, *args, "--epochs", "2", "--resume", str(half), "--save", str(resumed))
+    assert code == 0, err
+    assert f"resumed from {half} at epoch 1" in out
+    assert [line[:4] for line in gpt_epochs_of(out)] == [line[:4] for line in gpt_epochs_of(straight)]
+    assert gpt_epochs_of(out)[0][4] == "-"
+    assert final_perplexity(out) == final_perplexity(straight)
+    a, b = load(full), load(resumed)
+    assert a["history"] == b["history"] and a["args"]["model"] == "gpt" and a["args"]["block_size"] == 16
+    assert_same(a["pipeline"], b["pipeline"])
+    # The size flags are fixed by the checkpoint.
+    code, _, err = train(capsys, *args, "--epochs", "3", "--embd", "16", "--resume", str(half))
+    assert code == 2 and "the checkpoint was trained with --embd 32; resume with the same settings" in err
+
+
+def test_resnet_learns_on_two_stages(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = train(capsys, "--model", "resnet", "--stages", "2", "--epochs", "2", "--no-progress")
+    assert code == 0, err
+    assert "digits: 1437 train / 360 test samples, 64 features, 10 classes; ResNet width 16, 3 blocks, " in out
+    assert "1f1b: 2 stages, 4 micro-batches of 16 (batch 64, 22 steps/epoch), SGD lr 0.05 momentum 0.9" in out
+    lines = epochs_of(out)
+    assert [e for e, *_ in lines] == [1, 2] and lines[1][1] < lines[0][1]
+    assert final_accuracy(out) > 0.3  # chance is 0.10
+    assert final_accuracy(out) == pytest.approx(lines[-1][2] / 100)
+    table = out[out.index("stage  layers"):].splitlines()
+    assert [row.split()[0] for row in table[1:]] == ["0", "1"]
+
+
+def test_resume_across_models_and_from_checkpoints_before_model(capsys: pytest.CaptureFixture[str],
+                                                                 tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt.pt"
+    assert train(capsys, "--epochs", "1", *SMALL, "--save", str(ckpt))[0] == 0
+    code, _, err = train(capsys, *TINY_GPT, "--epochs", "2", "--resume", str(ckpt))
+    assert code == 2 and err.strip() == (
+        "pipecore train: error: the checkpoint was trained with --model mlp; resume with the same settings")
+    # A checkpoint written before --model existed has none of the new settings: it is an MLP's.
+    old = load(ckpt)
+    old["args"] = {k: v for k, v in old["args"].items() if k in
+                   ("algorithm", "stages", "microbatches", "batch_size", "epochs", "lr", "optimizer", "hidden",
+                    "depth", "seed", "option")}
+    torch.save(old, ckpt)
+    code, out, err = train(capsys, "--epochs", "2", *SMALL, "--resume", str(ckpt))
+    assert code == 0 and "note:" not in out, err + out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "foo"], "argument --model: invalid choice: 'foo'"),
+    (["--model", "gpt", "--hidden", "32"], "--hidden applies to --model mlp, not --model gpt"),
+    (["--layers", "2"], "--layers applies to --model resnet and --model gpt, not --model mlp"),
+    (["--model", "resnet", "--embd", "32"], "--embd applies to --model gpt, not --model resnet"),
+    (["--model", "gpt", "--heads", "3"], "--embd 64 is not divisible by --heads 3"),
+    (["--model", "gpt", "--block-size", "10000000"], "--block-size 10000000 is longer than the held-out text"),
+    (["--model", "resnet", "--stages", "20"], "--stages 20: the resnet can be cut into at most"),
+    (["--model", "gpt", "--batch-size", "30"], "--batch-size 30 is not divisible by --microbatches 4"),
+])
+def test_bad_model_input_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    code, out, err = train(capsys, *argv, "--epochs", "1")
+    assert code == 2
+    errors = [line for line in err.splitlines() if line.startswith("pipecore")]
+    assert len(errors) == 1 and message in errors[0], err
+    assert "Traceback" not in err and "epoch" not in out
+
+
+def test_layers_cell_names_top_level_modules_and_abbreviates() -> None:
+    assert layers_cell(["0", "1"]) == "0,1"  # the MLP's layers, as before
+    gpt0 = ["tok_emb", "pos_emb", "drop", "blocks.0.ln1", "blocks.0.attn", "blocks.0.attn.qkv", "blocks.0"]
+    assert layers_cell(gpt0) == "tok_emb,pos_emb,drop,blocks.0"
+    assert layers_cell(gpt0 + ["blocks.1.ln1", "blocks.1"]) == "tok_emb..blocks.1 (5)"
+    assert layers_cell([]) == "-"
+
+
+def test_held_out_windows_are_spread_over_the_text() -> None:
+    data = torch.arange(1001)
+    x, y = held_out_windows(data, 10, 5)
+    assert x.shape == (5, 10) and torch.equal(y, x + 1)
+    assert x[:, 0].tolist() == [0, 250, 500, 740, 990]  # windows 0, 25, 50, 74, 99 of 100
+    assert held_out_windows(data, 10, 1000)[0].shape == (100, 10)
+
+
+def test_gpt_under_torchrun_matches_one_process(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """One process per stage: rank 0 evaluates the whole model (gathered from the ranks, tied head
+    included) and reports what the one-process run reports; the checkpoints agree."""
+    args = [*TINY_GPT, "--algorithm", "pipedream", "--steps-per-epoch", "10", "--epochs", "2"]
+    code, alone, err = train(capsys, *args, "--save", str(tmp_path / "alone.pt"))
+    assert code == 0, err
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+           and not k.startswith("TORCHELASTIC")}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "pipecore", "train", *args, "--save", str(tmp_path / "ranks.pt")],
+                         cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                         timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+    ranks = run.stdout
+    assert ranks.count("epoch      loss  test loss") == 1 and "one process per stage: 2 ranks (gloo)" in ranks, ranks
+    assert [line[:4] for line in gpt_epochs_of(ranks)] == [line[:4] for line in gpt_epochs_of(alone)]
+    assert final_perplexity(ranks) == final_perplexity(alone)
+    a, b = load(tmp_path / "alone.pt"), load(tmp_path / "ranks.pt")
+    assert_same(b["pipeline"], a["pipeline"])
+    assert b["history"] == a["history"]

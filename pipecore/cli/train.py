@@ -1,9 +1,18 @@
-"""``pipecore train``: train a small MLP on scikit-learn's digits with a pipeline, end to end.
+"""``pipecore train``: train a model with a pipeline, end to end: an MLP or a small ResNet on scikit-learn's
+digits, or a character-level GPT on the help texts that ship with Python.
 
-The data set ships with scikit-learn (no download): 1,797 8x8 images, 64 features, 10 classes. Features are
-standardised with the training split's statistics; the 80/20 split is stratified and fixed by ``--seed``.
-Each epoch shuffles with a generator seeded by ``(seed, epoch)``, so a run resumed from a checkpoint sees
-exactly the batches an uninterrupted run would have seen.
+* ``--model mlp`` (default) and ``--model resnet``: the digits data set ships with scikit-learn (no download):
+  1,797 8x8 images, 64 features, 10 classes. Features are standardised with the training split's statistics;
+  the 80/20 split is stratified and fixed by ``--seed``. Each epoch shuffles with a generator seeded by
+  ``(seed, epoch)``. Reported: test accuracy.
+* ``--model gpt``: :class:`pipecore.models.GPT` on :func:`pipecore.models.load_char_data` (Python's
+  ``pydoc_data`` help topics, the last 10% held out). An epoch is ``--steps-per-epoch`` batches of random
+  windows drawn with a generator seeded by ``(seed, epoch)``. Reported: held-out loss and perplexity (the
+  exponential of the mean loss per character over at most ``--eval-windows`` non-overlapping windows of the
+  held-out text, spread evenly over it).
+
+Either way, the batches of an epoch are a function of ``(seed, epoch)`` alone, so a run resumed from a
+checkpoint sees exactly the batches an uninterrupted run would have seen.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from ._args import algorithm_option, positive_int
 
@@ -23,13 +32,29 @@ if TYPE_CHECKING:  # heavy imports stay inside run() so that ``pipecore --help``
     import torch
     from torch import nn
 
-HELP = "train an MLP on scikit-learn's digits with a pipeline (progress, accuracy, staleness, checkpoints)"
+HELP = ("train an MLP or ResNet on scikit-learn's digits, or a character-level GPT, with a pipeline "
+        "(progress, accuracy or perplexity, staleness, checkpoints)")
 
 DESCRIPTION = """\
-Train a small MLP (64-H-...-H-10, ReLU) on scikit-learn's bundled digits data set (8x8 images, 10 classes,
-80/20 stratified split) as a pipeline of --stages stages, with any pipecore algorithm. Prints a progress
-bar per epoch, the loss and test accuracy after every epoch, and a summary: test accuracy, weight-version
-bytes, staleness and delay per stage, and time.
+Train a model as a pipeline of --stages stages, with any pipecore algorithm:
+
+  --model mlp     (the default) a small MLP (64-H-...-H-10, ReLU) on scikit-learn's bundled digits data set
+                  (8x8 images, 10 classes, 80/20 stratified split); reports test accuracy
+  --model resnet  a small residual CNN (BatchNorm, one downsampling block) on the same digits split;
+                  reports test accuracy
+  --model gpt     a character-level GPT (head tied to the token embedding) on the help topics that ship
+                  with Python (pydoc_data; the last 10% held out); an epoch is --steps-per-epoch batches of
+                  random windows; reports held-out loss and perplexity, measured on at most --eval-windows
+                  non-overlapping windows spread evenly over the held-out text
+
+Prints a progress bar per epoch, the loss and the test metric after every epoch, and a summary: test
+accuracy (or held-out perplexity), weight-version bytes, staleness and delay per stage, and time.
+
+defaults per model (flags for another model are an error):
+  mlp     SGD lr 0.05 (momentum 0.9), batch 64, 20 epochs; --hidden 128, --depth max(3, stages - 1)
+  resnet  SGD lr 0.05 (momentum 0.9), batch 64, 10 epochs; --width 16, --layers 3 residual blocks
+  gpt     AdamW lr 0.001, batch 32, 10 epochs of --steps-per-epoch 50; --block-size 64, --layers 4,
+          --heads 4, --embd 64, --eval-windows 64
 
 Asynchronous algorithms are flushed at the end of every epoch, so evaluation and checkpoints see one
 consistent weight version per stage. --resume continues from a --save checkpoint; --epochs is the total,
@@ -40,13 +65,38 @@ examples:
   pipecore train --algorithm pipedream --epochs 10 --plot curve.png
   pipecore train -a pipemare --option warmup_steps=200 --option D=0.2
   pipecore train --epochs 5 --save ckpt.pt && pipecore train --epochs 10 --resume ckpt.pt
+  pipecore train --model resnet --stages 2 --epochs 5
+  pipecore train --model gpt --epochs 3
+  pipecore train --model gpt --layers 6 --embd 96 --heads 6 --block-size 128 --steps-per-epoch 100
   torchrun --nproc-per-node 4 -m pipecore train    # one process per stage; rank 0 reports
+  torchrun --nproc-per-node 4 -m pipecore train --model gpt
 """
 
+#: The models ``--model`` chooses from.
+MODELS = ("mlp", "gpt", "resnet")
 #: Default learning rate per optimizer.
 DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3}
+#: Default optimizer, mini-batch size and epochs per model.
+DEFAULT_OPTIMIZER = {"mlp": "sgd", "resnet": "sgd", "gpt": "adamw"}
+DEFAULT_BATCH_SIZE = {"mlp": 64, "resnet": 64, "gpt": 32}
+DEFAULT_EPOCHS = {"mlp": 20, "resnet": 10, "gpt": 10}
+#: Model-specific flags: their default per model; a model absent from a flag's entry does not take it.
+MODEL_FLAGS: dict[str, dict[str, int | None]] = {
+    "hidden": {"mlp": 128},
+    "depth": {"mlp": None},  # None: max(3, stages - 1)
+    "width": {"resnet": 16},
+    "layers": {"resnet": 3, "gpt": 4},
+    "heads": {"gpt": 4},
+    "embd": {"gpt": 64},
+    "block_size": {"gpt": 64},
+    "steps_per_epoch": {"gpt": 50},
+    "eval_windows": {"gpt": 64},
+}
 #: Settings a checkpoint fixes: resuming with different values cannot load it.
-_STRUCTURAL = ("algorithm", "stages", "microbatches", "hidden", "depth", "optimizer")
+_STRUCTURAL = ("model", "algorithm", "stages", "microbatches", "hidden", "depth", "width", "layers", "heads", "embd",
+               "block_size", "optimizer")
+#: Settings that merely change the trajectory (or what is measured): resuming with other values is noted.
+_TRAJECTORY = ("batch_size", "lr", "seed", "option", "steps_per_epoch", "eval_windows")
 #: PipeMare's default learning-rate warm-up, in epochs of updates (the spec's proposal).
 PIPEMARE_WARMUP_EPOCHS = 5
 
@@ -63,35 +113,60 @@ def _positive_float(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``train`` arguments."""
+    parser.add_argument("--model", choices=MODELS, default="mlp",
+                        help="mlp or resnet on digits, gpt on text (default mlp; defaults per model below)")
     parser.add_argument("-a", "--algorithm", default="1f1b", metavar="NAME",
                         help="algorithm name or alias (default 1f1b; see `pipecore simulate --compare`)")
     parser.add_argument("-p", "--stages", type=positive_int, default=4, metavar="P",
-                        help="pipeline stages (default 4)")
+                        help="pipeline stages (default 4; at most the number of modules the model can be cut "
+                             "between: an error says how many)")
     parser.add_argument("-m", "--microbatches", type=positive_int, default=4, metavar="M",
                         help="micro-batches per mini-batch (default 4)")
-    parser.add_argument("-b", "--batch-size", type=positive_int, default=64, metavar="N",
-                        help="mini-batch size, divisible by --microbatches (default 64; the last partial "
-                             "batch of an epoch is dropped)")
-    parser.add_argument("-e", "--epochs", type=positive_int, default=20, metavar="E",
-                        help="total epochs, counting those of a resumed checkpoint (default 20)")
+    parser.add_argument("-b", "--batch-size", type=positive_int, metavar="N",
+                        help="mini-batch size, divisible by --microbatches (default 64 for mlp and resnet, the "
+                             "last partial batch of an epoch is dropped; 32 windows for gpt)")
+    parser.add_argument("-e", "--epochs", type=positive_int, metavar="E",
+                        help="total epochs, counting those of a resumed checkpoint (default 20 for mlp, 10 for "
+                             "resnet and gpt)")
     parser.add_argument("--lr", type=_positive_float, metavar="LR",
                         help=f"learning rate (default {DEFAULT_LR['sgd']} for sgd, {DEFAULT_LR['adamw']} for adamw, "
                              "per update of a whole mini-batch; algorithms that update every k of the M "
                              "micro-batches default to that times k/M)")
-    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
-                        help="sgd (momentum 0.9) or adamw (default sgd)")
-    parser.add_argument("--hidden", type=positive_int, default=128, metavar="H",
-                        help="width of the hidden layers (default 128)")
-    parser.add_argument("--depth", type=positive_int, metavar="L",
-                        help="hidden layers (default max(3, stages - 1), so every stage gets a Linear layer)")
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"),
+                        help="sgd (momentum 0.9) or adamw (default sgd for mlp and resnet, adamw for gpt)")
+    mlp = parser.add_argument_group("mlp")
+    mlp.add_argument("--hidden", type=positive_int, metavar="H",
+                     help="width of the hidden layers (default 128)")
+    mlp.add_argument("--depth", type=positive_int, metavar="L",
+                     help="hidden layers (default max(3, stages - 1), so every stage gets a Linear layer)")
+    sized = parser.add_argument_group("resnet and gpt")
+    sized.add_argument("--layers", type=positive_int, metavar="L",
+                       help="residual blocks of the resnet (default 3; the second one downsamples) or transformer "
+                            "blocks of the gpt (default 4)")
+    sized.add_argument("--width", type=positive_int, metavar="C",
+                       help="resnet: channels of the stem and first block (doubled by the downsampling block; "
+                            "default 16)")
+    gpt = parser.add_argument_group("gpt")
+    gpt.add_argument("--block-size", type=positive_int, metavar="T",
+                     help="characters of context per window (default 64)")
+    gpt.add_argument("--heads", type=positive_int, metavar="H",
+                     help="attention heads; must divide --embd (default 4)")
+    gpt.add_argument("--embd", type=positive_int, metavar="D",
+                     help="embedding width (default 64)")
+    gpt.add_argument("--steps-per-epoch", type=positive_int, metavar="S",
+                     help="mini-batches of random windows per epoch (default 50)")
+    gpt.add_argument("--eval-windows", type=positive_int, metavar="N",
+                     help="held-out loss and perplexity are measured on at most N non-overlapping windows of "
+                          "the held-out text, spread evenly over it, to keep evaluation fast (default 64)")
     parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the split, the weights and the shuffling (default 0)")
+                        help="seed of the split, the weights and the shuffling or sampling (default 0)")
     parser.add_argument("-o", "--option", type=algorithm_option, action="append", default=[], metavar="KEY=VALUE",
                         help="algorithm option, repeatable (e.g. warmup_steps=200, update_every=2)")
     parser.add_argument("--threads", type=positive_int, default=1, metavar="T",
-                        help="torch threads (default 1: the MLP's matrices are too small to gain from more, "
+                        help="torch threads (default 1: these models' matrices are too small to gain from more, "
                              "and spare threads slow it down when the cores are busy)")
-    parser.add_argument("--plot", metavar="PNG", help="plot loss and test accuracy per epoch to a PNG file")
+    parser.add_argument("--plot", metavar="PNG",
+                        help="plot loss and test accuracy (gpt: held-out perplexity) per epoch to a PNG file")
     parser.add_argument("--save", metavar="PATH", help="save a checkpoint at the end (pipeline state, epoch, args)")
     parser.add_argument("--resume", metavar="PATH", help="continue from a --save checkpoint")
     parser.add_argument("--no-progress", action="store_true",
@@ -194,15 +269,203 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list["torch
     return [order[i: i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]
 
 
+def sequence_loss(logits: "torch.Tensor", targets: "torch.Tensor") -> "torch.Tensor":
+    """Mean cross entropy over every position: ``logits[B, T, V]`` against ``targets[B, T]``."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def held_out_windows(data: "torch.Tensor", block_size: int, limit: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """At most ``limit`` of the non-overlapping windows of ``data`` (:func:`pipecore.models.windows`), spread
+    evenly over it (the first and the last included), in order."""
+    import torch
+
+    from ..models import windows
+
+    x, y = windows(data, block_size)
+    if len(x) > limit:
+        keep = torch.linspace(0, len(x) - 1, limit).round().long() if limit > 1 else torch.zeros(1, dtype=torch.long)
+        x, y = x[keep], y[keep]
+    return x, y
+
+
+def held_out_loss(model: "nn.Module", x: "torch.Tensor", y: "torch.Tensor", chunk: int = 64) -> float:
+    """Mean cross entropy per position of ``model`` (a language model, its live weights) on windows ``(x, y)``,
+    ``chunk`` windows per forward."""
+    import torch
+    import torch.nn.functional as F
+
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for a in range(0, len(x), chunk):
+            logits = model(x[a: a + chunk])
+            total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[a: a + chunk].reshape(-1),
+                                           reduction="sum"))
+    model.train(was_training)
+    return total / y.numel()
+
+
+# -- the models' tasks: data, model, batches, evaluation and report lines -------------------------------
+
+
+class _DigitsTask:
+    """``--model mlp`` or ``--model resnet`` on the digits split: epochs of shuffled batches, test accuracy."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+
+        self.args = args
+        self.data = data = load_data(args.seed)
+        self.n_train = n_train = len(data.y_train)
+        if args.batch_size > n_train:
+            raise ValueError(f"--batch-size {args.batch_size} is larger than the training set ({n_train} samples)")
+        self.steps_per_epoch = n_train // args.batch_size
+        self.loss_fn = torch.nn.CrossEntropyLoss()
+
+    def build(self) -> "nn.Module":
+        a, d = self.args, self.data
+        if a.model == "mlp":
+            return build_mlp(d.features, a.hidden, a.depth, d.classes)
+        from ..models import ResNet
+
+        return ResNet(in_channels=1, num_classes=d.classes, width=a.width, blocks=a.layers)
+
+    def partition(self, model: "nn.Module") -> list[int] | None:
+        """The MLP cuts only before a Linear layer; the ResNet takes the pipeline's default (between modules)."""
+        return stage_partition(model, self.args.stages) if self.args.model == "mlp" else None
+
+    def name(self, model: "nn.Module") -> str:
+        a, d = self.args, self.data
+        if a.model == "mlp":
+            return f"MLP {mlp_shape(d.features, a.hidden, a.depth, d.classes)}"
+        return f"ResNet width {a.width}, {_plural(a.layers, 'block')}, {_parameters(model):,} parameters"
+
+    def describe_data(self) -> str:
+        d = self.data
+        return f"digits: {self.n_train} train / {len(d.y_test)} test samples, {d.features} features, {d.classes} classes"
+
+    def batches(self, epoch: int) -> Iterator[tuple["torch.Tensor", "torch.Tensor"]]:
+        d = self.data
+        for idx in epoch_batches(self.n_train, self.args.batch_size, self.args.seed, epoch):
+            yield d.x_train[idx], d.y_train[idx]
+
+    def evaluate(self, model: "nn.Module") -> dict[str, float]:
+        accuracy, correct = evaluate(model, self.data.x_test, self.data.y_test)
+        return {"accuracy": accuracy, "correct": correct}
+
+    header = f"{'epoch':>5}  {'loss':>8}  {'test acc':>8}  {'time':>6}"
+
+    def line(self, record: dict[str, float], seconds: str) -> str:
+        return f"{record['epoch']:>5}  {record['loss']:>8.4f}  {100 * record['accuracy']:>7.2f}%  {seconds:>6}"
+
+    def summary(self, result: dict[str, float]) -> str:
+        return f"test accuracy {100 * result['accuracy']:.2f}% ({result['correct']}/{len(self.data.y_test)})"
+
+    def rate(self, trained: int, elapsed: float) -> str:
+        return f"{trained / elapsed:,.0f} samples/s"
+
+
+class _TextTask:
+    """``--model gpt`` on the character corpus: epochs of ``--steps-per-epoch`` random windows, held-out
+    loss and perplexity."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from ..models import load_char_data
+
+        self.args = args
+        if args.embd % args.heads:
+            raise ValueError(f"--embd {args.embd} is not divisible by --heads {args.heads}")
+        try:
+            self.data = load_char_data(args.block_size)
+        except ValueError:
+            from ..models import load_text_corpus
+
+            longest = int(len(load_text_corpus()) * 0.1) - 1  # the held-out tenth needs a window plus a target
+            raise ValueError(f"--block-size {args.block_size} is longer than the held-out text allows; "
+                             f"use at most {longest}") from None
+        self.steps_per_epoch = args.steps_per_epoch
+        self.x_test, self.y_test = held_out_windows(self.data.test, args.block_size, args.eval_windows)
+        self.loss_fn = sequence_loss
+
+    def build(self) -> "nn.Module":
+        from ..models import GPT
+
+        a = self.args
+        return GPT(self.data.vocab_size, a.block_size, n_layer=a.layers, n_head=a.heads, n_embd=a.embd)
+
+    def partition(self, model: "nn.Module") -> None:
+        return None  # the pipeline's default: between modules (each block is one), balanced by parameters
+
+    def name(self, model: "nn.Module") -> str:
+        a = self.args
+        return (f"GPT {_plural(a.layers, 'layer')}, {_plural(a.heads, 'head')}, embd {a.embd}, block {a.block_size}, "
+                f"{_parameters(model):,} parameters")
+
+    def describe_data(self) -> str:
+        d = self.data
+        return (f"text: Python's help topics, {len(d.train):,} train / {len(d.test):,} held-out characters, "
+                f"vocabulary {d.vocab_size}")
+
+    def batches(self, epoch: int) -> Iterator[tuple["torch.Tensor", "torch.Tensor"]]:
+        import torch
+
+        from ..models import batches
+
+        a = self.args
+        generator = torch.Generator().manual_seed(a.seed * 1_000_003 + epoch)
+        for _ in range(a.steps_per_epoch):
+            yield batches(self.data.train, a.block_size, a.batch_size, generator)
+
+    def evaluate(self, model: "nn.Module") -> dict[str, float]:
+        loss = held_out_loss(model, self.x_test, self.y_test)
+        return {"test_loss": loss, "perplexity": math.exp(loss)}
+
+    header = f"{'epoch':>5}  {'loss':>8}  {'test loss':>9}  {'test ppl':>8}  {'time':>6}"
+
+    def line(self, record: dict[str, float], seconds: str) -> str:
+        return (f"{record['epoch']:>5}  {record['loss']:>8.4f}  {record['test_loss']:>9.4f}  "
+                f"{record['perplexity']:>8.2f}  {seconds:>6}")
+
+    def summary(self, result: dict[str, float]) -> str:
+        return (f"held-out perplexity {result['perplexity']:.2f} (loss {result['test_loss']:.4f} per character, "
+                f"{len(self.x_test)} windows of {self.args.block_size})")
+
+    def rate(self, trained: int, elapsed: float) -> str:
+        return f"{trained / elapsed:,.0f} windows/s, {trained * self.args.block_size / elapsed:,.0f} characters/s"
+
+
+def _parameters(model: "nn.Module") -> int:
+    return sum(p.numel() for p in model.parameters())  # a tied parameter counts once
+
+
 # -- setup --------------------------------------------------------------------------------------------
 
 
+def _resolve_defaults(args: argparse.Namespace) -> None:
+    """Fill in the defaults that depend on ``--model``; a model-specific flag given for another model is an error."""
+    for flag, per_model in MODEL_FLAGS.items():
+        given = getattr(args, flag)
+        if given is not None and args.model not in per_model:
+            takers = " and ".join(f"--model {m}" for m in per_model)
+            raise ValueError(f"--{flag.replace('_', '-')} applies to {takers}, not --model {args.model}")
+        setattr(args, flag, given if given is not None else per_model.get(args.model))
+    if args.model == "mlp" and args.depth is None:
+        args.depth = max(3, args.stages - 1)
+    args.optimizer = args.optimizer or DEFAULT_OPTIMIZER[args.model]
+    args.batch_size = args.batch_size or DEFAULT_BATCH_SIZE[args.model]
+    args.epochs = args.epochs or DEFAULT_EPOCHS[args.model]
+
+
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The run's settings as plain values (stored in checkpoints)."""
+    """The run's settings as plain values (stored in checkpoints); flags of other models are None."""
     return {
-        "algorithm": args.algorithm, "stages": args.stages, "microbatches": args.microbatches,
+        "model": args.model, "algorithm": args.algorithm, "stages": args.stages, "microbatches": args.microbatches,
         "batch_size": args.batch_size, "epochs": args.epochs, "lr": args.lr, "optimizer": args.optimizer,
-        "hidden": args.hidden, "depth": args.depth, "seed": args.seed, "option": [list(o) for o in args.option],
+        **{flag: getattr(args, flag) for flag in MODEL_FLAGS},
+        "seed": args.seed, "option": [list(o) for o in args.option],
     }
 
 
@@ -222,7 +485,9 @@ def _load_checkpoint(path: str) -> dict[str, Any]:
 
 def _check_resume(settings: dict[str, Any], saved: dict[str, Any], epochs: int, epoch: int) -> list[str]:
     """Errors for settings a checkpoint fixes; notes for the ones that merely change the trajectory."""
-    mismatched = [k for k in _STRUCTURAL if settings[k] != saved.get(k)]
+    saved = {"model": "mlp", **saved}  # checkpoints from before --model trained the MLP
+    keys = ("model",) if settings["model"] != saved["model"] else _STRUCTURAL
+    mismatched = [k for k in keys if settings[k] != saved.get(k)]
     if mismatched:
         given = ", ".join(f"--{k.replace('_', '-')} {saved.get(k)}" for k in mismatched)
         raise ValueError(f"the checkpoint was trained with {given}; resume with the same settings")
@@ -231,7 +496,7 @@ def _check_resume(settings: dict[str, Any], saved: dict[str, Any], epochs: int, 
                          f"pass more than {epoch}")
     return [
         f"note: --{k.replace('_', '-')} {settings[k]} differs from the checkpoint's {saved.get(k)}"
-        for k in ("batch_size", "lr", "seed", "option") if settings[k] != saved.get(k)
+        for k in _TRAJECTORY if settings[k] != saved.get(k)
     ]
 
 
@@ -257,6 +522,19 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
+def layers_cell(names: Sequence[str], width: int = 32) -> str:
+    """A stage's module names for the table: names inside a listed module are left out (``blocks.0`` stands
+    for ``blocks.0.attn``, ...); a list still longer than ``width`` characters shows its first and last
+    module and their count (``tok_emb..blocks.1 (5)``)."""
+    names = list(names)
+    listed = set(names)
+    top = [n for n in names if not any(".".join(n.split(".")[:i]) in listed for i in range(1, n.count(".") + 1))]
+    cell = ",".join(top)
+    if len(cell) <= width or len(top) < 3:
+        return cell or "-"
+    return f"{top[0]}..{top[-1]} ({len(top)})"
+
+
 def stage_table(stats: list[dict[str, Any]]) -> str:
     """Per-stage summary: layers, parameters, weight versions and their bytes, staleness, delay, time."""
     rows = []
@@ -264,7 +542,7 @@ def stage_table(stats: list[dict[str, Any]]) -> str:
         per = st["seconds_per_action"]
         times = "/".join(f"{per[k] * 1e3:.2f}" if k in per else "-" for k in ("F", "B", "U"))
         rows.append((
-            str(st["stage"]), ",".join(st["layers"]), f"{st['parameters']:,}", str(st["weight_versions"]),
+            str(st["stage"]), layers_cell(st["layers"]), f"{st['parameters']:,}", str(st["weight_versions"]),
             f"{st['weight_version_bytes']:,}", f"{st['staleness_mean']:.2f}/{st['staleness_max']}",
             f"{st['delay_mean']:.2f}/{st['delay_max']}", times,
         ))
@@ -273,20 +551,31 @@ def stage_table(stats: list[dict[str, Any]]) -> str:
 
 
 def plot_curves(path: str, history: list[dict[str, float]], title: str) -> None:
-    """Loss and test accuracy per epoch, side by side, to a PNG."""
+    """Loss and test accuracy per epoch, side by side, to a PNG; for a language model (records with
+    ``perplexity``), training and held-out loss, and held-out perplexity."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     epochs = [h["epoch"] for h in history]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
-    ax_loss.plot(epochs, [h["loss"] for h in history], marker="o")
-    ax_loss.set(xlabel="epoch", ylabel="training loss", yscale="log", title="loss")
-    ax_acc.plot(epochs, [100 * h["accuracy"] for h in history], marker="o", color="tab:green")
-    ax_acc.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy")
-    for ax in (ax_loss, ax_acc):
+    text = bool(history) and "perplexity" in history[0]
+    fig, (ax_loss, ax_metric) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot(epochs, [h["loss"] for h in history], marker="o", label="training")
+    ax_loss.set(xlabel="epoch", ylabel="loss", title="loss")
+    if text:  # cross entropy per character spans a narrow range: linear axes read better
+        ax_loss.plot(epochs, [h["test_loss"] for h in history], marker="o", label="held-out")
+        ax_loss.legend()
+        ax_metric.plot(epochs, [h["perplexity"] for h in history], marker="o", color="tab:green")
+        ax_metric.set(xlabel="epoch", ylabel="held-out perplexity", title="held-out perplexity")
+    else:
+        ax_loss.set(ylabel="training loss", yscale="log")
+        ax_metric.plot(epochs, [100 * h["accuracy"] for h in history], marker="o", color="tab:green")
+        ax_metric.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy")
+    for ax in (ax_loss, ax_metric):
         ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(title)
     fig.tight_layout()
     try:
@@ -317,6 +606,7 @@ def _train(args: argparse.Namespace) -> int:
 
     import pipecore
 
+    _resolve_defaults(args)
     if args.batch_size % args.microbatches:
         raise ValueError(
             f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}; "
@@ -326,14 +616,10 @@ def _train(args: argparse.Namespace) -> int:
     if processes > 1 and processes != args.stages:
         raise ValueError(f"--stages {args.stages} but torchrun started {processes} processes: pipecore runs one process "
                          f"per stage; pass --stages {processes} or --nproc-per-node {args.stages}")
-    args.depth = args.depth if args.depth is not None else max(3, args.stages - 1)
     options = dict(args.option)
 
-    data = load_data(args.seed)
-    n_train = len(data.y_train)
-    if args.batch_size > n_train:
-        raise ValueError(f"--batch-size {args.batch_size} is larger than the training set ({n_train} samples)")
-    steps_per_epoch = n_train // args.batch_size
+    task = _TextTask(args) if args.model == "gpt" else _DigitsTask(args)
+    steps_per_epoch = task.steps_per_epoch
 
     # Validates the name, sizes and options (ValueError -> one-line error) before any training.
     algorithm = pipecore.get_algorithm(args.algorithm, args.stages, args.microbatches, **options)
@@ -355,19 +641,36 @@ def _train(args: argparse.Namespace) -> int:
         history = list(ckpt.get("history", []))
 
     torch.manual_seed(args.seed)
-    model = build_mlp(data.features, args.hidden, args.depth, data.classes)
+    model = task.build()
+    name = task.name(model)
     joined_here = not _process_group_initialized()
-    pipe = pipecore.Pipeline(
-        model, args.stages, algorithm=args.algorithm, n_microbatches=args.microbatches,
-        optimizer=_optimizer(args.optimizer, args.lr), loss_fn=torch.nn.CrossEntropyLoss(),
-        partition=stage_partition(model, args.stages), **options,
-    )
+    try:
+        pipe = pipecore.Pipeline(
+            model, args.stages, algorithm=args.algorithm, n_microbatches=args.microbatches,
+            optimizer=_optimizer(args.optimizer, args.lr), loss_fn=task.loss_fn,
+            partition=task.partition(model), **options,
+        )
+    except ValueError as error:
+        if "larger than the number of modules" in str(error):
+            raise ValueError(_too_many_stages(args, str(error))) from None
+        raise
     try:
         with pipe:  # closes it at the end: with one process per stage, that releases its process groups
-            return _run_pipeline(args, pipe, data, algorithm, settings, ckpt, start_epoch, history, notes)
+            return _run_pipeline(args, pipe, task, name, algorithm, settings, ckpt, start_epoch, history, notes)
     finally:
         if joined_here and _process_group_initialized():
             torch.distributed.destroy_process_group()  # under torchrun the pipeline joined it; leave it too
+
+
+def _too_many_stages(args: argparse.Namespace, message: str) -> str:
+    """The pipeline's "more stages than modules" error in the command line's terms."""
+    import re
+
+    found = re.search(r"\((\d+)\)", message)
+    units = f"at most {found.group(1)} stages" if found else "fewer stages"
+    more = "raise --layers" if args.model in ("gpt", "resnet") else "raise --depth"
+    return (f"--stages {args.stages}: the {args.model} can be cut into {units} (the pipeline cuts only between "
+            f"modules); lower --stages or {more}")
 
 
 def _quiet(*args: Any, **kwargs: Any) -> None:
@@ -380,16 +683,17 @@ def _process_group_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _run_pipeline(args: argparse.Namespace, pipe: Any, data: Digits, algorithm: Any, settings: dict[str, Any],
-                  ckpt: dict[str, Any] | None, start_epoch: int, history: list[dict[str, float]],
-                  notes: list[str]) -> int:
+def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, algorithm: Any,
+                  settings: dict[str, Any], ckpt: dict[str, Any] | None, start_epoch: int,
+                  history: list[dict[str, float]], notes: list[str]) -> int:
     import torch
     from tqdm import tqdm
 
     import pipecore
     from ..checkpoint import write_atomically
 
-    # With one process per stage (under torchrun) every rank trains its stage; rank 0 alone prints and writes.
+    # With one process per stage (under torchrun) every rank trains its stage; rank 0 alone prints, evaluates
+    # and writes.
     leader = pipe.rank in (None, 0)
     say = print if leader else _quiet
     for flag, path in (("--save", args.save), ("--plot", args.plot)):
@@ -398,21 +702,20 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, data: Digits, algorithm: 
             raise ValueError(f"{flag}: the directory of {path} does not exist")
     if ckpt is not None:
         pipe.load_state_dict(ckpt["pipeline"])
-    n_train = len(data.y_train)
-    steps_per_epoch = n_train // args.batch_size
+    steps_per_epoch = task.steps_per_epoch
     # The whole model, for evaluation: with one process per stage, this rank's copy of the other stages is
-    # stale, so every evaluation loads the stages' live weights (full_state_dict) into it.
-    scorer = build_mlp(data.features, args.hidden, args.depth, data.classes)
+    # stale, so every evaluation loads the stages' live weights and buffers (full_state_dict) into it.
+    scorer = task.build()
 
-    def test_accuracy() -> tuple[float, int]:
-        full = pipe.full_state_dict()
+    def test_metrics() -> dict[str, float]:
+        full = pipe.full_state_dict()  # collective with one process per stage: every rank takes part
+        if not leader:
+            return {}
         scorer.load_state_dict({k: v for k, v in full.items() if k != "pipecore"})
-        return evaluate(scorer, data.x_test, data.y_test)
+        return task.evaluate(scorer)
 
-    shape = mlp_shape(data.features, args.hidden, args.depth, data.classes)
     optimizer = f"SGD lr {args.lr:g} momentum 0.9" if args.optimizer == "sgd" else f"AdamW lr {args.lr:g}"
-    say(f"digits: {n_train} train / {len(data.y_test)} test samples, {data.features} features, "
-        f"{data.classes} classes; MLP {shape}")
+    say(f"{task.describe_data()}; {name}")
     say(f"{algorithm.name}: {args.stages} stages, {args.microbatches} micro-batches of "
         f"{args.batch_size // args.microbatches} (batch {args.batch_size}, {steps_per_epoch} steps/epoch), "
         f"{optimizer}, seed {args.seed}, {_plural(torch.get_num_threads(), 'thread')}")
@@ -423,45 +726,43 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, data: Digits, algorithm: 
     if pipe.rank is not None:
         say(f"one process per stage: {args.stages} ranks ({torch.distributed.get_backend()}); rank 0 reports")
     say()
-    header = f"{'epoch':>5}  {'loss':>8}  {'test acc':>8}  {'time':>6}"
-    say(header)
+    say(task.header)
     for h in history:
-        say(f"{h['epoch']:>5}  {h['loss']:>8.4f}  {100 * h['accuracy']:>7.2f}%  {'-':>6}")
+        say(task.line(h, "-"))
 
     hide_bar = True if args.no_progress or not leader else None  # None: tqdm shows the bar only on a terminal
     started = time.perf_counter()
     trained = 0
     for epoch in range(start_epoch, args.epochs):
         t0 = time.perf_counter()
-        batches = epoch_batches(n_train, args.batch_size, args.seed, epoch)
         losses = []
-        bar = tqdm(batches, desc=f"epoch {epoch + 1}/{args.epochs}", unit="batch", leave=False,
-                   disable=hide_bar, file=sys.stderr, dynamic_ncols=True)
-        for idx in bar:
+        bar = tqdm(task.batches(epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}/{args.epochs}",
+                   unit="batch", leave=False, disable=hide_bar, file=sys.stderr, dynamic_ncols=True)
+        for x, y in bar:
             try:
-                loss = pipe.step(data.x_train[idx], data.y_train[idx])
+                loss = pipe.step(x, y)
             except pipecore.NonFiniteLoss as error:
                 raise ValueError(f"epoch {epoch + 1}: {error}; try a lower --lr") from None
             losses.append(loss)
             bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
         bar.close()
         pipe.flush()  # drain asynchronous algorithms: evaluate and checkpoint one consistent version
-        trained += len(batches) * args.batch_size
-        accuracy, _ = test_accuracy()
-        record = {"epoch": epoch + 1, "loss": sum(losses) / len(losses), "accuracy": accuracy}
+        trained += len(losses) * args.batch_size
+        record = {"epoch": epoch + 1, "loss": sum(losses) / len(losses),
+                  **{k: v for k, v in test_metrics().items() if k != "correct"}}
         history.append(record)
-        say(f"{epoch + 1:>5}  {record['loss']:>8.4f}  {100 * accuracy:>7.2f}%  {time.perf_counter() - t0:>5.2f}s",
-            flush=True)
+        if leader:  # the other ranks do not evaluate
+            print(task.line(record, f"{time.perf_counter() - t0:.2f}s"), flush=True)
     elapsed = time.perf_counter() - started
 
-    accuracy, correct = test_accuracy()
+    result = test_metrics()
     # Collective with one process per stage: every rank takes part, rank 0 prints and writes.
     stats = pipe.stats(all_stages=True)
     state = pipe.full_state_dict() if args.save else None
     say()
-    say(f"test accuracy {100 * accuracy:.2f}% ({correct}/{len(data.y_test)}) after {_plural(args.epochs, 'epoch')}")
-    say(f"time {elapsed:.2f}s for {_plural(args.epochs - start_epoch, 'epoch')} "
-        f"({trained / elapsed:,.0f} samples/s)")
+    if leader:
+        print(f"{task.summary(result)} after {_plural(args.epochs, 'epoch')}")
+    say(f"time {elapsed:.2f}s for {_plural(args.epochs - start_epoch, 'epoch')} ({task.rate(trained, elapsed)})")
     say()
     say("per stage (staleness: versions behind live per weight read; delay: updates between a micro-batch's "
         "F and B; mean/max)")
@@ -479,6 +780,7 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, data: Digits, algorithm: 
             raise ValueError(f"cannot write {args.save}: {getattr(error, 'strerror', None) or error}") from None
         print(f"saved checkpoint (epoch {args.epochs}) to {args.save}")
     if args.plot:
-        plot_curves(args.plot, history, f"pipecore train: {algorithm.name}, {args.stages} stages, MLP {shape}")
-        print(f"wrote loss and accuracy curves to {args.plot}")
+        plot_curves(args.plot, history, f"pipecore train: {algorithm.name}, {args.stages} stages, {name}")
+        metric = "perplexity" if args.model == "gpt" else "accuracy"
+        print(f"wrote loss and {metric} curves to {args.plot}")
     return 0

@@ -1,6 +1,7 @@
 """Multi-process pipelines on CPU/gloo: pipecore vs torch.distributed.pipelining vs one process.
 
-    python bench/pipeline.py [--ranks 2] [--steps 20] [--rounds 9] [--out bench/results/pipeline-cpu.json]
+    python bench/pipeline.py [--ranks 2] [--steps 20] [--gpt-steps 3] [--rounds 9] [--systems ...]
+                             [--out bench/results/pipeline-cpu.json]
 
 Same model (an MLP of 8 Linear(512, 512)+ReLU layers and a Linear(512, 10) head, float32), same split
 points, batch 256, 8 micro-batches, one thread per rank, momentum SGD. Variants: ``+split`` is the same
@@ -19,6 +20,20 @@ samples/s over rounds, and the median over rounds of each round's ratio to the b
 within a round cancel the load drifts of a shared machine). For pipecore systems, also each rank's compute
 share: the fraction of a window its stage spent in forward, backward and update (the rest is messages,
 waiting, and the engine's own work), and its update share: the part of that spent in optimizer steps.
+
+GPT rows (systems ``gpt:...``): ``pipecore.models.GPT(vocab_size=96, block_size=64, n_layer=4, n_head=4,
+n_embd=128)``, whose LM head is tied to the token embedding, split at ``blocks.2`` (2 ranks: blocks 0-1 with
+the embeddings, blocks 2-3 with the final LayerNorm and the head); batch 32 sequences of 64 tokens, 8
+micro-batches, token-level cross-entropy, AdamW(lr=1e-3, weight_decay=0.01); ``--gpt-steps`` steps per window.
+pipecore (1f1b, 2bw; ``pipecore.AdamW``) holds the tied weight on both ranks and sums its gradients before
+each update. ``gpt:Schedule1F1B`` is ``torch.distributed.pipelining.pipeline(model, mb_args=(one
+micro-batch,), split_spec={"blocks.2": SplitPoint.BEGINNING})`` with its own tracer, ``Schedule1F1B`` and
+``torch.optim.AdamW(foreach=True)`` on each rank's stage. torch 2.13's tracer accepts the tied model but
+replicates the tied weight into both stages and never sums their gradients (the copies drift apart), so the
+torch row trains an explicitly untied copy (``head.weight`` a clone of ``tok_emb.weight``): the same compute,
+without the tied-gradient exchange pipecore does. GPT ratios are to the GPT baselines
+(``gpt:single process (1 thread)``, plain training of the tied model with ``torch.optim.AdamW``, and
+``gpt:Schedule1F1B``).
 """
 
 from __future__ import annotations
@@ -32,6 +47,7 @@ import time
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from _machine import machine, write_report
@@ -45,6 +61,16 @@ VARIANTS = ["1f1b+split", "2bw+split", "2bw+slack", "pipedream+slack", "pipedrea
 VARIANT_SETTINGS = {"": {}, "split": {"split_backward": True}, "slack": {"slack": 1},
                     "accumulate": {"update_every": MICRO}}
 WARMUP_STEPS = 3
+GPT = "gpt:"  # prefix of the GPT systems
+GPT_SIZES = {"vocab_size": 96, "block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 128}
+GPT_BATCH, GPT_LR, GPT_WEIGHT_DECAY = 32, 1e-3, 0.01
+GPT_SINGLE, GPT_TORCH = GPT + SINGLE, GPT + "Schedule1F1B"
+GPT_PIPECORE = [GPT + "1f1b", GPT + "2bw"]
+GPT_SYSTEMS = [GPT_TORCH] + GPT_PIPECORE
+TORCH_TIE = ("torch.distributed.pipelining (torch 2.13) traces the tied GPT without complaint but replicates the "
+             "tied tok_emb/head weight into both stages and never sums their gradients (in a check, the two copies "
+             "differed by 6e-3 after 3 AdamW steps); the torch row therefore trains an explicitly untied copy "
+             "(head.weight = a clone of tok_emb.weight): same compute, no tied-gradient exchange")
 
 
 def make_model() -> nn.Sequential:
@@ -119,6 +145,10 @@ def pipecore_pipeline(system: str, rank: int, world: int, batches) -> Callable[[
     pipe = pipecore.Pipeline(make_model(), world, algorithm, MICRO, optimizer=pipecore.SGD(lr=0.01, momentum=0.9),
                              loss_fn=nn.CrossEntropyLoss(), partition=split_points(world), timeout=300,
                              **VARIANT_SETTINGS[variant])
+    return _pipecore_window(pipe, rank, world, batches)
+
+
+def _pipecore_window(pipe, rank: int, world: int, batches) -> Callable[[int], None]:
     first, last = rank == 0, rank == world - 1
 
     def window(n: int) -> None:
@@ -137,19 +167,107 @@ def pipecore_pipeline(system: str, rank: int, world: int, batches) -> Callable[[
     return window
 
 
-def worker(systems: list[str], steps: int, rounds: int) -> dict:
+def make_gpt():
+    from pipecore.models import GPT as GPTModel
+
+    torch.manual_seed(0)
+    return GPTModel(**GPT_SIZES)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Token-level cross-entropy: logits [B, T, V], targets [B, T]."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def gpt_cuts(ranks: int) -> list[str]:
+    """Stage starts at block boundaries, as even as the depth allows (the same for every system)."""
+    n = GPT_SIZES["n_layer"]
+    return [f"blocks.{round(n * r / ranks)}" for r in range(1, ranks)]
+
+
+def gpt_data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    shape, vocab = (GPT_BATCH, GPT_SIZES["block_size"]), GPT_SIZES["vocab_size"]
+    return [(torch.randint(0, vocab, shape, generator=g), torch.randint(0, vocab, shape, generator=g))
+            for _ in range(steps)]
+
+
+def gpt_single_process(rank: int, batches) -> Callable[[int], None]:
+    """Plain training of the whole (tied) GPT on rank 0; the other ranks wait at the closing barrier."""
+    if rank != 0:
+        return lambda n: None
+    model = make_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=GPT_LR, weight_decay=GPT_WEIGHT_DECAY, foreach=True)
+
+    def window(n: int) -> None:
+        for i in range(n):
+            x, y = batches[i % len(batches)]
+            for xs, ys in zip(x.chunk(MICRO), y.chunk(MICRO)):
+                (lm_loss(model(xs), ys) / MICRO).backward()
+            opt.step()
+            opt.zero_grad()
+
+    return window
+
+
+def gpt_torch_pipeline(rank: int, world: int, batches) -> Callable[[int], None]:
+    """torch.distributed.pipelining's own tracer and split of the GPT (untied: see TORCH_TIE), Schedule1F1B."""
+    from torch.distributed import pipelining
+
+    model = make_gpt()
+    model.head.weight = nn.Parameter(model.tok_emb.weight.detach().clone())  # untie (see TORCH_TIE)
+    example = batches[0][0].chunk(MICRO)[0]
+    pipe = pipelining.pipeline(model, mb_args=(example,),
+                               split_spec={cut: pipelining.SplitPoint.BEGINNING for cut in gpt_cuts(world)})
+    stage = pipe.build_stage(rank, torch.device("cpu"))
+    schedule = pipelining.Schedule1F1B(stage, n_microbatches=MICRO, loss_fn=lm_loss)
+    opt = torch.optim.AdamW(stage.submod.parameters(), lr=GPT_LR, weight_decay=GPT_WEIGHT_DECAY, foreach=True)
+    first, last = rank == 0, rank == world - 1
+
+    def window(n: int) -> None:
+        for i in range(n):
+            x, y = batches[i % len(batches)]
+            if first:
+                schedule.step(x)
+            elif last:
+                schedule.step(target=y)
+            else:
+                schedule.step()
+            opt.step()
+            opt.zero_grad()
+
+    return window
+
+
+def gpt_pipecore_pipeline(system: str, rank: int, world: int, batches) -> Callable[[int], None]:
+    import pipecore
+
+    pipe = pipecore.Pipeline(make_gpt(), world, system.removeprefix(GPT), MICRO,
+                             optimizer=pipecore.AdamW(lr=GPT_LR, weight_decay=GPT_WEIGHT_DECAY), loss_fn=lm_loss,
+                             partition=gpt_cuts(world), timeout=300)
+    return _pipecore_window(pipe, rank, world, batches)
+
+
+def worker(systems: list[str], steps: int, gpt_steps: int, rounds: int) -> dict:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
     batches = data(steps)
+    gpt_batches = gpt_data(gpt_steps) if any(s.startswith(GPT) for s in systems) else []
     windows: dict[str, Callable[[int], None]] = {}
     for system in systems:
         if system == SINGLE:
             windows[system] = single_process(rank, batches)
         elif system in TORCH:
             windows[system] = torch_pipeline(system, rank, world, batches)
+        elif system == GPT_SINGLE:
+            windows[system] = gpt_single_process(rank, gpt_batches)
+        elif system == GPT_TORCH:
+            windows[system] = gpt_torch_pipeline(rank, world, gpt_batches)
+        elif system in GPT_PIPECORE:
+            windows[system] = gpt_pipecore_pipeline(system, rank, world, gpt_batches)
         else:
             windows[system] = pipecore_pipeline(system, rank, world, batches)
         windows[system](WARMUP_STEPS)
@@ -164,7 +282,7 @@ def worker(systems: list[str], steps: int, rounds: int) -> dict:
             before = busy() if busy else {}
             dist.barrier()
             start = time.perf_counter()
-            windows[system](steps)
+            windows[system](gpt_steps if system.startswith(GPT) else steps)
             dist.barrier()
             seconds[system].append(time.perf_counter() - start)
             if busy:
@@ -182,17 +300,18 @@ def worker(systems: list[str], steps: int, rounds: int) -> dict:
                for part in ("compute", "update")}}
 
 
-def launch(systems: list[str], ranks: int, steps: int, rounds: int) -> dict:
-    args = ["--worker", ",".join(systems), "--steps", str(steps), "--rounds", str(rounds)]
+def launch(systems: list[str], ranks: int, steps: int, gpt_steps: int, rounds: int) -> dict:
+    args = ["--worker", ",".join(systems), "--steps", str(steps), "--gpt-steps", str(gpt_steps),
+            "--rounds", str(rounds)]
     return json.loads(spawn(__file__, args, ranks)[0].strip().splitlines()[-1])
 
 
-def summarize(measured: dict, steps: int) -> list[dict]:
-    """Median samples/s per system, the median over rounds of the per-round ratios to the baselines, and
-    for pipecore systems each rank's compute share (median over rounds of the fraction of the window its
-    stage spent in forward, backward and update) and update share (the same for updates alone)."""
+def summarize(measured: dict, steps: int, gpt_steps: int) -> list[dict]:
+    """Median samples/s per system, the median over rounds of the per-round ratios to the baselines (the GPT
+    systems' to the GPT baselines), and for pipecore systems each rank's compute share (median over rounds of
+    the fraction of the window its stage spent in forward, backward and update) and update share (the same
+    for updates alone)."""
     seconds: dict[str, list[float]] = measured["seconds"]
-    samples = steps * BATCH
     rounds = len(next(iter(seconds.values())))
 
     def ratios(system: str, baseline: str) -> list[float] | None:
@@ -202,10 +321,14 @@ def summarize(measured: dict, steps: int) -> list[dict]:
 
     results = []
     for system, times in seconds.items():
-        row: dict = {"system": system, "seconds_per_window": times,
+        gpt = system.startswith(GPT)
+        samples = gpt_steps * GPT_BATCH if gpt else steps * BATCH
+        row: dict = {"system": system, "model": "gpt" if gpt else "mlp", "seconds_per_window": times,
                      "samples_per_s": samples / statistics.median(times)}
+        if gpt:
+            row["tokens_per_s"] = row["samples_per_s"] * GPT_SIZES["block_size"]
         for key, baseline in (("vs_single_process", SINGLE), ("vs_schedule_1f1b", "Schedule1F1B")):
-            per_round = ratios(system, baseline)
+            per_round = ratios(system, GPT + baseline if gpt else baseline)
             row[key] = None if per_round is None else statistics.median(per_round)
             row[key + "_range"] = None if per_round is None else [min(per_round), max(per_round)]
         row["compute_share_per_rank"] = measured["compute_share"].get(system)
@@ -218,36 +341,69 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20, help="steps per timed window")
+    parser.add_argument("--gpt-steps", type=int, default=3, help="steps per timed window of the GPT systems")
     parser.add_argument("--rounds", type=int, default=9, help="timed windows per system, interleaved")
-    parser.add_argument("--systems", default=",".join(TORCH + PIPECORE + VARIANTS),
-                        help="comma-separated; the single-process baseline always runs")
+    parser.add_argument("--systems", default=",".join(TORCH + PIPECORE + VARIANTS + GPT_SYSTEMS),
+                        help="comma-separated; the single-process baseline always runs (and the GPT one with any "
+                             f"GPT system, {','.join(GPT_SYSTEMS)})")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline-cpu.json"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker.split(","), args.steps, args.rounds)))
+        print(json.dumps(worker(args.worker.split(","), args.steps, args.gpt_steps, args.rounds)))
         return
     if DEPTH % args.ranks:
         raise SystemExit(f"--ranks must divide the model's {DEPTH} blocks, got {args.ranks}")
-    systems = [SINGLE] + [s for s in args.systems.split(",") if s and s != SINGLE]
-    unknown = [s for s in systems[1:] if s not in TORCH + PIPECORE + VARIANTS]
+    chosen = [s for s in args.systems.split(",") if s and s not in (SINGLE, GPT_SINGLE)]
+    known = TORCH + PIPECORE + VARIANTS + GPT_SYSTEMS
+    unknown = [s for s in chosen if s not in known]
     if unknown:
-        raise SystemExit(f"unknown systems {unknown}; choose from {TORCH + PIPECORE + VARIANTS}")
+        raise SystemExit(f"unknown systems {unknown}; choose from {known}")
+    if any(s.startswith(GPT) for s in chosen) and GPT_SIZES["n_layer"] % args.ranks:
+        raise SystemExit(f"--ranks must divide the GPT's {GPT_SIZES['n_layer']} blocks, got {args.ranks}")
+    mlp, gpt = [s for s in chosen if not s.startswith(GPT)], [s for s in chosen if s.startswith(GPT)]
+    systems = [SINGLE] + mlp + ([GPT_SINGLE] + gpt if gpt else [])
     print(f"{len(systems)} systems on {args.ranks} ranks, {args.rounds} rounds of {args.steps} steps ...", file=sys.stderr)
-    results = summarize(launch(systems, args.ranks, args.steps, args.rounds), args.steps)
-    print(f"{'system':<28}{'samples/s':>12}{'vs 1 process':>14}{'vs Schedule1F1B':>17}  compute share per rank "
-          "(of which updates)")
-    for r in results:
-        vs_ref = f"{r['vs_schedule_1f1b']:.2f}x" if r["vs_schedule_1f1b"] is not None else "-"
-        share = " ".join(f"{x:.0%} ({u:.0%})" for x, u in zip(r["compute_share_per_rank"] or [],
-                                                             r["update_share_per_rank"] or []))
-        print(f"{r['system']:<28}{r['samples_per_s']:>12.1f}{r['vs_single_process']:>13.2f}x{vs_ref:>17}  {share}")
+    results = summarize(launch(systems, args.ranks, args.steps, args.gpt_steps, args.rounds), args.steps,
+                        args.gpt_steps)
+    gpt_model = (f"GPT({', '.join(f'{k}={v}' for k, v in GPT_SIZES.items())}), LM head tied to the token "
+                 f"embedding")
+    for model, title in (("mlp", None), ("gpt", f"{gpt_model}; batch {GPT_BATCH} x {GPT_SIZES['block_size']} "
+                                                f"tokens, {MICRO} micro-batches, cut at {', '.join(gpt_cuts(args.ranks))}, "
+                                                "AdamW; ratios to the GPT baselines, median [min, max] over rounds")):
+        rows = [r for r in results if r["model"] == model]
+        if not rows:
+            continue
+        if title:
+            print(f"\n{title}\n{TORCH_TIE}")
+        print(f"{'system':<32}{'samples/s':>10}{'vs 1 process':>26}{'vs Schedule1F1B':>26}  compute share per rank "
+              "(of which updates)")
+        for r in rows:
+            cells = []
+            for key in ("vs_single_process", "vs_schedule_1f1b"):
+                cells.append("-" if r[key] is None else
+                             f"{r[key]:.2f}x [{r[key + '_range'][0]:.2f}, {r[key + '_range'][1]:.2f}]")
+            share = " ".join(f"{x:.0%} ({u:.0%})" for x, u in zip(r["compute_share_per_rank"] or [],
+                                                                 r["update_share_per_rank"] or []))
+            print(f"{r['system']:<32}{r['samples_per_s']:>10.1f}{cells[0]:>26}{cells[1]:>26}  {share}")
     report = {
         "benchmark": "pipeline", "device": "cpu", "backend": "gloo", "dtype": "float32",
         "machine": machine(),
         "ranks": args.ranks, "threads_per_rank": 1, "batch": BATCH, "n_microbatches": MICRO,
         "model": f"{DEPTH} x (Linear({WIDTH},{WIDTH}) + ReLU) + Linear({WIDTH},10)",
         "steps_per_window": args.steps, "rounds": args.rounds,
+        "gpt": {"model": gpt_model, "parameters": sum(p.numel() for p in make_gpt().parameters()),
+                "batch_sequences": GPT_BATCH, "sequence_length": GPT_SIZES["block_size"],
+                "n_microbatches": MICRO, "split_at": gpt_cuts(args.ranks), "steps_per_window": args.gpt_steps,
+                "loss": "token-level cross-entropy on random tokens",
+                "optimizer": {"pipecore": f"pipecore.AdamW(lr={GPT_LR}, weight_decay={GPT_WEIGHT_DECAY})",
+                              "torch": f"torch.optim.AdamW(lr={GPT_LR}, weight_decay={GPT_WEIGHT_DECAY}, foreach=True)"},
+                "torch_split": "torch.distributed.pipelining.pipeline(model, mb_args=(one micro-batch,), "
+                               f"split_spec={{{', '.join(repr(c) + ': SplitPoint.BEGINNING' for c in gpt_cuts(args.ranks))}}}), "
+                               "Schedule1F1B",
+                "torch_tied_weights": TORCH_TIE, "torch_row_untied": True,
+                "baselines": "GPT rows' vs_single_process and vs_schedule_1f1b are to gpt:single process (1 thread) "
+                             "and gpt:Schedule1F1B"} if any(r["model"] == "gpt" for r in results) else None,
         "method": "systems interleaved in the same processes; ratios are medians of per-round ratios",
         "results": results,
     }

@@ -6,7 +6,7 @@ backward reads) and an update rule. :func:`simulate` runs any of them symbolical
 """
 
 from .algorithms import algorithm_names, get_algorithm
-from .engine import SGD, AdamW, NonFiniteLoss, Pipeline
+from .engine import SGD, AdamW, CaptureError, NonFiniteLoss, Pipeline
 from .runtime.distributed import PeerError
 from . import checkpoint
 from .schedule import Action, Schedule, ScheduleError, validate
@@ -16,5 +16,5 @@ from .trace import Trace
 __version__ = "0.1.0"
 
 __all__ = [
-    "AdamW", "checkpoint", "NonFiniteLoss", "PeerError", "Pipeline", "SGD", "Action", "Schedule", "ScheduleError", "Trace", "algorithm_names", "get_algorithm", "simulate", "validate",
+    "AdamW", "CaptureError", "checkpoint", "NonFiniteLoss", "PeerError", "Pipeline", "SGD", "Action", "Schedule", "ScheduleError", "Trace", "algorithm_names", "get_algorithm", "simulate", "validate",
 ]

@@ -3,13 +3,18 @@ float64 where exactness is the point)."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
 import pipecore
-from pipecore import Pipeline, SGD
-from pipecore.engine.graph import CaptureError
+from pipecore import CaptureError, Pipeline, SGD
 from pipecore.models import GPT, Encoder, ResNet
 
 M = 4
@@ -391,3 +396,13 @@ def test_a_boundary_value_that_is_not_a_tensor_is_an_error():
     pipe = Pipeline(_ShapePasser(), 2, "1f1b", M, optimizer=SGD(lr=0.1), loss_fn=loss, partition=["b"])
     with pytest.raises(TypeError, match="would send 'getitem' to stage 1, but it is a int"):
         pipe.step(x, y)
+
+
+def test_the_gpt_example_runs_and_its_loss_falls():
+    example = Path(__file__).parent.parent / "examples" / "train_gpt.py"
+    run = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr
+    assert "tied: tok_emb.weight held by stages 0 (tok_emb.weight), 3 (head.weight)" in run.stdout
+    losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", run.stdout)]
+    assert len(losses) == 3 and losses[-1] < losses[0] - 0.2, run.stdout

@@ -1,7 +1,8 @@
 """The training engine: real tensors through the same executor and stage worker as the simulator."""
 
+from .graph import CaptureError
 from .optim import SGD, AdamW
 from .pipeline import Pipeline
 from .stage import NonFiniteLoss
 
-__all__ = ["AdamW", "NonFiniteLoss", "Pipeline", "SGD"]
+__all__ = ["AdamW", "CaptureError", "NonFiniteLoss", "Pipeline", "SGD"]

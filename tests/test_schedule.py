@@ -19,12 +19,12 @@ SIZES = [(P, m, n) for P in range(1, 9) for m in range(1, 9) for n in (1, 2, 3)]
 
 @functools.cache
 def all_schedules() -> tuple[Schedule, ...]:
-    """Every family at every size of SIZES, plain, with updates, and lowered to explicit communication."""
+    """Every family at every size of SIZES, plain, with updates per mini-batch and per micro-batch."""
     out = []
     for family in FAMILIES.values():
         for P, m, n in SIZES:
             base = family(P, m, n)
-            out += [base, base.with_updates(m), base.with_updates(1).lower_communication()]
+            out += [base, base.with_updates(m), base.with_updates(1)]
     return tuple(out)
 
 
@@ -37,8 +37,6 @@ def test_grammar_examples():
     assert list(Action.parse("1B4-7").microbatches) == [4, 5, 6, 7]
     assert Action.parse("0U3") == Action(0, U, 3)
     assert list(Action.parse("0U3").microbatches) == []
-    assert Action.parse("3SEND_F12") == Action(3, Kind.SEND_F, 12)
-    assert Action.parse("1RECV_B4-7") == Action(1, Kind.RECV_B, 4, 4)
     assert parse_traced("2F0@v3") == (Action(2, F, 0), "v3")
     assert parse_traced("1B2-3@v1~interp(v0,a=0.368)") == (Action(1, B, 2, 2), "v1~interp(v0,a=0.368)")
     assert parse_traced("0U1") == (Action(0, U, 1), None)
@@ -69,7 +67,7 @@ def test_table_parses_back_to_the_same_schedule():
     count=st.integers(1, 64), tag=st.none() | st.from_regex(r"[A-Za-z0-9~(),.=_-]{1,12}", fullmatch=True),
 )
 def test_random_actions_round_trip(stage, index, kind, count, tag):
-    if kind not in (B, Kind.SEND_B, Kind.RECV_B):
+    if kind is not B:
         count = 1
     action = Action(stage, kind, index, count)
     text = str(action) + (f"@{tag}" if tag is not None else "")
@@ -224,17 +222,6 @@ def test_with_updates_rejects_bad_input():
         gpipe(2, 2).with_updates(0)
     with pytest.raises(ValueError, match="already holds updates"):
         gpipe(2, 2).with_updates(2).with_updates(2)
-
-
-def test_lower_communication_brackets_compute():
-    schedule = async_one_f_one_b(3, 2, 2).lower_communication()
-    assert " ".join(map(str, schedule.stages[1][:4])) == "1RECV_F0 1F0 1SEND_F0 1RECV_F1"
-    last = schedule.stages[2]
-    assert not any(a.kind in (Kind.SEND_F, Kind.RECV_B) for a in last)
-    first = schedule.stages[0]
-    assert not any(a.kind in (Kind.RECV_F, Kind.SEND_B) for a in first)
-    nf1b = n_forward_one_backward(2, 3, 1).lower_communication()
-    assert " ".join(map(str, nf1b.stages[0][-3:])) == "0SEND_F2 0RECV_B0-2 0B0-2"
 
 
 def test_generators_reject_bad_sizes():

@@ -44,9 +44,7 @@ class Costs:
             return self.forward[action.stage]
         if action.kind is B:
             return self.backward[action.stage] * action.count
-        if action.kind is U:
-            return self.update[action.stage]
-        return 0.0
+        return self.update[action.stage]
 
 
 @dataclass
@@ -145,11 +143,9 @@ class Executor:
             incoming = [transport.receive(s, B, k) if s < last else Message() for k in action.microbatches]
             start = max([self.stage_free[s]] + [m.ready_at for m in incoming])
             outs, record = worker.backward(action, incoming)
-        elif action.kind is U:
+        else:
             start = self.stage_free[s]
             record = worker.update(action)
-        else:
-            raise ValueError(f"the executor runs F, B and U actions; lowered action {action} is not one")
         end = start + self.costs.of(action)
         self.stage_free[s] = end
         if action.kind is F and s < last:

@@ -9,7 +9,8 @@ stage 1's backward of micro-batch 3. pipecore extends the grammar in three small
 * ``"2F0@v3"``: in traces, the weight version an action read (derived weights print their derivation,
   e.g. ``"1B5@v4~interp(v2,a=0.135)"``).
 
-Lowered schedules (one process per stage) also use ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``.
+Communication is not an action: it is implied by the data flow (F of a micro-batch at stage ``s`` takes what
+F at ``s - 1`` sent; B at ``s`` what B at ``s + 1`` sent), and the transports carry it.
 """
 
 from __future__ import annotations
@@ -25,10 +26,6 @@ class Kind(str, Enum):
     FORWARD = "F"
     BACKWARD = "B"
     UPDATE = "U"
-    SEND_F = "SEND_F"
-    RECV_F = "RECV_F"
-    SEND_B = "SEND_B"
-    RECV_B = "RECV_B"
 
     def __str__(self) -> str:
         return self.value
@@ -36,8 +33,7 @@ class Kind(str, Enum):
 
 F, B, U = Kind.FORWARD, Kind.BACKWARD, Kind.UPDATE
 
-# Longest names first so that "SEND_F" is not read as "S..." followed by garbage.
-_KINDS = "|".join(sorted((k.value for k in Kind), key=len, reverse=True))
+_KINDS = "|".join(k.value for k in Kind)
 _ACTION_RE = re.compile(rf"^(\d+)({_KINDS})(\d+)(?:-(\d+))?(?:@(\S+))?$")
 
 
@@ -45,7 +41,7 @@ _ACTION_RE = re.compile(rf"^(\d+)({_KINDS})(\d+)(?:-(\d+))?(?:@(\S+))?$")
 class Action:
     """One step of one stage's action list.
 
-    ``index`` is the (first) micro-batch for ``F``/``B``/communication, and the produced version for
+    ``index`` is the (first) micro-batch for ``F``/``B``, and the produced version for
     ``U``. ``count`` is the number of consecutive micro-batches a backward covers (1 except in nF1B).
     """
 
@@ -57,7 +53,7 @@ class Action:
     def __post_init__(self) -> None:
         if self.stage < 0 or self.index < 0 or self.count < 1:
             raise ValueError(f"invalid action fields: stage={self.stage}, index={self.index}, count={self.count}")
-        if self.count > 1 and self.kind not in (B, Kind.SEND_B, Kind.RECV_B):
+        if self.count > 1 and self.kind is not B:
             raise ValueError(f"only backward actions may cover several micro-batches, got {self.kind} x{self.count}")
 
     @property

@@ -100,34 +100,6 @@ class Schedule:
             stages.append(tuple(out))
         return Schedule(self.num_stages, self.n_microbatches, self.n_minibatches, tuple(stages))
 
-    def lower_communication(self) -> "Schedule":
-        """Make data movement explicit for one-process-per-stage execution.
-
-        Each F of a non-first stage is preceded by ``RECV_F``; each F of a non-last stage is followed by
-        ``SEND_F``; backwards get ``RECV_B``/``SEND_B`` the same way.
-        """
-        last = self.num_stages - 1
-        stages = []
-        for s, row in enumerate(self.stages):
-            out: list[Action] = []
-            for a in row:
-                if a.kind is F:
-                    if s > 0:
-                        out.append(Action(s, Kind.RECV_F, a.index))
-                    out.append(a)
-                    if s < last:
-                        out.append(Action(s, Kind.SEND_F, a.index))
-                elif a.kind is B:
-                    if s < last:
-                        out.append(Action(s, Kind.RECV_B, a.index, a.count))
-                    out.append(a)
-                    if s > 0:
-                        out.append(Action(s, Kind.SEND_B, a.index, a.count))
-                else:
-                    out.append(a)
-            stages.append(tuple(out))
-        return Schedule(self.num_stages, self.n_microbatches, self.n_minibatches, tuple(stages))
-
 
 def upstream(action: Action, num_stages: int) -> tuple[int, Kind, int] | None:
     """The remote work an F or B waits for, as ``(stage, kind, micro-batch)``; None for local-only work.

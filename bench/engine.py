@@ -109,7 +109,12 @@ class Config:
 def sequential_trainer(model: nn.Module, m: int) -> Callable[[torch.Tensor, torch.Tensor], float]:
     """Plain training with gradient accumulation over ``m`` micro-batches (gpipe's math)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, foreach=True)
-    loss_fn = nn.CrossEntropyLoss()
+    return accumulating_trainer(model, optimizer, nn.CrossEntropyLoss(), m)
+
+
+def accumulating_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable, m: int
+                         ) -> Callable[[torch.Tensor, torch.Tensor], float]:
+    """A step: per micro-batch forward, ``loss / m``, backward; then one optimizer step."""
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
         total = 0.0
@@ -343,18 +348,7 @@ def gpt_data(batch: int, window: int) -> list[tuple[torch.Tensor, torch.Tensor]]
 def gpt_sequential_trainer(model: nn.Module, m: int) -> Callable[[torch.Tensor, torch.Tensor], float]:
     """Plain training of the GPT with gradient accumulation over ``m`` micro-batches and torch's AdamW."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=GPT_WEIGHT_DECAY, foreach=True)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> float:
-        total = 0.0
-        for xs, ys in zip(x.chunk(m), y.chunk(m)):
-            loss = lm_loss(model(xs), ys)
-            (loss / m).backward()
-            total += loss.item()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return total / m
-
-    return step
+    return accumulating_trainer(model, optimizer, lm_loss, m)
 
 
 def gpt_cuts(P: int) -> list[str]:

@@ -121,6 +121,11 @@ def torch_pipeline(system: str, rank: int, world: int, batches) -> Callable[[int
     stage = pipelining.PipelineStage(stage_module, rank, world, torch.device("cpu"))
     schedule = getattr(pipelining, system)(stage, n_microbatches=MICRO, loss_fn=nn.CrossEntropyLoss())
     opt = torch.optim.SGD(stage_module.parameters(), lr=0.01, momentum=0.9, foreach=True)
+    return _torch_window(schedule, opt, rank, world, batches)
+
+
+def _torch_window(schedule, opt: torch.optim.Optimizer, rank: int, world: int, batches) -> Callable[[int], None]:
+    """A window of ``n`` steps of a ``torch.distributed.pipelining`` schedule and its optimizer."""
     first, last = rank == 0, rank == world - 1
 
     def window(n: int) -> None:
@@ -222,21 +227,7 @@ def gpt_torch_pipeline(rank: int, world: int, batches) -> Callable[[int], None]:
     stage = pipe.build_stage(rank, torch.device("cpu"))
     schedule = pipelining.Schedule1F1B(stage, n_microbatches=MICRO, loss_fn=lm_loss)
     opt = torch.optim.AdamW(stage.submod.parameters(), lr=GPT_LR, weight_decay=GPT_WEIGHT_DECAY, foreach=True)
-    first, last = rank == 0, rank == world - 1
-
-    def window(n: int) -> None:
-        for i in range(n):
-            x, y = batches[i % len(batches)]
-            if first:
-                schedule.step(x)
-            elif last:
-                schedule.step(target=y)
-            else:
-                schedule.step()
-            opt.step()
-            opt.zero_grad()
-
-    return window
+    return _torch_window(schedule, opt, rank, world, batches)
 
 
 def gpt_pipecore_pipeline(system: str, rank: int, world: int, batches) -> Callable[[int], None]:

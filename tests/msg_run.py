@@ -201,9 +201,10 @@ def _ties_dead(rank: int, world: int, out: str, timeout: float, how: str) -> Non
     if rank == 1:
         exchange.close()
         return
-    exchange.post(rank, 1, {"w": _grad(rank, 1)})
     start = time.monotonic()
     try:
+        # Sending to a rank that already exited may fail at once; either way the error names it.
+        exchange.post(rank, 1, {"w": _grad(rank, 1)})
         exchange.reduce(rank, 1)
     except PeerError as exc:
         with open(os.path.join(out, f"tie-error-{rank}.txt"), "w") as f:

@@ -6,7 +6,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import pipecore
 from pipecore import checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _ranks import free_port, launch_ranks  # noqa: E402
 import dist_run  # noqa: E402
 from _same import assert_same  # noqa: E402
 
@@ -26,26 +26,9 @@ SCRIPT = str(Path(__file__).parent / "dist_run.py")
 EXAMPLE = str(Path(__file__).parent.parent / "examples" / "train_mlp.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(world: int, *args: str, timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    """Start ``world`` ranks the way torchrun does (environment variables) and wait for all of them."""
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, SCRIPT, *args], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    results = []
-    for p in procs:
-        out, _ = p.communicate(timeout=timeout)
-        results.append(subprocess.CompletedProcess(p.args, p.returncode, out))
-    return results
+    """Start ``world`` ranks of the test script and wait for all of them."""
+    return launch_ranks(SCRIPT, world, *args, timeout=timeout)
 
 
 def local_run(world: int, algorithm: str):
@@ -356,7 +339,7 @@ def test_the_example_prints_the_same_losses_alone_under_torchrun_and_on_two_node
                          text=True, timeout=240)
     assert one.returncode == 0, one.stdout + one.stderr
     standalone = _finish([_torchrun("--standalone", "--nproc-per-node", "4", cwd=one_node)])
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     nodes = _finish([_torchrun("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                                endpoint, "--rdzv-id", "example", cwd=two_nodes) for _ in range(2)])
 

@@ -6,8 +6,6 @@ Multi-process tests run real ranks over gloo on loopback (``msg_run.py``), launc
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,37 +18,15 @@ import torch
 from pipecore.runtime.ties import LocalTiedGradients
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _ranks import free_port, launch_ranks  # noqa: E402
 import msg_run  # noqa: E402
 
 SCRIPT = str(Path(__file__).parent / "msg_run.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(world: int, *args: str, timeout: float = 120) -> list[subprocess.CompletedProcess]:
-    """Start ``world`` ranks the way torchrun does (environment variables) and wait for all of them."""
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, SCRIPT, *args], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    results = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            results.append(subprocess.CompletedProcess(p.args, p.returncode, out))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return results
+    """Start ``world`` ranks of the test script and wait for all of them."""
+    return launch_ranks(SCRIPT, world, *args, timeout=timeout)
 
 
 def _check_ok(results: list[subprocess.CompletedProcess]) -> None:
@@ -218,9 +194,9 @@ def test_distributed_ties_sum_the_owners_gradients(order, tmp_path):
 def test_a_dead_or_silent_owner_is_reported_by_name_within_the_timeout(how, tmp_path):
     timeout = 4.0
     start = time.monotonic()
-    launch(3, "ties-dead", str(tmp_path), str(timeout), how, timeout=90)
+    results = launch(3, "ties-dead", str(tmp_path), str(timeout), how, timeout=90)
     path = tmp_path / "tie-error-0.txt"
-    assert path.exists(), "rank 0 did not report the dead owner"
+    assert path.exists(), "rank 0 did not report the dead owner:\n" + "\n".join(r.stdout for r in results)
     elapsed, message = path.read_text().split("\n", 1)
     assert message.startswith("rank 0:") and "rank 2" in message and "'w'" in message, message
     assert float(elapsed) < timeout + 10, elapsed

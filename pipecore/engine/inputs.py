@@ -1,4 +1,5 @@
-"""Mini-batches as users give them (a tensor, a tuple or a dict of tensors) and their micro-batches."""
+"""Mini-batches as users give them (a tensor, a tuple or a dict of tensors), their micro-batches, and the
+payloads that carry a stage's values to the next."""
 
 from __future__ import annotations
 
@@ -11,6 +12,16 @@ if TYPE_CHECKING:
     from .graph import CapturedModel
 
 Batch = Union[torch.Tensor, Sequence[torch.Tensor], Mapping[str, torch.Tensor]]
+
+
+def as_payload(values: tuple[Any, ...]) -> Any:
+    """A message payload between stages: one value travels as itself, several as a tuple."""
+    return values[0] if len(values) == 1 else values
+
+
+def from_payload(payload: Any, count: int) -> tuple[Any, ...]:
+    """The ``count`` values of a payload made by :func:`as_payload`."""
+    return (payload,) if count == 1 else tuple(payload)
 
 
 def as_model_inputs(x: Batch, captured: "CapturedModel") -> tuple[torch.Tensor, ...]:

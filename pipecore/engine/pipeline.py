@@ -24,7 +24,7 @@ from ..simulate import simulate
 from ..schedule.ties import TieSync, partners_of, smallest_delay
 from .flat import FlatLayout
 from .graph import CapturedModel, StageGraph, tied_parameters
-from .inputs import Batch, as_model_inputs, split_batch
+from .inputs import Batch, as_model_inputs, as_payload, split_batch
 from .optim import SGD, build_optimizer
 from .partition import stage_starts
 from .stage import TensorStage
@@ -169,23 +169,19 @@ class Pipeline:
         owners = {name: tuple(s for s, _ in held) for name, held in self.ties.items()}
         partners = partners_of(list(owners.values()))
         sync = TieSync(partners, self.algorithm.update_every, smallest_delay(self.algorithm, partners))
+        # Per owned stage, the slices of its gradient buffer that hold its tied weights' gradients.
+        views = {s: {name: st.grad_view(local) for name, held in self.ties.items() for owner, local in held if owner == s}
+                 for s, st in self.stages.items()}
         if self.rank is None:
             exchange: Any = LocalTiedGradients(owners)
         else:
-            shapes = {}
-            for name, held in self.ties.items():
-                st = self.stages.get(self.rank)
-                local = dict(held).get(self.rank)
-                if st is not None and local is not None:
-                    view = st.grad_view(local)
-                    shapes[name] = (view.shape, view.dtype)
+            shapes = {name: (view.shape, view.dtype) for name, view in views[self.rank].items()}
             exchange = DistributedTiedGradients(owners, self.rank, timeout, _device_of(self.stages[self.rank].module),
                                                 shapes=shapes)
         self._tie_exchange = exchange
-        for s, st in self.stages.items():
-            views = {name: st.grad_view(local) for name, held in self.ties.items() for owner, local in held if owner == s}
-            if views:
-                st.ties = StageTies(s, views, exchange, sync)
+        for s, own in views.items():
+            if own:
+                self.stages[s].ties = StageTies(s, own, exchange, sync)
         return sync
 
     def _observe(self, event: Event) -> None:
@@ -233,7 +229,7 @@ class Pipeline:
         if x_chunks is not None:
             device = _device_of(self.stages[0].module)
             for u, chunk in enumerate(x_chunks.chunks):
-                self._inputs[first + u] = _pack(tuple(t.to(device) for t in chunk))
+                self._inputs[first + u] = as_payload(tuple(t.to(device) for t in chunk))
         if y_chunks is not None:
             device = _device_of(self.stages[self.num_stages - 1].module)
             for u, chunk in enumerate(y_chunks.chunks):
@@ -259,10 +255,11 @@ class Pipeline:
         drained = self.algorithm.schedule(self._fed)
         if self._tie_sync is not None:
             # The last update of each owner applies every tied gradient still pending.
-            self._executor.needs = self._tie_sync.draining(drained).needs
+            draining = self._tie_sync.draining(drained)
+            self._executor.needs = draining.needs
             for st in self.stages.values():
                 if st.ties is not None:
-                    st.ties.sync = self._tie_sync.draining(drained)
+                    st.ties.sync = draining
         self._executor.extend(drained)
         self._executor.run()
         if self.rank is not None:
@@ -491,11 +488,6 @@ def _release_other_stages(model: nn.Module, own: nn.Module) -> None:
                     meta = t.detach().to("meta")
                     moved[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
                 table[name] = moved[id(t)]
-
-
-def _pack(values: tuple[torch.Tensor, ...]) -> Any:
-    """Stage 0's input payload: one tensor as itself, several as a tuple (as stages send them)."""
-    return values[0] if len(values) == 1 else values
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

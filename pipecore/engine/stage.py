@@ -28,6 +28,7 @@ from ..schedule.ir import Action
 from ..versions import UpdateInfo
 from .flat import FlatLayout
 from .graph import StageGraph
+from .inputs import as_payload, from_payload
 from .tied import StageTies
 from .optim import StageOptimizer
 from .split_backward import PendingWeightGradients, input_gradient, weight_gradients
@@ -243,7 +244,7 @@ class TensorStage(StageWorker):
     def _stage_inputs(self, payload: Any) -> tuple[Any, ...]:
         """The received values as the module's arguments; those that may carry a gradient (floating tensors
         computed from parameters upstream) become leaves that require grad."""
-        values = _unpack(payload, len(self.boundary.inputs))
+        values = from_payload(payload, len(self.boundary.inputs))
         if self.stage == 0:
             return values
         out = []
@@ -307,7 +308,7 @@ class TensorStage(StageWorker):
         self.in_flight[k] = record
         self.sync_ring()
         self._timed("F", t0)
-        return None if self.is_last else _pack(tuple(t.detach() for t in y))
+        return None if self.is_last else as_payload(tuple(t.detach() for t in y))
 
     def compute_backward(self, action: Action, reads: Sequence[WeightRead], forward_reads: Sequence[WeightRead],
                          payloads: Sequence[Any]) -> list[Any]:
@@ -334,12 +335,12 @@ class TensorStage(StageWorker):
             if self.is_last:
                 tensors, grads = [output], None
             else:
-                pairs = [(y, g) for y, g in zip(output, _unpack(grad_out, len(output)))
+                pairs = [(y, g) for y, g in zip(output, from_payload(grad_out, len(output)))
                          if g is not None and y.requires_grad]
                 tensors, grads = [y for y, _ in pairs], [g for _, g in pairs]
             if not (leaves or wanted) or not tensors:  # nothing to differentiate, or no gradient arrived
                 self._unpack_target = None
-                outs.append(None if self.stage == 0 else _pack((None,) * len(inputs)))
+                outs.append(None if self.stage == 0 else as_payload((None,) * len(inputs)))
                 continue
             # Only the action's last micro-batch defers: an earlier one's derived weights (scratch) are
             # overwritten by the next micro-batch's read. Split backwards take one tensor in and one out.
@@ -361,7 +362,7 @@ class TensorStage(StageWorker):
             if self.stage == 0:
                 outs.append(None)
             else:
-                outs.append(_pack(tuple(x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None
+                outs.append(as_payload(tuple(x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None
                                         for x in inputs)))
         self._timed("B", t0)
         return outs
@@ -505,16 +506,6 @@ class TensorStage(StageWorker):
     def grad_view(self, name: str) -> torch.Tensor:
         """The slice of the gradient buffer that holds parameter ``name``'s gradient."""
         return self._grad_views[self.layout.names.index(name)]
-
-
-def _pack(values: tuple[Any, ...]) -> Any:
-    """A message payload: one value travels as itself, several as a tuple."""
-    return values[0] if len(values) == 1 else values
-
-
-def _unpack(payload: Any, count: int) -> tuple[Any, ...]:
-    """The values of a payload packed by :func:`_pack` for ``count`` values."""
-    return (payload,) if count == 1 else tuple(payload)
 
 
 def _describe(value: Any, names: Sequence[str] = ()) -> str:

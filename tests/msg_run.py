@@ -195,6 +195,7 @@ def _ties_dead(rank: int, world: int, out: str, timeout: float, how: str) -> Non
     exchange.post(rank, 0, {name: _grad(rank, 0, name) for name in owned})
     exchange.reduce(rank, 0)
     if rank == 2:
+        exchange.wait_sends()  # group 0 reaches rank 0 before this rank dies (an exit would drop the send)
         if how == "stall":
             time.sleep(timeout + 3)  # alive, connections open, but silent past the timeout
         os._exit(0)

@@ -3,15 +3,13 @@ can trace."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
-from .gpt import MLP, _init_weights
+from .gpt import MLP, SelfAttention, _init_weights
 
 
-class MaskedSelfAttention(nn.Module):
+class MaskedSelfAttention(SelfAttention):
     """Bidirectional multi-head self-attention that ignores padded keys.
 
     ``mask[B, T]`` is True for real tokens. Scores for padded keys are set to ``-inf`` with ``masked_fill``
@@ -19,28 +17,8 @@ class MaskedSelfAttention(nn.Module):
     of all ``-inf`` would give NaN).
     """
 
-    def __init__(self, n_embd: int, n_head: int) -> None:
-        super().__init__()
-        if n_embd % n_head:
-            raise ValueError(f"n_embd={n_embd} must be divisible by n_head={n_head}")
-        self.n_embd = n_embd
-        self.n_head = n_head
-        self.head_dim = n_embd // n_head
-        self.scale = 1.0 / math.sqrt(self.head_dim)
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
-        self.proj = nn.Linear(n_embd, n_embd)
-
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.qkv(x).split(self.n_embd, dim=2)
-        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # [B, H, T, D]
-        k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * self.scale  # [B, H, T(query), T(key)]
-        padded_key = (~mask).view(B, 1, 1, T)
-        att = att.masked_fill(padded_key, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(B, T, self.n_embd)
-        return self.proj(y)
+        return self.attend(x, (~mask).view(mask.shape[0], 1, 1, mask.shape[1]))  # padded keys
 
 
 class EncoderBlock(nn.Module):

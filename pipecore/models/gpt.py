@@ -8,12 +8,12 @@ import torch
 from torch import nn
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention in which position ``t`` attends to positions ``<= t`` only.
+class SelfAttention(nn.Module):
+    """Multi-head self-attention whose scores are masked by a boolean tensor the subclass builds.
 
-    The causal mask is built from ``x``'s own sequence length with tensor operations (``arange`` and a
-    comparison), so there is no buffer, no data-dependent Python control flow, and no shape value has to
-    be passed in from outside the block.
+    Scores where the mask is True are set to ``-inf`` before the softmax, so those keys get weight exactly
+    0. An explicit masked softmax (not ``scaled_dot_product_attention``) keeps the same kernels in float32
+    and float64 and in eager and traced runs, so results compare bit for bit.
     """
 
     def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0) -> None:
@@ -29,21 +29,32 @@ class CausalSelfAttention(nn.Module):
         self.attn_drop = nn.Dropout(dropout)
         self.resid_drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def attend(self, x: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+        """Attention over ``x[B, T, C]``; ``blocked`` broadcasts to ``[B, H, T(query), T(key)]``."""
         B, T, _ = x.shape  # local: under fx these are nodes of this block, never values crossing a stage boundary
         q, k, v = self.qkv(x).split(self.n_embd, dim=2)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         att = (q @ k.transpose(-2, -1)) * self.scale  # [B, H, T, T]
-        pos = torch.arange(T, device=x.device)
-        future = pos.unsqueeze(0) > pos.unsqueeze(1)  # [T(query), T(key)]: True where key comes after query
-        # An explicit masked softmax (not scaled_dot_product_attention) keeps the same kernels in float32
-        # and float64 and in eager and traced runs, so results compare bit for bit.
-        att = att.masked_fill(future, float("-inf")).softmax(dim=-1)
+        att = att.masked_fill(blocked, float("-inf")).softmax(dim=-1)
         att = self.attn_drop(att)
         y = (att @ v).transpose(1, 2).reshape(B, T, self.n_embd)
         return self.resid_drop(self.proj(y))
+
+
+class CausalSelfAttention(SelfAttention):
+    """Multi-head self-attention in which position ``t`` attends to positions ``<= t`` only.
+
+    The causal mask is built from ``x``'s own sequence length with tensor operations (``arange`` and a
+    comparison), so there is no buffer, no data-dependent Python control flow, and no shape value has to
+    be passed in from outside the block.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(x.shape[1], device=x.device)
+        future = pos.unsqueeze(0) > pos.unsqueeze(1)  # [T(query), T(key)]: True where key comes after query
+        return self.attend(x, future)
 
 
 class MLP(nn.Module):

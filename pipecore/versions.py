@@ -25,6 +25,7 @@ class UpdateInfo:
     new_version: int
     keeps_previous: bool  # the previous live version is still needed, so the new one needs its own slot
     lr_scale: float
+    index: int = 0  # the stage's updates before this one (since construction or a checkpoint): lr_scale's index
 
 
 class VersionBook:
@@ -114,13 +115,14 @@ class VersionBook:
 
     def update(self) -> UpdateInfo:
         """Advance the live version by one update."""
-        lr_scale = self.algorithm.lr_scale(self.stage, self.updates)
+        index = self.updates
+        lr_scale = self.algorithm.lr_scale(self.stage, index)
         previous = self.live
         self.live += 1
         self.updates += 1
         self.held.add(self.live)
         self._refresh()
-        return UpdateInfo(self.live, previous in self.held, lr_scale)
+        return UpdateInfo(self.live, previous in self.held, lr_scale, index)
 
     def in_flight(self) -> int:
         """Micro-batches forwarded here whose backward has not run yet."""

@@ -173,8 +173,8 @@ def test_progress_bar_on_a_terminal(capsys: pytest.CaptureFixture[str], monkeypa
 
 def test_pipemare_warmup_defaults_to_five_epochs(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = train(capsys, "--algorithm", "pipemare", "--epochs", "1", *SMALL)
-    # 44 steps per epoch, one update per mini-batch (update_every = M = 4).
-    assert code == 0 and "pipemare warmup_steps=220 (5 epochs of updates)" in out
+    # 44 steps per epoch, one update per micro-batch (update_every = 1, M = 4): 176 updates per epoch.
+    assert code == 0 and "pipemare warmup_steps=880 (5 epochs of updates)" in out and "SGD lr 0.0125 " in out
     code, out, _ = train(capsys, "-a", "pipemare", "-e", "1", *SMALL, "--option", "warmup_steps=7", "-o", "D=0.2")
     assert code == 0 and "warmup_steps" not in out
     code, out, _ = train(capsys, "-a", "pipemare", "-e", "1", *SMALL, "-o", "update_every=2")

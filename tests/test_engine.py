@@ -155,7 +155,8 @@ class Recorder:
 
     def __init__(self, pipe: Pipeline):
         self.weights = [{0: st.ring.live.clone()} for st in pipe.stages.values()]
-        self.direction = [{0: _maybe(lambda st=st: st.optimizer.direction(st.ring.live).clone())} for st in pipe.stages.values()]
+        self.predicts = pipe.algorithm.needs_update_direction
+        self.direction = [{0: self._direction(st)} for st in pipe.stages.values()]
         self.velocity = [{0: None if st.velocity is None else st.velocity.clone()} for st in pipe.stages.values()]
         self.applied_grads = [[] for _ in pipe.stages]
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -172,7 +173,7 @@ class Recorder:
         def compute_update(action, info):
             rec.applied_grads[s].append(st.grad.clone())
             update(action, info)
-            rec.direction[s][info.new_version] = _maybe(lambda: st.optimizer.direction(st.ring.live).clone())
+            rec.direction[s][info.new_version] = rec._direction(st)
             rec.weights[s][info.new_version] = st.ring.live.clone()
             rec.velocity[s][info.new_version] = None if st.velocity is None else st.velocity.clone()
 
@@ -190,6 +191,9 @@ class Recorder:
 
         st.compute_update, st.compute_forward, st.compute_backward = compute_update, compute_forward, compute_backward
 
+    def _direction(self, st: TensorStage) -> torch.Tensor | None:
+        return st.optimizer.direction(st.ring.live).clone() if self.predicts else None
+
     def expected_weights(self, stage: int, read, lr: float) -> torch.Tensor:
         w = self.weights[stage][read.version]
         if read.derivation is None:
@@ -199,13 +203,6 @@ class Recorder:
         if read.derivation == "predict":
             return w - read.coef * lr * self.direction[stage][read.version].to(w.dtype)
         return w - read.coef * self.velocity[stage][read.version].to(w.dtype)
-
-
-def _maybe(fn):
-    try:
-        return fn()
-    except TypeError:
-        return None
 
 
 def linear_chain(num_stages: int, width: int = 3) -> nn.Sequential:
@@ -500,7 +497,7 @@ def test_split_backward_must_be_a_bool():
 def test_unknown_algorithm_and_option():
     with pytest.raises(ValueError, match="unknown algorithm 'pipedraem'.*valid names: gpipe"):
         Pipeline(mlp(3), 2, "pipedraem", 2, loss_fn=nn.CrossEntropyLoss())
-    with pytest.raises(ValueError, match=r"unknown option\(s\) \['lamda'\].*valid options: alpha, backward_rule, lam"):
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['lamda'\].*valid options: alpha, backward_rule, degree, lam"):
         Pipeline(mlp(3), 2, "i-timeprest", 2, loss_fn=nn.CrossEntropyLoss(), lamda=0.5)
 
 

@@ -19,14 +19,3 @@ def update_every_divides_minibatch(num_stages: int, n_microbatches: int, options
             "a mini-batch, so that flush() never leaves half-accumulated gradients)"
         )
     return None
-
-
-def staleness_free_nf1b(num_stages: int, n_microbatches: int, options: Options) -> str | None:
-    if n_microbatches < num_stages - 1:
-        return (
-            f"needs n_microbatches >= num_stages - 1 (got n_microbatches={n_microbatches}, "
-            f"num_stages={num_stages}): under nF1B the version difference v equals 1 only when P <= N + 1; "
-            "with fewer micro-batches, several independent update chains interleave and the weights are no "
-            "longer the latest ones (TiMePReSt's constraint)"
-        )
-    return None

@@ -66,6 +66,8 @@ class ReadRule(ABC):
 
     #: B rules that need the F's weights kept alive until the B (weight stashing) set this.
     pins_forward_weights: bool = False
+    #: Rules that extrapolate along the optimizer's next update direction (weight prediction) set this.
+    needs_update_direction: bool = False
 
     @abstractmethod
     def resolve(self, ctx: ReadContext, options: Options) -> WeightRead:
@@ -129,24 +131,48 @@ ALPHA_FUNCTIONS: dict[str, Callable[[float, float], float]] = {
 }
 
 
+def timeprest_version_difference(num_stages: int, n_microbatches: int) -> int:
+    """TiMePReSt's version difference ``v = floor((P + N - 2) / N)`` as the paper states it (read
+    second-hand). It is not the number of updates between a micro-batch's forward and its backward, which
+    the simulator measures (see the algorithm docs); it is offered as I-TiMePReSt's ``degree="timeprest"``."""
+    return (num_stages + n_microbatches - 2) // n_microbatches
+
+
+DEGREES = ("versions", "timeprest")
+
+
 @dataclass(frozen=True)
 class Interpolated(ReadRule):
-    """I-TiMePReSt: ``W_live + alpha(d)*(W_stash - W_live)``, ``d = live - forward version``.
+    """I-TiMePReSt: ``W_live + alpha(d)*(W_stash - W_live)`` when the stashed version is not the live one.
 
     Options: ``alpha`` (``"exp"``: ``exp(-lambda*d)``, ``"inverse"``: ``1/(1+lambda*d)``, ``"constant"``:
-    ``lambda`` for every ``d > 0``; or any callable ``d -> alpha``) and ``lam`` (lambda).
+    ``lambda`` for every ``d > 0``; or any callable ``d -> alpha``), ``lam`` (lambda), and ``degree``, the
+    degree of staleness ``d``: ``"versions"`` (live minus forward version at the stage) or ``"timeprest"``
+    (TiMePReSt's version difference, :func:`timeprest_version_difference`). ``alpha`` must lie in [0, 1]:
+    the read lies between the stashed and the live weights.
     """
 
     pins_forward_weights = True
 
     def resolve(self, ctx: ReadContext, options: Options) -> WeightRead:
         assert ctx.forward_version is not None
-        d = ctx.live - ctx.forward_version
-        fn = options["alpha"]
-        alpha = fn(d) if callable(fn) else ALPHA_FUNCTIONS[fn](d, options["lam"])
-        if d == 0:
+        if ctx.live == ctx.forward_version:
             return WeightRead(ctx.live)
-        return WeightRead(ctx.live, "interpolate", ctx.forward_version, float(alpha))
+        if options["degree"] == "timeprest":
+            d = timeprest_version_difference(ctx.num_stages, ctx.n_microbatches)
+        else:
+            d = ctx.live - ctx.forward_version
+        fn = options["alpha"]
+        alpha = float(fn(d) if callable(fn) else ALPHA_FUNCTIONS[fn](d, options["lam"]))
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha({d}) = {alpha}: the interpolation weight of the stashed weights must lie in "
+                             "[0, 1] (outside it the backward would extrapolate past the stashed or the live weights)")
+        # The end points are plain reads, exactly the live or the stashed weights (no rounding, no scratch).
+        if alpha == 0.0:
+            return WeightRead(ctx.live)
+        if alpha == 1.0:
+            return WeightRead(ctx.forward_version)
+        return WeightRead(ctx.live, "interpolate", ctx.forward_version, alpha)
 
 
 @dataclass(frozen=True)
@@ -158,6 +184,7 @@ class Predicted(ReadRule):
     """
 
     horizon: Callable[[int, int], int]
+    needs_update_direction = True
 
     def resolve(self, ctx: ReadContext, options: Options) -> WeightRead:
         override = options.get("lookahead")
@@ -208,6 +235,10 @@ def _option_type_problem(key: str, value: Any, default: Any) -> str | None:
         return None if isinstance(value, bool) else "must be true or false"
     if is_int(default):
         return None if is_int(value) else f"must be an integer (default {default})"
+    if key == "lam":
+        if isinstance(value, numbers.Real) and not isinstance(value, bool) and (math.isfinite(value) or value == math.inf):
+            return None
+        return f"must be a number or inf (default {default})"
     if isinstance(default, float):
         if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
             return None
@@ -223,8 +254,9 @@ class AlgorithmSpec:
     accumulates. ``defaults`` lists every option the algorithm accepts (anything else is rejected).
     ``constraints`` are ``(num_stages, n_microbatches, options) -> error message or None``.
     ``lr_scale(stage, update_index, algorithm)`` scales the learning rate per stage (update_index from 0).
-    ``velocity_decay(stage, algorithm)``, when set, makes the stage keep a weight-velocity buffer
-    ``delta = decay*delta + (1-decay)*(W_new - W_old)`` updated with every step (PipeMare's T2).
+    ``velocity_decay(stage, algorithm)``, when set and not None for the stage, makes the stage keep a
+    weight-velocity buffer ``delta = decay*delta + (1-decay)*(W_new - W_old)`` updated with every step
+    (PipeMare's T2).
     ``schedule_options`` names the options that are passed on to the schedule family as keywords
     (e.g. ``slack`` of the asynchronous 1F1B family).
     """
@@ -238,7 +270,7 @@ class AlgorithmSpec:
     defaults: Mapping[str, Any] = field(default_factory=dict)
     constraints: tuple[Callable[[int, int, Options], str | None], ...] = ()
     lr_scale: Callable[[int, int, "Algorithm"], float] | None = None
-    velocity_decay: Callable[[int, "Algorithm"], float] | None = None
+    velocity_decay: Callable[[int, "Algorithm"], float | None] | None = None
     aliases: tuple[str, ...] = ()
     schedule_options: tuple[str, ...] = ()
 
@@ -267,6 +299,16 @@ class AlgorithmSpec:
         alpha = merged.get("alpha")
         if alpha is not None and not callable(alpha) and alpha not in ALPHA_FUNCTIONS:
             raise ValueError(f"alpha must be one of {sorted(ALPHA_FUNCTIONS)} or a callable, got {alpha!r}")
+        lam = merged.get("lam")
+        if alpha == "constant" and not 0.0 <= lam <= 1.0:
+            raise ValueError(f"{self.name}: with alpha='constant', lam is the weight of the stashed weights and "
+                             f"must lie in [0, 1], got {lam}")
+        if alpha in ("exp", "inverse") and lam < 0:
+            raise ValueError(f"{self.name}: lam must be >= 0 (0: the stashed weights, inf: the live weights), "
+                             f"got {lam}: a negative lam gives alpha > 1, which extrapolates past the stashed weights")
+        degree = merged.get("degree")
+        if degree is not None and degree not in DEGREES:
+            raise ValueError(f"{self.name}: degree must be one of {DEGREES}, got {degree!r}")
         lookahead = merged.get("lookahead")
         if lookahead is not None and len(lookahead) != num_stages:
             raise ValueError(f"lookahead needs one horizon per stage ({num_stages}), got {len(lookahead)}")
@@ -356,6 +398,11 @@ class Algorithm:
     def backward_rule(self) -> str:
         """How a backward reads weights other than its forward's: ``swap``, ``recompute`` or ``stash``."""
         return self.options.get("backward_rule", "stash")
+
+    @property
+    def needs_update_direction(self) -> bool:
+        """Whether a read extrapolates along the optimizer's next update direction (weight prediction)."""
+        return self.spec.forward.needs_update_direction or self.spec.backward.needs_update_direction
 
     @property
     def pins_forward_weights(self) -> bool:

@@ -3,12 +3,15 @@
 The forward reads the live weights and stashes that version. The backward, ``d`` updates later, reads
 ``W_live + alpha(d)*(W_stash - W_live)`` with ``alpha(d) = exp(-lambda*d)`` by default (``lambda = 1``), so
 the stale weight's influence decays with its staleness and the result leans towards the latest weights.
-``alpha`` may be ``"exp"``, ``"inverse"`` (``1/(1+lambda*d)``), ``"constant"`` or a callable ``d -> alpha``.
-The paper's exact coefficient was not available; this is the spec's proposal.
+``alpha`` may be ``"exp"``, ``"inverse"`` (``1/(1+lambda*d)``), ``"constant"`` or a callable ``d -> alpha``;
+``lam`` ranges over [0, inf] (0: the stashed weights, as PipeDream; inf: the live weights, as V-TiMePReSt).
+``degree`` chooses ``d``: ``"versions"`` (live minus forward version, default) or ``"timeprest"``
+(TiMePReSt's version difference ``floor((P+N-2)/N)``). The paper's exact coefficient was not available;
+this is the spec's proposal. The paper runs with ``N >= P-1``; pipecore does not require it (it changes no
+read).
 """
 
 from ..schedule import n_forward_one_backward
-from ._common import staleness_free_nf1b
 from .base import AlgorithmSpec, Interpolated, Live
 
 SPEC = AlgorithmSpec(
@@ -17,6 +20,5 @@ SPEC = AlgorithmSpec(
     schedule=n_forward_one_backward,
     forward=Live(),
     backward=Interpolated(),
-    defaults={"backward_rule": "swap", "alpha": "exp", "lam": 1.0},
-    constraints=(staleness_free_nf1b,),
+    defaults={"backward_rule": "swap", "alpha": "exp", "lam": 1.0, "degree": "versions"},
 )

@@ -1,5 +1,7 @@
 """PipeMare (Yang et al., MLSys 2021): asynchronous, no stashing, delay-aware corrections.
 
+The fine-grained asynchronous setting: an update after every micro-batch's backward (like PipeDream, but
+without stashing), so stage ``s`` makes ``P-1-s`` updates between a micro-batch's forward and its backward.
 Forward reads the live weights; the backward reads the live weights corrected towards the forward's,
 ``W - tau*delta`` (T2), where ``tau`` is the number of updates the stage made since that micro-batch's
 forward and ``delta`` is an exponential average of the per-update weight change with decay
@@ -8,6 +10,10 @@ its delay ``tau_s`` at the start and the division is annealed away over ``warmup
 ``lr * tau_s**-(1 - min(k/K, 1))`` (``lr_warmup="power"``) or
 ``lr * (1/tau_s + (1 - 1/tau_s)*min(k/K, 1))`` (``"linear"``). The stage delay is
 ``tau_s = max(ceil((P-1-s)/update_every), 1)``. One version per stage plus the velocity buffer.
+
+``lr_rescheduling=False`` turns T1 off and ``discrepancy_correction=False`` turns T2 off (the backward then
+reads the live weights and no velocity is kept): the paper's ablations. ``update_every`` (default 1) makes
+the updates coarser; with ``update_every = m >= P-1`` every delay is 1 and T1 leaves the learning rate alone.
 
 Defaults follow the spec's proposals (the paper's exact forms were not verified): ``D = 0.1``,
 ``warmup_steps = 1000`` (the spec suggests five epochs of updates; ``pipecore train`` uses that).
@@ -20,7 +26,7 @@ import numbers
 
 from ..schedule import async_one_f_one_b
 from ._common import update_every_divides_minibatch, update_every_option
-from .base import Algorithm, AlgorithmSpec, Corrected, Live
+from .base import Algorithm, AlgorithmSpec, Corrected, Live, Options, ReadContext, WeightRead
 
 
 def stage_delay(stage: int, algorithm: Algorithm) -> int:
@@ -29,6 +35,8 @@ def stage_delay(stage: int, algorithm: Algorithm) -> int:
 
 
 def _lr_scale(stage: int, update_index: int, algorithm: Algorithm) -> float:
+    if not algorithm.options["lr_rescheduling"]:
+        return 1.0
     tau = stage_delay(stage, algorithm)
     warmup = algorithm.options["warmup_steps"]
     progress = 1.0 if warmup <= 0 else min(update_index / warmup, 1.0)
@@ -37,7 +45,9 @@ def _lr_scale(stage: int, update_index: int, algorithm: Algorithm) -> float:
     return tau ** -(1.0 - progress)
 
 
-def _velocity_decay(stage: int, algorithm: Algorithm) -> float:
+def _velocity_decay(stage: int, algorithm: Algorithm) -> float | None:
+    if not algorithm.options["discrepancy_correction"]:
+        return None  # no correction reads the velocity: keep none
     fixed = algorithm.options["delta_decay"]
     if fixed is not None:
         return float(fixed)
@@ -57,20 +67,31 @@ def _check_options(num_stages: int, n_microbatches: int, options) -> str | None:
     return None
 
 
+class _OptionalCorrection(Corrected):
+    """T2 when ``discrepancy_correction`` is on; the live weights otherwise."""
+
+    def resolve(self, ctx: ReadContext, options: Options) -> WeightRead:
+        if not options["discrepancy_correction"]:
+            return WeightRead(ctx.live)
+        return super().resolve(ctx, options)
+
+
 SPEC = AlgorithmSpec(
     name="pipemare",
     summary="async 1F1B, no stash; B reads live - tau*delta; per-stage LR warm-up; 1 version + delta",
     schedule=async_one_f_one_b,
     forward=Live(),
-    backward=Corrected(),
+    backward=_OptionalCorrection(),
     update_every=update_every_option,
     defaults={
-        "update_every": None,
+        "update_every": 1,
         "backward_rule": "swap",
         "warmup_steps": 1000,
         "lr_warmup": "power",
         "D": 0.1,
         "delta_decay": None,
+        "lr_rescheduling": True,
+        "discrepancy_correction": True,
     },
     constraints=(update_every_divides_minibatch, _check_options),
     lr_scale=_lr_scale,

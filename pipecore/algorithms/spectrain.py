@@ -1,15 +1,18 @@
 """SpecTrain (Chen et al., 2018): asynchronous 1F1B without stashing, with weight prediction.
 
-Forward and backward read weights predicted ``s`` updates ahead, ``W - s*lr*v`` with ``v`` the momentum
-buffer advanced by the latest gradient. Stage ``s`` (0-based) of ``P`` predicts ``s_f = s//2 + P - s - 1``
-updates ahead in its forward and ``s_b = s//2`` in its backward (the official code's horizons);
-``lookahead`` (one ``s_f`` per stage) overrides the forward horizon; the backward keeps ``s//2``.
-An update after every backward by default. One version per stage plus a transient predicted copy.
+Forward and backward read weights predicted ``s`` updates ahead, ``W - s*lr*v``, where ``v`` is the
+optimizer's next update direction estimated with the latest gradient: for momentum SGD the official code's
+``v = momentum*buf + g`` (the next momentum buffer if the next gradient equals the last one), see
+:meth:`pipecore.engine.optim.StageOptimizer.direction`. Stage ``s`` (0-based) of ``P`` predicts
+``s_f = s//2 + P - s - 1`` updates ahead in its forward and ``s_b = s//2`` in its backward (the official
+code's horizons); ``lookahead`` (one ``s_f`` per stage) overrides the forward horizon; the backward keeps
+``s//2``. The horizons count updates, one after every backward, so ``update_every`` must be 1. One version
+per stage plus a transient predicted copy.
 """
 
 from ..schedule import async_one_f_one_b
-from ._common import update_every_divides_minibatch, update_every_option
-from .base import AlgorithmSpec, Predicted, ReadContext, Options, WeightRead
+from ._common import update_every_option
+from .base import AlgorithmSpec, Options, Predicted, ReadContext, WeightRead
 
 
 def forward_horizon(stage: int, num_stages: int) -> int:
@@ -27,6 +30,15 @@ class _BackwardPrediction(Predicted):
         return super().resolve(ctx, {**options, "lookahead": None})
 
 
+def _one_update_per_backward(num_stages: int, n_microbatches: int, options: Options) -> str | None:
+    every = update_every_option(n_microbatches, options)
+    if every != 1:
+        return (f"update_every must be 1, got {every}: the prediction horizons s//2 + P-s-1 and s//2 count "
+                "updates made one per backward (the official code's setting); with coarser updates they "
+                "would predict too far ahead")
+    return None
+
+
 SPEC = AlgorithmSpec(
     name="spectrain",
     summary="async 1F1B, no stash; F and B read predicted weights W - s*lr*v; 1 version",
@@ -35,5 +47,5 @@ SPEC = AlgorithmSpec(
     backward=_BackwardPrediction(backward_horizon),
     update_every=update_every_option,
     defaults={"update_every": 1, "backward_rule": "swap", "lookahead": None},
-    constraints=(update_every_divides_minibatch,),
+    constraints=(_one_update_per_backward,),
 )

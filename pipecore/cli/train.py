@@ -97,8 +97,8 @@ _STRUCTURAL = ("model", "algorithm", "stages", "microbatches", "hidden", "depth"
                "block_size", "optimizer")
 #: Settings that merely change the trajectory (or what is measured): resuming with other values is noted.
 _TRAJECTORY = ("batch_size", "lr", "seed", "option", "steps_per_epoch", "eval_windows")
-#: PipeMare's default learning-rate warm-up, in epochs of updates (the spec's proposal).
-PIPEMARE_WARMUP_EPOCHS = 5
+#: The length of an algorithm's learning-rate warm-up (PipeMare's T1), in epochs of updates (the spec's proposal).
+WARMUP_EPOCHS = 5
 
 
 def _positive_float(text: str) -> float:
@@ -627,10 +627,11 @@ def _train(args: argparse.Namespace) -> int:
     if args.lr is None:
         # Linear scaling: an update over k of the M micro-batches takes k/M of the mini-batch step.
         args.lr = DEFAULT_LR[args.optimizer] * algorithm.update_every / args.microbatches
-    if algorithm.name == "pipemare" and "warmup_steps" not in options:
+    if "warmup_steps" in algorithm.spec.defaults and "warmup_steps" not in options:
+        # A learning-rate warm-up counted in updates (PipeMare's T1) lasts the first epochs of this run.
         updates_per_step = args.microbatches // algorithm.update_every
-        options["warmup_steps"] = PIPEMARE_WARMUP_EPOCHS * steps_per_epoch * updates_per_step
-        notes.append(f"pipemare warmup_steps={options['warmup_steps']} ({PIPEMARE_WARMUP_EPOCHS} epochs of updates)")
+        options["warmup_steps"] = WARMUP_EPOCHS * steps_per_epoch * updates_per_step
+        notes.append(f"{algorithm.name} warmup_steps={options['warmup_steps']} ({WARMUP_EPOCHS} epochs of updates)")
 
     settings = _settings(args)
     ckpt = _load_checkpoint(args.resume) if args.resume else None

@@ -51,16 +51,25 @@ class StageOptimizer(ABC):
     lr: float
 
     @abstractmethod
-    def step(self, w: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, lr_scale: float,
+    def step(self, w: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, lr_scales: "LrScales",
              velocity: torch.Tensor | None, velocity_decay: float | None) -> None:
-        """Write the updated weights to ``out`` (which may be ``w``); update ``velocity`` if given."""
+        """Write the updated weights to ``out`` (which may be ``w``); update ``velocity`` if given.
 
-    def direction(self, w: torch.Tensor) -> torch.Tensor:
-        """The smoothed update direction ``v`` used for weight prediction (``W - s*lr*v``)."""
+        ``lr_scales`` are ``(start, stop, scale)`` ranges covering the flat buffer in order: the learning
+        rate of each range is multiplied by its scale (one range unless tied weights take a shared scale)."""
+
+    def track_direction(self) -> None:
+        """Keep what :meth:`direction` needs from every step on. Stages whose reads predict weights call
+        it once, before the first step; optimizers that cannot predict raise here, at construction."""
         raise TypeError(
             f"weight prediction needs the optimizer's update direction; {type(self).__name__} does not provide "
             "one (use pipecore.SGD or pipecore.AdamW)"
         )
+
+    def direction(self, w: torch.Tensor) -> torch.Tensor:
+        """The direction ``v`` of the next update, per unit of learning rate, estimated with the latest
+        gradient; weight prediction reads ``W - s*lr*v``. Needs :meth:`track_direction`."""
+        raise NotImplementedError
 
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
@@ -69,6 +78,19 @@ class StageOptimizer(ABC):
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
+
+
+#: ``(start, stop, scale)`` ranges of a flat buffer, in order, covering it.
+LrScales = Sequence[tuple[int, int, float]]
+
+
+def uniform_scale(numel: int, scale: float) -> list[tuple[int, int, float]]:
+    """One range over a whole buffer of ``numel`` elements."""
+    return [(0, numel, scale)]
+
+
+def _part(t: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+    return None if t is None else t[start:stop]
 
 
 def _state_tensor(layout: FlatLayout, device: torch.device) -> torch.Tensor:
@@ -82,34 +104,62 @@ class FusedSGD(StageOptimizer):
         self.config = config
         self.lr = config.lr
         self.momentum_buf = _state_tensor(layout, device) if config.momentum != 0.0 else None
-        self.last_grad = _state_tensor(layout, device) if config.momentum == 0.0 else None
+        self._layout, self._device = layout, device
+        self.last_grad: torch.Tensor | None = None  # kept only for weight prediction (track_direction)
         self.steps = 0
 
-    def step(self, w, grad, out, lr_scale, velocity, velocity_decay):
+    def track_direction(self):
+        if self.last_grad is None:
+            self.last_grad = _state_tensor(self._layout, self._device)
+
+    def step(self, w, grad, out, lr_scales, velocity, velocity_decay):
         c = self.config
-        ops.sgd_step(
-            w, grad, self.momentum_buf, lr=c.lr * lr_scale, momentum=c.momentum, dampening=c.dampening,
-            weight_decay=c.weight_decay, nesterov=c.nesterov, first_step=self.steps == 0, out=out,
-            delta=velocity, delta_decay=velocity_decay,
-        )
+        for start, stop, scale in lr_scales:
+            ops.sgd_step(
+                w[start:stop], grad[start:stop], _part(self.momentum_buf, start, stop), lr=c.lr * scale,
+                momentum=c.momentum, dampening=c.dampening, weight_decay=c.weight_decay, nesterov=c.nesterov,
+                first_step=self.steps == 0, out=out[start:stop], delta=_part(velocity, start, stop),
+                delta_decay=velocity_decay,
+            )
         if self.last_grad is not None:
             self.last_grad.copy_(grad)
         self.steps += 1
 
     def direction(self, w):
-        return self.momentum_buf if self.momentum_buf is not None else self.last_grad
+        """The step the next update would take if its gradient equalled the last one: with
+        ``g = last_grad + weight_decay*w`` and ``buf' = momentum*buf + (1-dampening)*g``, that is ``buf'``
+        (or ``g + momentum*buf'`` with Nesterov; ``g`` without momentum). Without dampening and weight decay
+        it is the official SpecTrain code's ``momentum*buf + grad``."""
+        if self.last_grad is None:
+            raise RuntimeError("direction() needs track_direction() before the first step")
+        c = self.config
+        if self.steps == 0:
+            return torch.zeros_like(self.last_grad)
+        g = self.last_grad
+        if c.weight_decay != 0.0:
+            g = g + c.weight_decay * w.to(g.dtype)
+        if self.momentum_buf is None:
+            return g
+        buf = torch.add(g, self.momentum_buf, alpha=c.momentum) if c.dampening == 0.0 else \
+            self.momentum_buf * c.momentum + (1.0 - c.dampening) * g
+        return torch.add(g, buf, alpha=c.momentum) if c.nesterov else buf
 
     def state_dict(self):
         return {"steps": self.steps, "momentum_buf": self.momentum_buf, "last_grad": self.last_grad}
 
     def load_state_dict(self, state):
         self.steps = int(state["steps"])
-        for name in ("momentum_buf", "last_grad"):
-            mine, theirs = getattr(self, name), state[name]
-            if (mine is None) != (theirs is None):
-                raise ValueError(f"optimizer state {name!r} does not match this optimizer's configuration")
-            if mine is not None:
-                mine.copy_(theirs)
+        mine, theirs = self.momentum_buf, state["momentum_buf"]
+        if (mine is None) != (theirs is None):
+            raise ValueError("optimizer state 'momentum_buf' does not match this optimizer's configuration")
+        if mine is not None:
+            mine.copy_(theirs)
+        # The last gradient matters only to weight prediction, whose stages track it from construction.
+        if self.last_grad is not None:
+            if state.get("last_grad") is None:
+                raise ValueError("the checkpoint holds no last gradient, which weight prediction needs; it was "
+                                 "saved by a pipeline whose algorithm does not predict weights")
+            self.last_grad.copy_(state["last_grad"])
 
 
 class FusedAdamW(StageOptimizer):
@@ -120,16 +170,21 @@ class FusedAdamW(StageOptimizer):
         self.exp_avg_sq = _state_tensor(layout, device)
         self.steps = 0
 
-    def step(self, w, grad, out, lr_scale, velocity, velocity_decay):
+    def step(self, w, grad, out, lr_scales, velocity, velocity_decay):
         c = self.config
         old = w.clone() if velocity is not None else None
         self.steps += 1
-        ops.adamw_step(
-            w, grad, self.exp_avg, self.exp_avg_sq, step=self.steps, lr=c.lr * lr_scale, beta1=c.betas[0],
-            beta2=c.betas[1], eps=c.eps, weight_decay=c.weight_decay, out=out,
-        )
+        for start, stop, scale in lr_scales:
+            ops.adamw_step(
+                w[start:stop], grad[start:stop], self.exp_avg[start:stop], self.exp_avg_sq[start:stop],
+                step=self.steps, lr=c.lr * scale, beta1=c.betas[0], beta2=c.betas[1], eps=c.eps,
+                weight_decay=c.weight_decay, out=out[start:stop],
+            )
         if velocity is not None:
             _update_velocity(velocity, velocity_decay, out, old)
+
+    def track_direction(self):
+        pass  # the moments are all the direction needs
 
     def direction(self, w):
         # PipeOptim's AdamW direction: the bias-corrected Adam step plus decoupled weight decay.
@@ -166,7 +221,15 @@ class TorchOptimizer(StageOptimizer):
             raise TypeError(f"optimizer factory must return a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
         self.lr = float(self.optimizer.param_groups[0].get("lr", 0.0))
 
-    def step(self, w, grad, out, lr_scale, velocity, velocity_decay):
+    def step(self, w, grad, out, lr_scales, velocity, velocity_decay):
+        scales = {scale for _, _, scale in lr_scales}
+        if len(scales) != 1:
+            raise ValueError(
+                "this update needs a different learning rate for some weights (tied weights under a per-stage "
+                "learning-rate scale, such as PipeMare's T1); a torch optimizer steps every parameter at one "
+                "rate: use pipecore.SGD or pipecore.AdamW, or turn the scaling off (lr_rescheduling=False)"
+            )
+        (lr_scale,) = scales
         old = w.clone() if velocity is not None else None
         if out.data_ptr() != w.data_ptr():
             out.copy_(w)

@@ -181,7 +181,7 @@ class Pipeline:
         self._tie_exchange = exchange
         for s, own in views.items():
             if own:
-                self.stages[s].ties = StageTies(s, own, exchange, sync)
+                self.stages[s].ties = StageTies(s, own, exchange, sync, owners)
         return sync
 
     def _observe(self, event: Event) -> None:
@@ -390,7 +390,8 @@ class Pipeline:
 
     def stats(self, all_stages: bool = False) -> list[dict[str, Any]]:
         """Per stage of this process (with ``all_stages``, of every stage, in stage order, on every process;
-        collective with one process per stage): layers, versions held, bytes of weight versions, staleness
+        collective with one process per stage): layers, versions held, bytes of weight versions (and of the
+        scratch buffer for derived weights and PipeMare's velocity, each one weight-sized), staleness
         seen (``staleness``: live minus read version; ``delay``: updates between a forward's read and its
         backward), and the median seconds of the stage's recent actions of each kind."""
         if all_stages:
@@ -407,6 +408,7 @@ class Pipeline:
                 "versions_held": len(st.book.held),
                 "weight_version_bytes": st.ring.num_slots * st.layout.numel * itemsize,
                 "scratch_bytes": 0 if st.scratch is None else st.layout.numel * itemsize,
+                "velocity_bytes": 0 if st.velocity is None else st.layout.numel * st.velocity.element_size(),
                 "live_version": st.book.live,
                 "staleness_mean": stale.mean,
                 "staleness_max": stale.max,

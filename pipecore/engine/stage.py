@@ -30,7 +30,7 @@ from .flat import FlatLayout
 from .graph import StageGraph
 from .inputs import as_payload, from_payload
 from .tied import StageTies
-from .optim import StageOptimizer
+from .optim import LrScales, StageOptimizer, uniform_scale
 from .split_backward import PendingWeightGradients, input_gradient, weight_gradients
 
 
@@ -111,6 +111,8 @@ class TensorStage(StageWorker):
         self.velocity = torch.zeros(self.layout.buffer_numel, dtype=_state_dtype(flat.dtype), device=device) if decay is not None else None
         self.velocity_decay = decay
         self.optimizer = optimizer
+        if algorithm.needs_update_direction:
+            optimizer.track_direction()
         self.grad = torch.zeros_like(flat)
         self._grad_views = list(self.layout.views(self.grad).values())
         self._view_cache: dict[int, list[torch.Tensor]] = {}
@@ -162,7 +164,8 @@ class TensorStage(StageWorker):
         if read.derivation == "interpolate":
             return ops.interpolate(base, self.slot_of(read.other), read.coef, out=self.scratch)
         if read.derivation == "predict":
-            return ops.predict(base, self.optimizer.direction(base), read.coef * self.optimizer.lr, out=self.scratch)
+            direction = self.optimizer.direction(base).to(base.dtype)
+            return ops.predict(base, direction, read.coef * self.optimizer.lr, out=self.scratch)
         if read.derivation == "correct":
             assert self.velocity is not None
             return ops.predict(base, self.velocity.to(base.dtype), read.coef, out=self.scratch)
@@ -405,7 +408,7 @@ class TensorStage(StageWorker):
             if target_slot != live_slot:
                 out.copy_(w)  # skipped update: the new version carries the old weights unchanged
         else:
-            self.optimizer.step(w, self.grad, out, info.lr_scale, self.velocity, self.velocity_decay)
+            self.optimizer.step(w, self.grad, out, self._lr_scales(info), self.velocity, self.velocity_decay)
         if target_slot == live_slot:
             self.ring.advance(info.new_version)
         else:
@@ -414,6 +417,26 @@ class TensorStage(StageWorker):
         self.sync_ring()
         self._bind_module_to_live()
         self._timed("U", t0)
+
+    def _lr_scales(self, info: UpdateInfo) -> LrScales:
+        """The learning-rate scale of each range of the flat buffer: the stage's own, except that a tied
+        weight takes the smallest scale among its owners at this update (the one of the longest delay), so
+        that every copy takes the same step and the copies stay identical under per-stage scaling."""
+        n = self.grad.numel()
+        if self.ties is None:
+            return uniform_scale(n, info.lr_scale)
+        scales, position = [], 0
+        for start, stop, owners in self.ties.ranges(self.grad):
+            shared = min(self.algorithm.lr_scale(owner, info.index) for owner in owners)
+            if shared == info.lr_scale:
+                continue
+            if start > position:
+                scales.append((position, start, info.lr_scale))
+            scales.append((start, stop, shared))
+            position = stop
+        if position < n:
+            scales.append((position, n, info.lr_scale))
+        return scales
 
     # -- helpers ---------------------------------------------------------------------------------
 

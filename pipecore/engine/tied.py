@@ -20,17 +20,27 @@ if TYPE_CHECKING:
 
 
 class StageTies:
-    """The tied weights of one stage: ``views`` maps a tie's name to its slice of the stage's gradient buffer."""
+    """The tied weights of one stage: ``views`` maps a tie's name to its slice of the stage's gradient buffer;
+    ``owners`` maps it to the stages holding a copy (this one included)."""
 
-    def __init__(self, stage: int, views: Mapping[str, torch.Tensor], exchange: "TiedGradients", sync: TieSync):
+    def __init__(self, stage: int, views: Mapping[str, torch.Tensor], exchange: "TiedGradients", sync: TieSync,
+                 owners: Mapping[str, tuple[int, ...]] | None = None):
         self.stage = stage
         self.views = dict(views)
+        self.owners = {name: tuple(owners[name]) if owners else (stage,) for name in self.views}
         self.exchange = exchange
         self.sync = sync
         self._backwarded = 0   # micro-batches backwarded since the schedule started
         self._posted = 0       # groups posted, counted from construction (or the last load)
         self._applied = 0      # groups consumed by updates, counted the same way
         self._base = 0         # self._applied when the schedule started
+
+    def ranges(self, buffer: torch.Tensor) -> list[tuple[int, int, tuple[int, ...]]]:
+        """``(start, stop, owners)`` of each tied weight inside the flat buffer its views slice (in order)."""
+        base = buffer.storage_offset()
+        spans = [(v.storage_offset() - base, v.storage_offset() - base + v.numel(), self.owners[name])
+                 for name, v in self.views.items()]
+        return sorted(spans)
 
     def restart(self, sync: TieSync) -> None:
         """A new schedule starts (after a flush, which consumed every group)."""

@@ -105,12 +105,13 @@ class FusedSGD(StageOptimizer):
         self.lr = config.lr
         self.momentum_buf = _state_tensor(layout, device) if config.momentum != 0.0 else None
         self._layout, self._device = layout, device
-        self.last_grad: torch.Tensor | None = None  # kept only for weight prediction (track_direction)
+        # The next update's direction, estimated at every step; kept only for weight prediction.
+        self.next_direction: torch.Tensor | None = None
         self.steps = 0
 
     def track_direction(self):
-        if self.last_grad is None:
-            self.last_grad = _state_tensor(self._layout, self._device)
+        if self.next_direction is None:
+            self.next_direction = _state_tensor(self._layout, self._device)  # zero before the first step
 
     def step(self, w, grad, out, lr_scales, velocity, velocity_decay):
         c = self.config
@@ -121,31 +122,37 @@ class FusedSGD(StageOptimizer):
                 first_step=self.steps == 0, out=out[start:stop], delta=_part(velocity, start, stop),
                 delta_decay=velocity_decay,
             )
-        if self.last_grad is not None:
-            self.last_grad.copy_(grad)
+        if self.next_direction is not None:
+            self._estimate_next_direction(grad, out)
         self.steps += 1
 
-    def direction(self, w):
-        """The step the next update would take if its gradient equalled the last one: with
-        ``g = last_grad + weight_decay*w`` and ``buf' = momentum*buf + (1-dampening)*g``, that is ``buf'``
-        (or ``g + momentum*buf'`` with Nesterov; ``g`` without momentum). Without dampening and weight decay
-        it is the official SpecTrain code's ``momentum*buf + grad``."""
-        if self.last_grad is None:
-            raise RuntimeError("direction() needs track_direction() before the first step")
-        c = self.config
-        if self.steps == 0:
-            return torch.zeros_like(self.last_grad)
-        g = self.last_grad
-        if c.weight_decay != 0.0:
-            g = g + c.weight_decay * w.to(g.dtype)
+    def _estimate_next_direction(self, grad: torch.Tensor, w: torch.Tensor) -> None:
+        """The step the next update would take if its gradient equalled this one: with
+        ``g = grad + weight_decay*w`` (``w`` the new weights) and ``buf' = momentum*buf + (1-dampening)*g``,
+        that is ``buf'`` (``g + momentum*buf'`` with Nesterov; ``g`` without momentum). Without dampening
+        and weight decay it is the official SpecTrain code's ``momentum*buf + grad``: one pass, at the step,
+        while the gradient is still there."""
+        c, target = self.config, self.next_direction
+        assert target is not None
+        g = grad if c.weight_decay == 0.0 else grad + c.weight_decay * w
         if self.momentum_buf is None:
-            return g
-        buf = torch.add(g, self.momentum_buf, alpha=c.momentum) if c.dampening == 0.0 else \
-            self.momentum_buf * c.momentum + (1.0 - c.dampening) * g
-        return torch.add(g, buf, alpha=c.momentum) if c.nesterov else buf
+            target.copy_(g)
+        elif c.dampening == 0.0 and not c.nesterov:
+            torch.add(g, self.momentum_buf, alpha=c.momentum, out=target)
+        else:
+            buf = self.momentum_buf * c.momentum + (1.0 - c.dampening) * g
+            if c.nesterov:
+                torch.add(g, buf, alpha=c.momentum, out=target)
+            else:
+                target.copy_(buf)
+
+    def direction(self, w):
+        if self.next_direction is None:
+            raise RuntimeError("direction() needs track_direction() before the first step")
+        return self.next_direction
 
     def state_dict(self):
-        return {"steps": self.steps, "momentum_buf": self.momentum_buf, "last_grad": self.last_grad}
+        return {"steps": self.steps, "momentum_buf": self.momentum_buf, "next_direction": self.next_direction}
 
     def load_state_dict(self, state):
         self.steps = int(state["steps"])
@@ -154,12 +161,13 @@ class FusedSGD(StageOptimizer):
             raise ValueError("optimizer state 'momentum_buf' does not match this optimizer's configuration")
         if mine is not None:
             mine.copy_(theirs)
-        # The last gradient matters only to weight prediction, whose stages track it from construction.
-        if self.last_grad is not None:
-            if state.get("last_grad") is None:
-                raise ValueError("the checkpoint holds no last gradient, which weight prediction needs; it was "
-                                 "saved by a pipeline whose algorithm does not predict weights")
-            self.last_grad.copy_(state["last_grad"])
+        # The direction matters only to weight prediction, whose stages track it from construction.
+        if self.next_direction is not None:
+            if state.get("next_direction") is None:
+                raise ValueError("the checkpoint holds no update direction, which weight prediction needs; it "
+                                 "was saved by a pipeline whose algorithm does not predict weights, or by an "
+                                 "older pipecore")
+            self.next_direction.copy_(state["next_direction"])
 
 
 class FusedAdamW(StageOptimizer):

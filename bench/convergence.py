@@ -96,7 +96,7 @@ import pipecore  # noqa: E402
 from _machine import machine, write_report  # noqa: E402
 from pipecore.cli._args import positive_int  # noqa: E402
 from pipecore.cli.train import (  # noqa: E402
-    build_mlp, epoch_batches, evaluate, held_out_loss, held_out_windows, load_data,
+    WARMUP_EPOCHS, build_mlp, epoch_batches, evaluate, held_out_loss, held_out_windows, load_data,
     mlp_shape, sequence_loss, stage_partition,
 )
 
@@ -114,9 +114,6 @@ PIPEMARE_ABLATIONS = {"no T1 (lr_rescheduling=False)": {"lr_rescheduling": False
 LAMBDAS = (0.0, 0.5, 1.0, 2.0, math.inf)
 #: The tasks that get the ablations (when chosen with --tasks).
 ABLATION_TASKS = ("mlp4", "mlp8", "gpt")
-#: Length of a learning-rate warm-up counted in updates (PipeMare's T1, ``warmup_steps``), in epochs of
-#: updates, as ``pipecore train`` sets it.
-WARMUP_EPOCHS = 5
 #: The grid: learning rate per mini-batch x momentum.
 GRID = tuple((lr, mom) for lr in (0.0125, 0.025, 0.05, 0.1) for mom in (0.0, 0.9))
 #: Seconds per epoch of one run at the full study's sizes, for the time estimate printed at the start:

@@ -99,7 +99,11 @@ def single_process(rank: int, batches) -> Callable[[int], None]:
         return lambda n: None
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=True)
-    loss_fn = nn.CrossEntropyLoss()
+    return _sequential_window(model, opt, nn.CrossEntropyLoss(), batches)
+
+
+def _sequential_window(model: nn.Module, opt: torch.optim.Optimizer, loss_fn, batches) -> Callable[[int], None]:
+    """A window of ``n`` steps of plain training: each micro-batch's ``loss / MICRO`` backward, one step."""
 
     def window(n: int) -> None:
         for i in range(n):
@@ -203,16 +207,7 @@ def gpt_single_process(rank: int, batches) -> Callable[[int], None]:
         return lambda n: None
     model = make_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=GPT_LR, weight_decay=GPT_WEIGHT_DECAY, foreach=True)
-
-    def window(n: int) -> None:
-        for i in range(n):
-            x, y = batches[i % len(batches)]
-            for xs, ys in zip(x.chunk(MICRO), y.chunk(MICRO)):
-                (lm_loss(model(xs), ys) / MICRO).backward()
-            opt.step()
-            opt.zero_grad()
-
-    return window
+    return _sequential_window(model, opt, lm_loss, batches)
 
 
 def gpt_torch_pipeline(rank: int, world: int, batches) -> Callable[[int], None]:

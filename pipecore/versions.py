@@ -25,7 +25,7 @@ class UpdateInfo:
     new_version: int
     keeps_previous: bool  # the previous live version is still needed, so the new one needs its own slot
     lr_scale: float
-    index: int = 0  # the stage's updates before this one (since construction or a checkpoint): lr_scale's index
+    index: int  # the stage's updates before this one (since construction or a checkpoint): lr_scale's index
 
 
 class VersionBook:

@@ -299,16 +299,6 @@ class AlgorithmSpec:
         alpha = merged.get("alpha")
         if alpha is not None and not callable(alpha) and alpha not in ALPHA_FUNCTIONS:
             raise ValueError(f"alpha must be one of {sorted(ALPHA_FUNCTIONS)} or a callable, got {alpha!r}")
-        lam = merged.get("lam")
-        if alpha == "constant" and not 0.0 <= lam <= 1.0:
-            raise ValueError(f"{self.name}: with alpha='constant', lam is the weight of the stashed weights and "
-                             f"must lie in [0, 1], got {lam}")
-        if alpha in ("exp", "inverse") and lam < 0:
-            raise ValueError(f"{self.name}: lam must be >= 0 (0: the stashed weights, inf: the live weights), "
-                             f"got {lam}: a negative lam gives alpha > 1, which extrapolates past the stashed weights")
-        degree = merged.get("degree")
-        if degree is not None and degree not in DEGREES:
-            raise ValueError(f"{self.name}: degree must be one of {DEGREES}, got {degree!r}")
         lookahead = merged.get("lookahead")
         if lookahead is not None and len(lookahead) != num_stages:
             raise ValueError(f"lookahead needs one horizon per stage ({num_stages}), got {len(lookahead)}")

@@ -12,7 +12,22 @@ read).
 """
 
 from ..schedule import n_forward_one_backward
-from .base import AlgorithmSpec, Interpolated, Live
+from .base import DEGREES, AlgorithmSpec, Interpolated, Live, Options
+
+
+def _check_interpolation(num_stages: int, n_microbatches: int, options: Options) -> str | None:
+    """``alpha`` must stay in [0, 1]: ``lam >= 0`` for the exp and inverse forms, ``lam`` in [0, 1] for the
+    constant one (a callable is checked when a read resolves it)."""
+    alpha, lam = options["alpha"], options["lam"]
+    if alpha == "constant" and not 0.0 <= lam <= 1.0:
+        return f"with alpha='constant', lam is the weight of the stashed weights and must lie in [0, 1], got {lam}"
+    if alpha in ("exp", "inverse") and lam < 0:
+        return (f"lam must be >= 0 (0: the stashed weights, inf: the live weights), got {lam}: a negative lam "
+                "gives alpha > 1, which extrapolates past the stashed weights")
+    if options["degree"] not in DEGREES:
+        return f"degree must be one of {DEGREES}, got {options['degree']!r}"
+    return None
+
 
 SPEC = AlgorithmSpec(
     name="i-timeprest",
@@ -21,4 +36,5 @@ SPEC = AlgorithmSpec(
     forward=Live(),
     backward=Interpolated(),
     defaults={"backward_rule": "swap", "alpha": "exp", "lam": 1.0, "degree": "versions"},
+    constraints=(_check_interpolation,),
 )

@@ -68,8 +68,9 @@ class StageOptimizer(ABC):
 
     def direction(self, w: torch.Tensor) -> torch.Tensor:
         """The direction ``v`` of the next update, per unit of learning rate, estimated with the latest
-        gradient; weight prediction reads ``W - s*lr*v``. Needs :meth:`track_direction`."""
-        raise NotImplementedError
+        gradient; weight prediction reads ``W - s*lr*v``. Needs :meth:`track_direction`, which optimizers
+        without a direction refuse, so only those that provide one override this."""
+        raise TypeError(f"{type(self).__name__} provides no update direction")
 
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:

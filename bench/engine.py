@@ -1,12 +1,15 @@
 """Engine throughput: pipecore's local executor against plain sequential training of the same model.
 
-Usage: ``python bench/engine.py [--only engine,graph,gpt] [--width 512] [--layers 8] [--batch 256]
+Usage: ``python bench/engine.py [--only engine,graph,gpt,concurrent] [--width 512] [--layers 8] [--batch 256]
 [--microbatches 8] [--stages 4] [--warmup 3] [--window 3] [--rounds 9] [--graph-window 1] [--graph-rounds 40]
-[--gpt-batch 32] [--gpt-window 1] [--gpt-rounds 15] [--threads 1,2] [--out bench/results/engine-cpu.json]
-[--profile ALGORITHM]``.
+[--gpt-batch 32] [--gpt-window 1] [--gpt-rounds 15] [--threads 1,2] [--concurrent-batches 256,1024]
+[--concurrent-algorithms gpipe,1f1b,2bw,pipedream] [--gpu-width 2048] [--gpu-batch 4096]
+[--out bench/results/engine-cpu.json] [--profile ALGORITHM]``.
 
-Three parts (``--only`` selects some; default all three; a partial run writes ``engine-cpu-<parts>.json``
-unless ``--out`` is given):
+Four parts (``--only`` selects some; default all four; a partial run writes ``engine-cpu-<parts>.json``
+unless ``--out`` is given). The first three measure the single-thread executor: every ``Pipeline`` they build
+passes ``concurrent=False`` (the stages run in turn on the calling thread; ``concurrent=True`` is the default
+in one process), so the ideal ratio to sequential training stays 1.0.
 
 * ``engine``: every algorithm against plain sequential training of the MLP below (the original benchmark).
 * ``graph``: the cost of the graph path. ``Pipeline`` captures every model with ``torch.fx`` and runs each
@@ -27,12 +30,32 @@ unless ``--out`` is given):
   gpipe, 1f1b and 2bw with ``pipecore.AdamW``, against plain sequential training of the same model (same
   micro-batches, loss / m, backward, then ``torch.optim.AdamW(foreach=True)``); token-level cross-entropy on
   random tokens, batch ``--gpt-batch`` sequences of 64 tokens.
+* ``concurrent``: what a worker thread per stage (``concurrent=True``) gains. The MLP below as 2 stages, m
+  micro-batches, at each batch of ``--concurrent-batches``, under ``torch.set_num_threads(1)`` (one intra-op
+  thread per stage thread; the previous count is restored after): sequential training, and per algorithm of
+  ``--concurrent-algorithms`` (``pipecore.SGD(momentum=0.9)``) ``<alg>`` (``concurrent=False``) and
+  ``<alg>+threads`` (``concurrent=True``), interleaved in rounds (rotated each round). Reported: samples/s, the
+  median and range of per-round ratios to sequential, and of ``+threads`` / in turn. The machine's own limit is
+  measured in the same rounds: one thread running one stage's matrix products for a step (per micro-batch and
+  Linear: the forward ``addmm``, the input- and weight-gradient ``mm`` of (batch/m) x width by width x width,
+  on its own tensors; each thread sets torch's thread count itself, since ``torch.set_num_threads`` on the
+  calling thread does not reach MKL on a new thread) against two threads each running theirs; limit =
+  2 t_one / t_two. Per algorithm, ``fraction_of_limit`` = (``+threads`` speedup over sequential) / limit.
+  Targets (printed PASS/FAIL, stored): at batch 1024 ``2bw+threads`` at least 0.9 and ``1f1b+threads`` at
+  least 0.8 of the limit; at batch 256 ``1f1b+threads`` and ``2bw+threads`` at least the two-process gloo
+  figures of ``bench/results/pipeline-cpu.json`` (``vs_single_process`` of its 1f1b and 2bw rows). Before
+  timing, every algorithm's ``concurrent=True`` and ``concurrent=False`` pipelines train 3 steps on the same
+  data and must end bit-identical (so must the timed pairs after the run; the exit status is 1 otherwise).
+  Where ``torch.cuda.is_available()``, the same comparison also runs on one GPU (key ``gpu``): 4 stages on
+  ``cuda:0`` of ``--layers`` x ``--gpu-width`` blocks, batch ``--gpu-batch``, windows timed between
+  ``torch.cuda.synchronize()`` calls, sequential reading its loss once per step.
 
 The model is ``layers x (Linear(width, width) + ReLU)`` in float32 on the CPU, trained with cross-entropy on
 random data. *Sequential* is what a user writes without pipecore: per micro-batch forward, ``loss / m``,
 backward; then ``torch.optim.SGD(momentum=0.9, foreach=True).step()`` and ``zero_grad()`` (the same math as
 pipecore's ``gpipe``). Every pipecore algorithm trains its own copy of the model as ``--stages`` stages with
-``pipecore.SGD(momentum=0.9)``. All configurations run in one process with one thread count.
+``pipecore.SGD(momentum=0.9)``. All configurations run in one process with one thread count (the engine, graph
+and gpt parts once per ``--threads`` entry; the concurrent part once, with 1).
 
 Timing: ``--warmup`` steps per configuration are excluded; then ``--rounds`` rounds each time one window of
 ``--window`` steps of every configuration in turn (interleaved, so that load from other processes hits all
@@ -56,16 +79,19 @@ from __future__ import annotations
 import argparse
 import cProfile
 import copy
+import json
 import os
 import pstats
 import statistics
 import sys
+import threading
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
@@ -81,12 +107,23 @@ from pipecore.models import GPT  # noqa: E402
 TARGET_RATIO = 0.9  # gpipe and 1f1b: engine overhead at most 10%
 TARGET_ALGORITHMS = ("gpipe", "1f1b")
 LR = 1e-3
-PARTS = ("engine", "graph", "gpt")
+PARTS = ("engine", "graph", "gpt", "concurrent")
 GRAPH_ALGORITHMS = ("gpipe", "1f1b", "2bw")
 GRAPH_TARGET = 0.95  # the graph path at least 0.95x as fast as Sequential stage modules
 GPT_ALGORITHMS = ("gpipe", "1f1b", "2bw")
 GPT_SIZES = {"vocab_size": 96, "block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 128}
 GPT_WEIGHT_DECAY = 0.01
+CONCURRENT_ALGORITHMS = ("gpipe", "1f1b", "2bw", "pipedream")
+CONCURRENT_BATCHES = (256, 1024)
+CONCURRENT_STAGES = 2
+THREADS = "+threads"  # the configuration with a thread per stage (concurrent=True)
+LIMIT_ONE, LIMIT_TWO = "limit:1 thread", "limit:2 threads"  # the machine's limit, measured with the rounds
+LIMIT_TARGET_BATCH = 1024
+LIMIT_TARGETS = {"2bw": 0.9, "1f1b": 0.8}  # +threads speedup over sequential, as a fraction of the limit
+GLOO_TARGET_BATCH = 256
+GLOO_ALGORITHMS = ("1f1b", "2bw")  # +threads at least the two-process gloo figure (vs single process)
+GLOO_RESULTS = ROOT / "bench" / "results" / "pipeline-cpu.json"
+GPU_STAGES = 4
 
 
 def make_model(width: int, layers: int, seed: int = 0) -> nn.Sequential:
@@ -106,32 +143,39 @@ class Config:
     pipe: pipecore.Pipeline | None = None
 
 
-def sequential_trainer(model: nn.Module, m: int) -> Callable[[torch.Tensor, torch.Tensor], float]:
+def sequential_trainer(model: nn.Module, m: int, defer_loss: bool = False
+                       ) -> Callable[[torch.Tensor, torch.Tensor], float]:
     """Plain training with gradient accumulation over ``m`` micro-batches (gpipe's math)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, foreach=True)
-    return accumulating_trainer(model, optimizer, nn.CrossEntropyLoss(), m)
+    return accumulating_trainer(model, optimizer, nn.CrossEntropyLoss(), m, defer_loss)
 
 
-def accumulating_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable, m: int
-                         ) -> Callable[[torch.Tensor, torch.Tensor], float]:
-    """A step: per micro-batch forward, ``loss / m``, backward; then one optimizer step."""
+def accumulating_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable, m: int,
+                         defer_loss: bool = False) -> Callable[[torch.Tensor, torch.Tensor], float]:
+    """A step: per micro-batch forward, ``loss / m``, backward; then one optimizer step. With ``defer_loss``
+    the micro-batch losses are summed on their device and read once per step (on a GPU: no wait for the
+    device after every micro-batch, as pipecore reads its losses)."""
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
-        total = 0.0
+        total: float | torch.Tensor = 0.0
         for xs, ys in zip(x.chunk(m), y.chunk(m)):
             loss = loss_fn(model(xs), ys)
             (loss / m).backward()
-            total += loss.item()
+            total += loss.detach() if defer_loss else loss.item()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return total / m
+        return float(total) / m
 
     return step
 
 
-def pipeline(name: str, model: nn.Module, stages: int, m: int) -> pipecore.Pipeline:
+def pipeline(name: str, model: nn.Module, stages: int, m: int, concurrent: bool = False,
+             devices: str | None = None) -> pipecore.Pipeline:
+    """``name`` with ``pipecore.SGD(momentum=0.9)``; by default the stages run in turn on the calling thread
+    (``concurrent=False``), which is what the engine, graph and gpt parts measure."""
     return pipecore.Pipeline(model, stages, algorithm=name, n_microbatches=m,
-                             optimizer=pipecore.SGD(lr=LR, momentum=0.9), loss_fn=nn.CrossEntropyLoss())
+                             optimizer=pipecore.SGD(lr=LR, momentum=0.9), loss_fn=nn.CrossEntropyLoss(),
+                             concurrent=concurrent, devices=devices)
 
 
 def expected_versions(name: str, stages: int, m: int) -> list[int]:
@@ -189,21 +233,45 @@ def mlp_data(batch: int, width: int, window: int) -> list[tuple[torch.Tensor, to
 
 
 def measure(configs: list[Config], data: list[tuple[torch.Tensor, torch.Tensor]], warmup: int, rounds: int,
-            order: Callable[[int], list[Config]] | None = None) -> dict[str, list[float]]:
+            order: Callable[[int], list[Config]] | None = None,
+            sync: Callable[[], None] | None = None) -> dict[str, list[float]]:
     """Samples/s of every window (one pass over ``data``) of every configuration, windows interleaved round by
-    round (in ``order(round)`` if given, else in list order)."""
+    round (in ``order(round)`` if given, else in list order). ``sync`` (e.g. ``torch.cuda.synchronize``) runs
+    before a window's clock starts and before it stops."""
     window, batch = len(data), len(data[0][0])
+    wait = sync or (lambda: None)
     for c in configs:
         for i in range(warmup):
             c.step(*data[i % window])
     rates: dict[str, list[float]] = {c.name: [] for c in configs}
     for r in range(rounds):
         for c in (order(r) if order else configs):
+            wait()
             start = time.perf_counter()
             for x, y in data:
                 c.step(x, y)
+            wait()
             rates[c.name].append(window * batch / (time.perf_counter() - start))
     return rates
+
+
+def rotating(configs: list[Config]) -> Callable[[int], list[Config]]:
+    """An ``order`` for ``measure`` that rotates the list by one every round, so that no configuration always
+    follows the same one."""
+
+    def order(r: int) -> list[Config]:
+        k = r % len(configs)
+        return configs[k:] + configs[:k]
+
+    return order
+
+
+def weights_diff(a: pipecore.Pipeline, b: pipecore.Pipeline) -> float:
+    """Largest |difference| between two pipelines' weights, after flushing both (0: bit-identical)."""
+    a.flush()
+    b.flush()
+    sa, sb = a.state_dict(), b.state_dict()
+    return max(float((sa[k] - sb[k]).abs().max()) for k in sa if k != "pipecore")
 
 
 def run_benchmark(names: list[str], width: int, layers: int, batch: int, P: int, m: int, warmup: int, window: int,
@@ -287,13 +355,8 @@ def run_graph_comparison(width: int, layers: int, batch: int, P: int, m: int, wa
         time_ratios = [g / q for g, q in zip(ms_graph, ms_seq)]  # graph time / Sequential time, per round
         quartiles = statistics.quantiles(time_ratios, n=4)
         median = statistics.median(time_ratios)
-        states = []
-        for c in configs:
-            if c.name.startswith(name + ":"):
-                assert c.pipe is not None
-                c.pipe.flush()
-                states.append(c.pipe.state_dict())
-        diff = max(float((states[0][k] - states[1][k]).abs().max()) for k in states[0] if k != "pipecore")
+        pair = [c.pipe for c in configs if c.name.startswith(name + ":") and c.pipe is not None]
+        diff = weights_diff(*pair)
         results[name] = {
             "graph_ms_per_step": round(statistics.median(ms_graph), 3),
             "sequential_modules_ms_per_step": round(statistics.median(ms_seq), 3),
@@ -365,13 +428,10 @@ def run_gpt(batch: int, P: int, m: int, warmup: int, window: int, rounds: int) -
     for name in GPT_ALGORITHMS:
         pipe = pipecore.Pipeline(copy.deepcopy(base), P, algorithm=name, n_microbatches=m,
                                  optimizer=pipecore.AdamW(lr=LR, weight_decay=GPT_WEIGHT_DECAY), loss_fn=lm_loss,
-                                 partition=gpt_cuts(P))
+                                 partition=gpt_cuts(P), concurrent=False)
         configs.append(Config(name, pipe.step, pipe))
 
-    def order(r: int) -> list[Config]:  # rotate, so that no configuration always follows the same one
-        return configs[r % len(configs):] + configs[: r % len(configs)]
-
-    rates = measure(configs, gpt_data(batch, window), warmup, rounds, order)
+    rates = measure(configs, gpt_data(batch, window), warmup, rounds, rotating(configs))
     seq = rates["sequential"]
     tokens = GPT_SIZES["block_size"]
     results: dict[str, object] = {}
@@ -397,6 +457,222 @@ def run_gpt(batch: int, P: int, m: int, warmup: int, window: int, rounds: int) -
     return {"tied": [f"{name}: " + ", ".join(f"stage {s} ({local})" for s, local in held)
                      for name, held in configs[1].pipe.ties.items()] if configs[1].pipe else [],
             "results": results}
+
+
+# -- concurrent stages -------------------------------------------------------------------------------------
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``n`` inside the block, and restored after it."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def median_range(values: list[float], digits: int = 3) -> dict[str, object]:
+    """The median of ``values`` with their range [min, max]."""
+    return {"median": round(statistics.median(values), digits),
+            "range": [round(min(values), digits), round(max(values), digits)]}
+
+
+def concurrent_matches(name: str, base: nn.Module, width: int, batch: int, stages: int, m: int,
+                       devices: str | None = None, steps: int = 3) -> float:
+    """Largest |weight difference| between ``concurrent=True`` and ``concurrent=False`` pipelines of ``name``
+    after ``steps`` steps on the same data (0: bit-identical)."""
+    pipes = [pipeline(name, copy.deepcopy(base), stages, m, concurrent=c, devices=devices) for c in (True, False)]
+    for x, y in mlp_data(batch, width, steps):
+        for pipe in pipes:
+            pipe.step(x, y)
+    return weights_diff(*pipes)
+
+
+def build_concurrent(names: list[str], base: nn.Module, stages: int, m: int, devices: str | None = None
+                     ) -> list[Config]:
+    """Sequential training of a copy of ``base`` (on ``devices``, there reading its loss once per step), and per
+    algorithm the pipeline with its stages in turn on the calling thread (``name``) and with a thread per stage
+    (``name+threads``), all its stages on ``devices`` if given."""
+    model = copy.deepcopy(base).to(devices or "cpu")
+    configs = [Config("sequential", sequential_trainer(model, m, defer_loss=devices is not None))]
+    for name in names:
+        for concurrent in (False, True):
+            pipe = pipeline(name, copy.deepcopy(base), stages, m, concurrent=concurrent, devices=devices)
+            configs.append(Config(name + (THREADS if concurrent else ""), pipe.step, pipe))
+    return configs
+
+
+class StageMatmuls:
+    """One stage's matrix products for one step, on tensors of its own: per micro-batch and per Linear layer of
+    the stage, the forward ``addmm`` (rows x width by width x width), the input gradient (``mm`` by the weight)
+    and the weight gradient (``mm`` of the transposed output gradient by the input)."""
+
+    def __init__(self, rows: int, width: int, layers: int, m: int, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        self.layers = [(torch.randn(rows, width, generator=gen), torch.randn(width, width, generator=gen),
+                        torch.randn(width, generator=gen), torch.randn(rows, width, generator=gen))
+                       for _ in range(layers)]
+        self.m = m
+
+    def run(self) -> None:
+        for _ in range(self.m):
+            for x, w, b, grad in self.layers:
+                torch.addmm(b, x, w.t())
+                torch.mm(grad, w)
+                torch.mm(grad.t(), x)
+
+
+def on_threads(works: list[StageMatmuls]) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """A step (for ``measure``; it ignores the mini-batch) running every work once, each on its own thread, as
+    the concurrent executor starts a thread per stage for every step. Each thread first sets torch's thread
+    count to the caller's: ``torch.set_num_threads`` on one thread does not reach MKL on a new one, whose
+    matrix products would otherwise run on MKL's default thread count (all cores), oversubscribing them."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        count = torch.get_num_threads()
+
+        def run(work: StageMatmuls) -> None:
+            torch.set_num_threads(count)
+            work.run()
+
+        threads = [threading.Thread(target=run, args=(w,)) for w in works]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    return step
+
+
+def limit_configs(batch: int, width: int, layers: int, stages: int, m: int) -> list[Config]:
+    """The machine's own limit as two configurations of equal work per thread: one thread running one stage's
+    matrix products for a step, and two threads each running their own."""
+
+    def work(seed: int) -> StageMatmuls:
+        return StageMatmuls(batch // m, width, layers // stages, m, seed)
+
+    return [Config(LIMIT_ONE, on_threads([work(10)])), Config(LIMIT_TWO, on_threads([work(11), work(12)]))]
+
+
+def machine_limit(rates: dict[str, list[float]]) -> list[float]:
+    """Per round: 2 t_one / t_two, the speedup two threads of independent work get over one (its windows hold
+    the same steps, so the time ratio is the inverse rate ratio)."""
+    return [2 * two / one for one, two in zip(rates[LIMIT_ONE], rates[LIMIT_TWO])]
+
+
+def compare_to_sequential(configs: list[Config], rates: dict[str, list[float]], names: list[str], batch: int
+                          ) -> dict[str, object]:
+    """Per configuration: median samples/s, ms/step, the median (and range) of its per-round ratios to
+    sequential, its windows; per algorithm: the per-round ratio ``name+threads`` / ``name`` (median, range)."""
+    seq = rates["sequential"]
+    results: dict[str, object] = {}
+    for c in configs:
+        median = statistics.median(rates[c.name])
+        results[c.name] = {
+            "samples_per_s": round(median, 1), "ms_per_step": round(1e3 * batch / median, 2),
+            "vs_sequential": median_range([r / b for r, b in zip(rates[c.name], seq)]),
+            "windows_samples_per_s": [round(r, 1) for r in rates[c.name]],
+        }
+    threads_over_in_turn = {n: median_range([t / s for t, s in zip(rates[n + THREADS], rates[n])]) for n in names}
+    return {"results": results, "threads_over_in_turn": threads_over_in_turn}
+
+
+def run_concurrent_batch(names: list[str], width: int, layers: int, batch: int, m: int, warmup: int,
+                         window: int, rounds: int) -> dict[str, object]:
+    """One batch size of the concurrent part on the CPU: sequential, every algorithm in turn and with threads,
+    and the machine's limit, interleaved round by round; each algorithm's threaded speedup over sequential as a
+    fraction of the limit."""
+    configs = build_concurrent(names, make_model(width, layers), CONCURRENT_STAGES, m)
+    limits = limit_configs(batch, width, layers, CONCURRENT_STAGES, m)
+    every = configs + limits
+    rates = measure(every, mlp_data(batch, width, window), warmup, rounds, rotating(every))
+    out = compare_to_sequential(configs, rates, names, batch)
+    limit = machine_limit(rates)
+    out["machine_limit"] = {**median_range(limit), "per_round": [round(v, 3) for v in limit]}
+    results = out["results"]
+    out["fraction_of_limit"] = {
+        n: {"of_medians": round(results[n + THREADS]["vs_sequential"]["median"] / statistics.median(limit), 3),
+            **median_range([r / b / lim for r, b, lim in zip(rates[n + THREADS], rates["sequential"], limit)])}
+        for n in names}
+    for c in configs:  # the timed pair trained on the same data in the same order
+        if c.pipe is not None and c.name.endswith(THREADS):
+            partner = next(p.pipe for p in configs if p.name == c.name[: -len(THREADS)])
+            results[c.name]["max_weight_diff_vs_in_turn"] = weights_diff(c.pipe, partner)
+    return out
+
+
+def gloo_reference(path: Path = GLOO_RESULTS) -> dict[str, object] | None:
+    """The two-process gloo figures of bench/pipeline.py's result: ``vs_single_process`` of its ``results`` rows
+    whose ``system`` is 1f1b or 2bw; None without the file."""
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    rows = {r.get("system"): r for r in report.get("results", []) if isinstance(r, dict)}
+    found = {n: rows[n]["vs_single_process"] for n in GLOO_ALGORITHMS if "vs_single_process" in rows.get(n, {})}
+    return {"file": str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path),
+            "batch": report.get("batch"), "ranks": report.get("ranks"), "model": report.get("model"),
+            "threads_per_rank": report.get("threads_per_rank"), "date": report.get("date"),
+            "vs_single_process": found}
+
+
+def concurrent_targets(batches: dict[str, dict[str, object]], gloo: dict[str, object] | None
+                       ) -> list[dict[str, object]]:
+    """The issue's targets, each with its measured value and ``passed`` (None where it cannot be judged)."""
+    targets: list[dict[str, object]] = []
+    at_limit = batches.get(str(LIMIT_TARGET_BATCH))
+    for name, share in LIMIT_TARGETS.items():
+        if at_limit is not None and name in at_limit["fraction_of_limit"]:
+            value = at_limit["fraction_of_limit"][name]["of_medians"]
+            targets.append({"batch": LIMIT_TARGET_BATCH, "configuration": name + THREADS,
+                            "measure": "fraction_of_limit", "value": value, "at_least": share,
+                            "passed": value >= share})
+    at_gloo = batches.get(str(GLOO_TARGET_BATCH))
+    reference = gloo["vs_single_process"] if gloo else {}
+    for name in GLOO_ALGORITHMS:
+        if at_gloo is None or name + THREADS not in at_gloo["results"]:
+            continue
+        value = at_gloo["results"][name + THREADS]["vs_sequential"]["median"]
+        bound = reference.get(name)
+        targets.append({"batch": GLOO_TARGET_BATCH, "configuration": name + THREADS, "measure": "vs_sequential",
+                        "value": value, "at_least": bound, "reference": f"two-process gloo {name}, vs_single_process",
+                        "passed": None if bound is None else value >= bound})
+    return targets
+
+
+def run_concurrent(names: list[str], width: int, layers: int, batches: list[int], m: int, warmup: int,
+                   window: int, rounds: int) -> dict[str, object]:
+    """The concurrent part on the CPU, with one torch thread per (stage) thread: the bit-identity check of every
+    algorithm, then each batch size, then the targets."""
+    with torch_threads(1):
+        base = make_model(width, layers)
+        weights = {n: concurrent_matches(n, base, width, min(batches), CONCURRENT_STAGES, m) for n in names}
+        by_batch = {str(b): run_concurrent_batch(names, width, layers, b, m, warmup, window, rounds) for b in batches}
+    gloo = gloo_reference()
+    return {"max_weight_diff_threads_vs_in_turn": weights, "batches": by_batch, "gloo_reference": gloo,
+            "targets": concurrent_targets(by_batch, gloo)}
+
+
+def run_concurrent_gpu(names: list[str], width: int, layers: int, batch: int, m: int, warmup: int, window: int,
+                       rounds: int, device: str = "cuda:0") -> dict[str, object]:
+    """``GPU_STAGES`` stages of the MLP on one GPU: every algorithm in turn and with a thread (and stream) per
+    stage against sequential training on the same GPU, windows timed between ``torch.cuda.synchronize()``."""
+    base = make_model(width, layers)
+    weights = {n: concurrent_matches(n, base, width, batch, GPU_STAGES, m, devices=device) for n in names}
+    configs = build_concurrent(names, base, GPU_STAGES, m, device)
+    data = [(x.to(device), y.to(device)) for x, y in mlp_data(batch, width, window)]
+    rates = measure(configs, data, warmup, rounds, rotating(configs), sync=torch.cuda.synchronize)
+    return {"device": torch.cuda.get_device_name(device), "torch_threads": torch.get_num_threads(),
+            "model": f"{layers} x (Linear({width},{width}) + ReLU), cross-entropy",
+            "sizes": {"width": width, "layers": layers, "batch": batch, "microbatches": m, "stages": GPU_STAGES},
+            "dtype": "float32", "algorithms": names,
+            "timing": {"warmup_steps": warmup, "window_steps": window, "rounds": rounds,
+                       "statistic": "torch.cuda.synchronize() before a window's clock starts and before it stops; "
+                                    "otherwise as the CPU part"},
+            "max_weight_diff_threads_vs_in_turn": weights,
+            **compare_to_sequential(configs, rates, names, batch)}
 
 
 def profile(config: Config, batch: int, width: int, steps: int, top: int = 25) -> None:
@@ -462,6 +738,102 @@ def print_gpt_table(gpt: dict[str, object]) -> None:
               f"{r['ratio']:>5.2f}  {r['ratio_paired']:.3f} [{lo:.3f}, {hi:.3f}]")
 
 
+def concurrent_description(args: argparse.Namespace, results: dict[str, object]) -> dict[str, object]:
+    """The concurrent part's JSON: what was run and how it was timed, then its results."""
+    return {
+        "what": "throughput of Pipeline(concurrent=True) (a worker thread per stage) and concurrent=False (the "
+                "stages in turn on the calling thread) against plain sequential training, with the machine's own "
+                "limit for two threads",
+        "model": f"{args.layers} x (Linear({args.width},{args.width}) + ReLU), cross-entropy",
+        "sizes": {"width": args.width, "layers": args.layers, "batches": [int(b) for b in results["batches"]],
+                  "microbatches": args.microbatches, "stages": CONCURRENT_STAGES},
+        "dtype": "float32", "device": "cpu",
+        "torch_threads": 1,
+        "environment": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")},
+        "threads": "torch.set_num_threads(1): one intra-op thread for sequential, for the in-turn pipelines, and "
+                   "for each stage thread of +threads (restored afterwards)",
+        "algorithms": args.concurrent_algorithms.split(","),
+        "optimizer": {"pipecore": f"pipecore.SGD(lr={LR}, momentum=0.9)",
+                      "sequential": f"torch.optim.SGD(lr={LR}, momentum=0.9, foreach=True)"},
+        "machine_limit": "per round, 2 t_one / t_two: t_one = one thread running one stage's matrix products for "
+                         "window steps (per step, per micro-batch and per Linear of the stage: addmm forward, "
+                         "input-gradient mm, weight-gradient mm, of (batch/m) x width by width x width, on its own "
+                         "tensors; a thread started per step, which first calls torch.set_num_threads(1) itself), "
+                         "t_two = two threads each doing that at once; measured as two more configurations in "
+                         "the rounds",
+        "timing": {"warmup_steps": args.warmup, "window_steps": args.window, "rounds": args.rounds,
+                   "statistic": "samples_per_s: median over windows; vs_sequential, threads_over_in_turn: median "
+                                "and range of per-round ratios; configurations (and the limit's two) rotate from "
+                                "round to round; fraction_of_limit.of_medians = vs_sequential median of +threads / "
+                                "machine_limit median (the targets use it), fraction_of_limit.median/range: of "
+                                "the per-round (+threads / sequential) / limit"},
+        "targets_definition": {
+            f"batch {LIMIT_TARGET_BATCH}": {n + THREADS: f"fraction_of_limit >= {v}" for n, v in LIMIT_TARGETS.items()},
+            f"batch {GLOO_TARGET_BATCH}": {n + THREADS: "vs_sequential >= the two-process gloo vs_single_process"
+                                           for n in GLOO_ALGORITHMS}},
+        "weights": "max_weight_diff_threads_vs_in_turn: after 3 steps on the same data, before timing (0: "
+                   "bit-identical); max_weight_diff_vs_in_turn: the timed pair after the run",
+        **results,
+    }
+
+
+def concurrent_identical(part: dict[str, object] | None) -> bool:
+    """Whether every threads / in-turn pair of the concurrent part (CPU or GPU) ended with bit-identical weights."""
+    if part is None:
+        return True
+    diffs = list(part["max_weight_diff_threads_vs_in_turn"].values())
+    diffs += [r["max_weight_diff_vs_in_turn"] for b in part.get("batches", {}).values()
+              for r in b["results"].values() if "max_weight_diff_vs_in_turn" in r]
+    return all(d == 0 for d in diffs)
+
+
+def print_concurrent(conc: dict[str, object], m: int) -> None:
+    """Per batch size: the machine's limit and every configuration against sequential; then the targets."""
+    for batch, b in conc["batches"].items():
+        lim = b["machine_limit"]
+        print(f"\nbatch {batch} ({int(batch) // m} rows per micro-batch); machine limit (two threads of independent "
+              f"stage matmuls / one): {lim['median']:.2f} [{lim['range'][0]:.2f}, {lim['range'][1]:.2f}]")
+        print_concurrent_table(b)
+    weights = conc["max_weight_diff_threads_vs_in_turn"]
+    print("threads vs in turn, weights after 3 steps: "
+          + ", ".join(f"{n} {'identical' if d == 0 else f'DIFFER by {d:.2e}'}" for n, d in weights.items()))
+    print_targets(conc["targets"], conc["gloo_reference"])
+
+
+def print_concurrent_table(b: dict[str, object]) -> None:
+    """One batch size's (or the GPU's) configurations: throughput, ratio to sequential, and for ``+threads`` the
+    ratio to the same algorithm in turn and the fraction of the machine's limit (where measured)."""
+    def span(r: dict[str, object]) -> str:
+        return f"{r['median']:.3f} [{r['range'][0]:.3f}, {r['range'][1]:.3f}]"
+
+    print(f"{'configuration':<17}  {'samples/s':>9}  {'ms/step':>8}  {'vs sequential [range]':<22}  "
+          f"{'threads/in turn [range]':<23}  {'of limit [per-round range]':<26}")
+    fractions = b.get("fraction_of_limit", {})
+    for name, r in b["results"].items():
+        alg = name[: -len(THREADS)] if name.endswith(THREADS) else None
+        ratio = span(b["threads_over_in_turn"][alg]) if alg else "-"
+        f = fractions.get(alg) if alg else None
+        share = f"{f['of_medians']:.3f} [{f['range'][0]:.3f}, {f['range'][1]:.3f}]" if f else "-"
+        print(f"{name:<17}  {r['samples_per_s']:>9,.0f}  {r['ms_per_step']:>8.2f}  {span(r['vs_sequential']):<22}  "
+              f"{ratio:<23}  {share:<26}")
+
+
+def print_targets(targets: list[dict[str, object]], gloo: dict[str, object] | None) -> None:
+    if gloo is None:
+        print(f"two-process gloo comparison unavailable: {GLOO_RESULTS.relative_to(ROOT)} not found")
+    for t in targets:
+        where = f"batch {t['batch']} {t['configuration']}"
+        if t["measure"] == "fraction_of_limit":
+            print(f"{'PASS' if t['passed'] else 'FAIL'}  {where}: {t['value']:.3f} of the machine's limit "
+                  f"(target >= {t['at_least']:.2f})")
+        elif t["passed"] is None:
+            print(f"n/a   {where}: {t['value']:.3f}x sequential; comparison unavailable ({t['reference']}: not "
+                  "found)")
+        else:
+            print(f"{'PASS' if t['passed'] else 'FAIL'}  {where}: {t['value']:.3f}x sequential (target >= "
+                  f"{t['at_least']:.3f}, {t['reference']})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help=f"comma-separated parts to run, of {','.join(PARTS)} (default: all)")
@@ -484,6 +856,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overhead-width", type=int, default=16,
                         help="width of the tiny model whose step time difference is the engine's fixed overhead")
     parser.add_argument("--algorithms", help="comma-separated subset (default: all)")
+    parser.add_argument("--concurrent-batches", default=",".join(map(str, CONCURRENT_BATCHES)),
+                        help="comma-separated batch sizes, concurrent part")
+    parser.add_argument("--concurrent-algorithms", default=",".join(CONCURRENT_ALGORITHMS),
+                        help="comma-separated algorithms, concurrent part")
+    parser.add_argument("--gpu-width", type=int, default=2048, help="MLP width, concurrent part on a GPU")
+    parser.add_argument("--gpu-batch", type=int, default=4096, help="batch, concurrent part on a GPU")
     parser.add_argument("--out", help="JSON result (default: bench/results/engine-cpu.json; with --only, "
                                       "bench/results/engine-cpu-<parts>.json)")
     parser.add_argument("--profile", metavar="NAME", help="profile one configuration instead of benchmarking")
@@ -508,8 +886,9 @@ def main(argv: list[str] | None = None) -> int:
 
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     diff = gpipe_matches_sequential(args.width, args.layers, args.batch, P, m) if "engine" in parts else None
+    per_thread_count = [p for p in parts if p != "concurrent"]  # the parts run once per --threads entry
     runs = []
-    for threads in thread_counts:
+    for threads in thread_counts if per_thread_count else []:
         torch.set_num_threads(threads)
         run: dict[str, object] = {"threads": threads}
         seconds: dict[str, float] = {}
@@ -537,6 +916,19 @@ def main(argv: list[str] | None = None) -> int:
             seconds["gpt"] = round(time.perf_counter() - start, 1)
         run["wall_seconds_per_part"] = seconds
         runs.append(run)
+    concurrent = gpu = None
+    if "concurrent" in parts:
+        conc_names = args.concurrent_algorithms.split(",")
+        conc_batches = [int(b) for b in args.concurrent_batches.split(",")]
+        start = time.perf_counter()
+        concurrent = run_concurrent(conc_names, args.width, args.layers, conc_batches, m, args.warmup,
+                                    args.window, args.rounds)
+        concurrent["wall_seconds"] = round(time.perf_counter() - start, 1)
+        if torch.cuda.is_available():
+            start = time.perf_counter()
+            gpu = run_concurrent_gpu(conc_names, args.gpu_width, args.layers, args.gpu_batch, m, args.warmup,
+                                     args.window, args.rounds)
+            gpu["wall_seconds"] = round(time.perf_counter() - start, 1)
 
     info = machine()
     info["load_average_1min"] = {"before": load_before, "after": info["load_average_1min"]}
@@ -546,16 +938,20 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python bench/engine.py", *(argv if argv is not None else sys.argv[1:])]),
         "parts": parts,
         "machine": info,
-        "model": f"{args.layers} x (Linear({args.width},{args.width}) + ReLU), cross-entropy",
-        "sizes": {"width": args.width, "layers": args.layers, "batch": args.batch, "microbatches": m,
-                  "stages": P, "parameters": sum(p.numel() for p in make_model(args.width, args.layers).parameters()),
-                  "overhead_width": args.overhead_width},
         "dtype": "float32",
         "device": "cpu",
-        "timing": {"warmup_steps": args.warmup, "window_steps": args.window, "rounds": args.rounds,
-                   "statistic": "median samples/s over windows, configurations interleaved; ratio = median / "
-                                "sequential median; ratio_paired = median of per-round ratios"},
     }
+    if per_thread_count:
+        report.update({
+            "model": f"{args.layers} x (Linear({args.width},{args.width}) + ReLU), cross-entropy",
+            "sizes": {"width": args.width, "layers": args.layers, "batch": args.batch, "microbatches": m, "stages": P,
+                      "parameters": sum(p.numel() for p in make_model(args.width, args.layers).parameters()),
+                      "overhead_width": args.overhead_width},
+            "executor": "concurrent=False: the stages run in turn on the calling thread",
+            "timing": {"warmup_steps": args.warmup, "window_steps": args.window, "rounds": args.rounds,
+                       "statistic": "median samples/s over windows, configurations interleaved; ratio = median / "
+                                    "sequential median; ratio_paired = median of per-round ratios"},
+        })
     if "engine" in parts:
         report.update({"gpipe_vs_sequential_max_weight_diff": diff,
                        "target": {"ratio": TARGET_RATIO, "algorithms": list(TARGET_ALGORITHMS)}})
@@ -597,7 +993,12 @@ def main(argv: list[str] | None = None) -> int:
                        "statistic": "ratio = median / sequential median; ratio_paired = median of per-round "
                                     "ratios (range: min, max); configurations rotate from round to round"},
         }
-    report["runs"] = runs
+    if per_thread_count:
+        report["runs"] = runs
+    if concurrent is not None:
+        report["concurrent"] = concurrent_description(args, concurrent)
+    if gpu is not None:
+        report["gpu"] = gpu
     out = write_report(report, out_path).resolve()
 
     if "engine" in parts:
@@ -626,11 +1027,25 @@ def main(argv: list[str] | None = None) -> int:
             gdiff = run["gpt"]["results"].get("gpipe", {}).get("max_weight_diff_vs_sequential")
             if gdiff is not None:
                 print(f"gpipe vs sequential GPT weights after the run: max |diff| = {gdiff:.2e}")
+    if concurrent is not None:
+        print(f"\nconcurrent: {report['concurrent']['model']}, {CONCURRENT_STAGES} stages, {m} micro-batches, "
+              f"float32, 1 torch thread per thread; sequential, each algorithm with its stages in turn (concurrent="
+              f"False) and a thread per stage (+threads); median of {args.rounds} windows of {args.window} steps, "
+              "ratios: median [min, max] of per-round ratios")
+        print_concurrent(concurrent, m)
+    if gpu is not None:
+        print(f"\nconcurrent on {gpu['device']}: {gpu['model']}, batch {args.gpu_batch}, {GPU_STAGES} stages, {m} "
+              f"micro-batches, float32; median of {args.rounds} windows of {args.window} steps")
+        print_concurrent_table(gpu)
+        print("threads vs in turn, weights after 3 steps: " + ", ".join(
+            f"{n} {'identical' if d == 0 else f'DIFFER by {d:.2e}'}"
+            for n, d in gpu["max_weight_diff_threads_vs_in_turn"].items()))
     print(f"\nwrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
     checks = [r.get("check", "ok") for run in runs for r in run.get("results", {}).values()]
     identical = all(r["max_weight_diff"] == 0 for run in runs for part in run.get("graph_vs_sequential_modules", {}).values()
                     for r in part.values())
-    return 0 if all(c == "ok" for c in checks) and (diff is None or diff < 1e-5) and identical else 1
+    return 0 if (all(c == "ok" for c in checks) and (diff is None or diff < 1e-5) and identical
+                 and concurrent_identical(concurrent) and concurrent_identical(gpu)) else 1
 
 
 if __name__ == "__main__":

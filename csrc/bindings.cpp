@@ -1,8 +1,12 @@
 // Python bindings for pipecore._C. The typed, documented API is in pipecore/ring.py and pipecore/ops.
 #include <torch/extension.h>
 
+#include <pybind11/stl.h>
+
+#include "mailbox.h"
 #include "ops_cpu.h"
 #include "ring.h"
+#include "thread_state.h"
 
 namespace py = pybind11;
 
@@ -36,6 +40,52 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("unpin", &pipecore::WeightRing::unpin, py::arg("i"))
       .def("__repr__", &pipecore::WeightRing::repr);
 
+  // Stage-thread synchronisation (mailbox.h). Waits release the GIL themselves, and only when
+  // they have to block, so no call_guard here.
+  py::register_exception<pipecore::Aborted>(m, "Aborted", PyExc_RuntimeError);
+  // TimeoutError is the built-in type, not a pipecore subclass: callers catch it as usual.
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const pipecore::WaitTimeout& e) {
+      PyErr_SetString(PyExc_TimeoutError, e.what());
+    }
+  });
+
+  py::class_<pipecore::Mailbox>(m, "Mailbox",
+                                "Thread-safe map int -> object whose take() blocks (GIL released) until "
+                                "the key is put.")
+      .def(py::init<>())
+      .def("put", &pipecore::Mailbox::put, py::arg("key"), py::arg("value"),
+           "Store value under key and wake waiters; KeyError if key is already present.")
+      .def("take", &pipecore::Mailbox::take, py::arg("key"), py::arg("timeout") = -1.0,
+           "Remove and return the value under key, waiting (GIL released) until it is put. timeout in "
+           "seconds, negative = forever; raises TimeoutError when it passes, Aborted after abort().")
+      .def("contains", &pipecore::Mailbox::contains, py::arg("key"), "Whether key is present.")
+      .def("__contains__", &pipecore::Mailbox::contains, py::arg("key"))
+      .def("__len__", &pipecore::Mailbox::size, "Number of stored items.")
+      .def("keys", &pipecore::Mailbox::keys, "Sorted list of the stored keys.")
+      .def("abort", &pipecore::Mailbox::abort, py::arg("reason"),
+           "Make every current and future take() raise Aborted(reason), until reset(). The first "
+           "reason is kept.")
+      .def("reset", &pipecore::Mailbox::reset, "Clear the aborted state; stored items stay.")
+      .def("clear", &pipecore::Mailbox::clear, "Drop every stored item.");
+
+  py::class_<pipecore::Progress>(m, "Progress", "One counter per stage, with waiting (GIL released).")
+      .def(py::init<int64_t>(), py::arg("n"), "n counters at 0; ValueError if n < 1.")
+      .def("set", &pipecore::Progress::set, py::arg("i"), py::arg("value"),
+           "Set counter i and wake waiters; IndexError if i is out of range.")
+      .def("get", &pipecore::Progress::get, py::arg("i"), "Value of counter i.")
+      .def("wait_at_least", &pipecore::Progress::wait_at_least, py::arg("i"), py::arg("value"),
+           py::arg("timeout") = -1.0,
+           "Return once counter i >= value, waiting with the GIL released. timeout in seconds, negative "
+           "= forever; raises TimeoutError when it passes, Aborted after abort().")
+      .def("__len__", &pipecore::Progress::size, "Number of counters.")
+      .def("abort", &pipecore::Progress::abort, py::arg("reason"),
+           "Make every current and future wait_at_least() raise Aborted(reason), until reset(). The "
+           "first reason is kept.")
+      .def("reset", &pipecore::Progress::reset, "Clear the aborted state; counters keep their values.");
+
   // Kernels release the GIL: they touch only tensor memory, and a pipeline runs several stages'
   // updates from different threads.
   m.def("interpolate", &pipecore::cpu::interpolate, py::arg("out"), py::arg("live"), py::arg("stale"),
@@ -54,6 +104,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out_index"), py::arg("alias_mask"));
   m.def("_streaming_threshold", &pipecore::cpu::streaming_threshold);
   m.def("_set_streaming_threshold", &pipecore::cpu::set_streaming_threshold, py::arg("bytes"));
+  py::class_<pipecore::ThreadState::Guard>(m, "_ThreadStateGuard")
+      .def("__enter__", [](pipecore::ThreadState::Guard& g) { return &g; }, py::return_value_policy::reference)
+      .def("__exit__", [](pipecore::ThreadState::Guard& g, py::args) { g.exit(); });
+  py::class_<pipecore::ThreadState>(m, "ThreadState",
+                                    "The calling thread's torch thread-local state (grad mode, autocast, "
+                                    "profiler, dispatch keys), captured to be entered on another thread.")
+      .def(py::init<>())
+      .def("enter", &pipecore::ThreadState::enter,
+           "A context manager that makes the captured state current on the calling thread.");
+
   m.attr("with_cuda") =
 #ifdef PIPECORE_WITH_CUDA
       true;

@@ -9,7 +9,7 @@ from typing import Sequence
 
 from .algorithms.base import Algorithm, WeightRead
 from .runtime.executor import Event
-from .schedule.ir import B, F, Kind, U
+from .schedule.ir import B, F, Kind, U, traced
 from .schedule.schedule import Schedule
 
 _COLOURS = {F: "#4c78a8", B: "#59a14f", U: "#9d9d9d"}
@@ -133,12 +133,7 @@ class Trace:
         )
 
     def _label(self, e: Event) -> str:
-        a = e.action
-        if a.kind is U:
-            return str(a)
-        versions = {str(r) for r in e.record.reads.values()}
-        tag = versions.pop() if len(versions) == 1 else "/".join(str(e.record.reads[k]) for k in a.microbatches)
-        return f"{a}@{tag}"
+        return traced(e.action, e.record.reads)
 
     def grid(self) -> str:
         """Text table: one row per stage, actions in order, F/B tagged with the version read."""

@@ -60,6 +60,11 @@ Asynchronous algorithms are flushed at the end of every epoch, so evaluation and
 consistent weight version per stage. --resume continues from a --save checkpoint; --epochs is the total,
 and the result equals an uninterrupted run.
 
+--profile PATH records the first --profile-steps (default 20) training steps with torch.profiler and writes a
+Chrome trace (open it in chrome://tracing or https://ui.perfetto.dev): every action of every stage is a range
+named as `pipecore simulate` names it (2F5@v3, 1B4-7@v2, 0U3), with the aten ops it ran inside it, so
+`pipecore simulate ... --chrome` gives the simulator's view of the same actions.
+
 examples:
   pipecore train
   pipecore train --algorithm pipedream --epochs 10 --plot curve.png
@@ -68,6 +73,7 @@ examples:
   pipecore train --model resnet --stages 2 --epochs 5
   pipecore train --model gpt --epochs 3
   pipecore train --model gpt --layers 6 --embd 96 --heads 6 --block-size 128 --steps-per-epoch 100
+  pipecore train -a pipedream --epochs 1 --profile trace.json --profile-steps 10
   torchrun --nproc-per-node 4 -m pipecore train    # one process per stage; rank 0 reports
   torchrun --nproc-per-node 4 -m pipecore train --model gpt
 """
@@ -97,6 +103,8 @@ _STRUCTURAL = ("model", "algorithm", "stages", "microbatches", "hidden", "depth"
                "block_size", "optimizer")
 #: Settings that merely change the trajectory (or what is measured): resuming with other values is noted.
 _TRAJECTORY = ("batch_size", "lr", "seed", "option", "steps_per_epoch", "eval_windows")
+#: Training steps ``--profile`` records unless ``--profile-steps`` says otherwise.
+DEFAULT_PROFILE_STEPS = 20
 #: The length of an algorithm's learning-rate warm-up (PipeMare's T1), in epochs of updates (the spec's proposal).
 WARMUP_EPOCHS = 5
 
@@ -171,6 +179,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", metavar="PATH", help="continue from a --save checkpoint")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar (it is also off when stderr is not a terminal)")
+    profiling = parser.add_argument_group("profiling")
+    profiling.add_argument("--profile", metavar="PATH",
+                           help="record the first --profile-steps training steps (pipe.step, and the end-of-epoch "
+                                "flush that follows a recorded step; evaluations between recorded steps are "
+                                "recorded too, as 'evaluate' ranges) with torch.profiler (CPU, and CUDA when "
+                                "available) and write a Chrome trace to PATH; every action is a range named as "
+                                "the simulator names it (2F5@v3, 1B4-7@v2, 0U3); under torchrun each rank writes "
+                                "its own file, PATH with .rank<R> before the suffix (trace.rank1.json); printed "
+                                "timings include the profiler's overhead")
+    profiling.add_argument("--profile-steps", type=positive_int, metavar="N",
+                           help=f"with --profile: how many training steps to record, from the first step of "
+                                f"this run (default {DEFAULT_PROFILE_STEPS}; long runs make huge traces)")
 
 
 # -- data and model ---------------------------------------------------------------------------------
@@ -459,6 +479,101 @@ def _resolve_defaults(args: argparse.Namespace) -> None:
     args.epochs = args.epochs or DEFAULT_EPOCHS[args.model]
 
 
+def _check_profile_args(args: argparse.Namespace) -> None:
+    """``--profile-steps`` needs ``--profile`` (and defaults to :data:`DEFAULT_PROFILE_STEPS`); the trace's
+    directory must exist. (``--profile-steps`` below 1 is an argparse error.)"""
+    if args.profile is None:
+        if args.profile_steps is not None:
+            raise ValueError("--profile-steps applies with --profile PATH (the trace file to write)")
+        return
+    if args.profile_steps is None:
+        args.profile_steps = DEFAULT_PROFILE_STEPS
+    path = Path(args.profile)
+    if path.is_dir():
+        raise ValueError(f"--profile: {args.profile} is a directory; give the trace file's path (e.g. trace.json)")
+    if not path.resolve().parent.is_dir():
+        raise ValueError(f"--profile: the directory of {args.profile} does not exist")
+
+
+def rank_path(path: str, rank: int | str | None) -> str:
+    """The trace file of ``rank`` (None: the only process): the rank goes before the suffix, so that every
+    process of a torchrun run writes its own file: ``trace.json`` -> ``trace.rank1.json``."""
+    if rank is None:
+        return path
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.rank{rank}{p.suffix}"))
+
+
+def _option_text(value: Any) -> str:
+    """An ``--option`` value as the command line writes it (the inverse of ``parse_option_value``)."""
+    if isinstance(value, list):
+        return ",".join(_option_text(v) for v in value)
+    if isinstance(value, bool) or value is None:
+        return str(value).lower()
+    return str(value)
+
+
+class _Profile:
+    """``--profile``: ``torch.profiler.profile`` from the first training step to the end of the
+    ``limit``-th, or of the end-of-epoch flush that follows it (evaluations between recorded steps are
+    recorded, the one after the last recorded flush is not); the Chrome trace is written by :meth:`export`.
+    Without a path every method does nothing."""
+
+    def __init__(self, path: str | None, limit: int | None) -> None:
+        self.path, self.limit = path, limit or 0
+        self.recorded = 0  # training steps recorded
+        self._prof: Any = None
+        self._running = False
+
+    def start(self) -> None:
+        if self.path is None:
+            return
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self._prof = profile(activities=activities)
+        self._prof.start()
+        self._running = True
+
+    def range(self, name: str) -> Any:
+        """A range around the caller's work (a step, a flush, an evaluation) while recording."""
+        from contextlib import nullcontext
+
+        import torch
+
+        return torch.profiler.record_function(name) if self._running else nullcontext()
+
+    def step_done(self, ends_epoch: bool) -> None:
+        """After a training step: the ``limit``-th stops the recording, unless the epoch's flush follows."""
+        if not self._running:
+            return
+        self.recorded += 1
+        if self.recorded >= self.limit and not ends_epoch:
+            self._stop()
+
+    def flushed(self, last: bool) -> None:
+        """After an end-of-epoch flush: stop once ``limit`` steps are recorded, or after the run's last flush."""
+        if self._running and (self.recorded >= self.limit or last):
+            self._stop()
+
+    def _stop(self) -> None:
+        self._running = False
+        self._prof.stop()
+
+    def close(self) -> None:
+        """Stop recording (also when training failed): a profiler left running would record the caller's work."""
+        if self._running:
+            self._stop()
+
+    def export(self, path: str) -> None:
+        self.close()
+        try:
+            self._prof.export_chrome_trace(path)
+        except (OSError, RuntimeError) as error:
+            raise ValueError(f"cannot write {path}: {getattr(error, 'strerror', None) or error}") from None
+
+
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """The run's settings as plain values (stored in checkpoints); flags of other models are None."""
     return {
@@ -607,6 +722,7 @@ def _train(args: argparse.Namespace) -> int:
     import pipecore
 
     _resolve_defaults(args)
+    _check_profile_args(args)  # fail before loading data and training, not after
     if args.batch_size % args.microbatches:
         raise ValueError(
             f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}; "
@@ -732,29 +848,44 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
         say(task.line(h, "-"))
 
     hide_bar = True if args.no_progress or not leader else None  # None: tqdm shows the bar only on a terminal
+    # With one process per stage every rank records its own stage's actions into its own file.
+    profile = _Profile(args.profile, args.profile_steps)
+    trace_path = rank_path(args.profile, pipe.rank) if args.profile else None
+    profile.start()  # after data loading and setup: the trace starts at the first training step
     started = time.perf_counter()
     trained = 0
-    for epoch in range(start_epoch, args.epochs):
-        t0 = time.perf_counter()
-        losses = []
-        bar = tqdm(task.batches(epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}/{args.epochs}",
-                   unit="batch", leave=False, disable=hide_bar, file=sys.stderr, dynamic_ncols=True)
-        for x, y in bar:
-            try:
-                loss = pipe.step(x, y)
-            except pipecore.NonFiniteLoss as error:
-                raise ValueError(f"epoch {epoch + 1}: {error}; try a lower --lr") from None
-            losses.append(loss)
-            bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-        bar.close()
-        pipe.flush()  # drain asynchronous algorithms: evaluate and checkpoint one consistent version
-        trained += len(losses) * args.batch_size
-        record = {"epoch": epoch + 1, "loss": sum(losses) / len(losses),
-                  **{k: v for k, v in test_metrics().items() if k != "correct"}}
-        history.append(record)
-        if leader:  # the other ranks do not evaluate
-            print(task.line(record, f"{time.perf_counter() - t0:.2f}s"), flush=True)
-    elapsed = time.perf_counter() - started
+    try:
+        for epoch in range(start_epoch, args.epochs):
+            t0 = time.perf_counter()
+            losses = []
+            bar = tqdm(task.batches(epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}/{args.epochs}",
+                       unit="batch", leave=False, disable=hide_bar, file=sys.stderr, dynamic_ncols=True)
+            for i, (x, y) in enumerate(bar):
+                try:
+                    with profile.range(f"step {profile.recorded + 1}"):
+                        loss = pipe.step(x, y)
+                except pipecore.NonFiniteLoss as error:
+                    raise ValueError(f"epoch {epoch + 1}: {error}; try a lower --lr") from None
+                profile.step_done(ends_epoch=i + 1 == steps_per_epoch)
+                losses.append(loss)
+                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            bar.close()
+            with profile.range("flush"):
+                pipe.flush()  # drain asynchronous algorithms: evaluate and checkpoint one consistent version
+            profile.flushed(last=epoch + 1 == args.epochs)
+            trained += len(losses) * args.batch_size
+            with profile.range("evaluate"):  # recorded only between recorded steps
+                metrics = test_metrics()
+            record = {"epoch": epoch + 1, "loss": sum(losses) / len(losses),
+                      **{k: v for k, v in metrics.items() if k != "correct"}}
+            history.append(record)
+            if leader:  # the other ranks do not evaluate
+                print(task.line(record, f"{time.perf_counter() - t0:.2f}s"), flush=True)
+        elapsed = time.perf_counter() - started
+    finally:
+        profile.close()
+    if trace_path is not None:
+        profile.export(trace_path)
 
     result = test_metrics()
     # Collective with one process per stage: every rank takes part, rank 0 prints and writes.
@@ -770,7 +901,7 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
     say(stage_table(stats))
     if not leader:
         return 0
-    if args.save or args.plot:
+    if args.save or args.plot or args.profile:
         print()
     if args.save:
         ckpt_state = {"pipeline": state, "epoch": args.epochs, "args": settings, "history": history}
@@ -784,4 +915,14 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
         plot_curves(args.plot, history, f"pipecore train: {algorithm.name}, {args.stages} stages, {name}")
         metric = "perplexity" if args.model == "gpt" else "accuracy"
         print(f"wrote loss and {metric} curves to {args.plot}")
+    if args.profile:
+        written = trace_path if pipe.rank is None else f"{rank_path(args.profile, '<R>')} (one per rank)"
+        options = "".join(f" -o {k}={_option_text(v)}" for k, v in args.option)
+        # A flush ends the pipeline's schedule: the next step starts a new one (micro-batches from 0 again), so
+        # the simulation to compare with is the recorded steps of one epoch.
+        simulated = min(profile.recorded, steps_per_epoch)
+        print(f"wrote the profile of {_plural(profile.recorded, 'training step')} to {written}: open it in "
+              f"chrome://tracing or https://ui.perfetto.dev; `pipecore simulate -a {args.algorithm} -p {args.stages} "
+              f"-m {args.microbatches} -n {simulated}{options} --chrome sim.json` gives the simulator's view, "
+              f"with the same action names")
     return 0

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..algorithms import get_algorithm
 from ..runtime.executor import Costs, Event, Executor
+from ..runtime.threads import StageThreads
 from ..runtime.transport import LocalTransport, Transport
 from ..schedule.ir import B, F
 from ..schedule.validate import validate
@@ -52,7 +53,8 @@ class Pipeline:
             ``1..P-1`` start: compute-node indices of the captured graph (for an ``nn.Sequential``, layer
             indices) or module names such as ``"blocks.3"`` (see :meth:`describe`).
         on_nonfinite: ``"raise"`` (default) or ``"skip"`` (drop the update a NaN/inf loss belongs to).
-        timeout: seconds a rank waits for a neighbour before raising (multi-process runs only).
+        timeout: seconds a stage waits for a neighbour's message before raising: a rank for another rank, or
+            a stage thread for another stage's (``concurrent``).
         split_backward: compute each backward's input gradient first, send it, then compute the weight
             gradients (same values, bit for bit), so the upstream rank waits for less. It pays off when
             the gradient's round trip between ranks is the bottleneck; each split backward costs one more
@@ -62,6 +64,15 @@ class Pipeline:
             a cut is checked to be a tensor at construction, and :meth:`describe` shows shapes.
         leaf_modules: module types or names whose forward is not traced (kept as one node): the fallback
             for code ``torch.fx`` cannot capture, such as Python control flow on tensor values.
+        devices: one device per stage (``["cuda:0", "cuda:1", ...]``, the same device for every stage, or
+            ``"cpu"``); with one process per stage, this rank's entry places its stage. Default: each stage
+            stays where the model's parameters are (on NCCL, each rank's ``LOCAL_RANK`` GPU). Activations and
+            gradients move between stages' devices with non-blocking copies.
+        concurrent: run each stage's actions on its own worker thread (and, on CUDA, its own stream), so
+            that stages in one process compute at the same time; each stage keeps the schedule's order, so
+            the results are bit-identical to ``concurrent=False`` (one thread running the stages in turn).
+            Default: True in one process with more than one stage. Stage threads share torch's intra-op
+            thread pool: give each about ``cores / num_stages`` threads (``torch.set_num_threads``).
         **options: algorithm options (``backward_rule``, ``update_every``, ``lam``, ``alpha``, ...).
 
     Each micro-batch loss is divided by the number of micro-batches one update accumulates (``m`` for the
@@ -83,8 +94,12 @@ class Pipeline:
         split_backward: bool = False,
         example_input: Any = None,
         leaf_modules: Sequence[type | str] = (),
+        devices: Sequence[str | torch.device] | str | torch.device | None = None,
+        concurrent: bool | None = None,
         **options: Any,
     ):
+        if concurrent is not None and not isinstance(concurrent, bool):
+            raise TypeError(f"concurrent must be True, False or None (the default), got {concurrent!r}")
         if on_nonfinite not in _NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {_NONFINITE}, got {on_nonfinite!r}")
         if loss_fn is None:
@@ -103,6 +118,8 @@ class Pipeline:
         self._boundary_meta = _boundary_meta(captured, graphs, example_input) if example_input is not None else None
         self.rank = _join_process_group(num_stages, timeout)
         owned = range(num_stages) if self.rank is None else [self.rank]
+        self.concurrent = (self.rank is None and num_stages > 1) if concurrent is None else concurrent
+        self.devices = _stage_devices(devices, graphs, self.rank)
         # The ring of each stage holds exactly the versions the algorithm needs; the simulator says how many.
         sizing = simulate(self.algorithm, num_stages, n_microbatches, n_minibatches=self.algorithm.warmup_minibatches)
         optimizer = optimizer if optimizer is not None else SGD(lr=0.01)
@@ -110,14 +127,18 @@ class Pipeline:
         self._inputs: dict[int, Any] = {}
         self.stages: dict[int, TensorStage] = {}
         for s in owned:
-            if self.rank is not None and torch.distributed.get_backend() == "nccl":
-                graphs[s].module.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", self.rank))))
+            device = self.devices[s]
+            # Each stage gathers its weights right after the move: a tied parameter, moved again by a later
+            # stage on another device, has already been copied into this stage's own buffer.
+            graphs[s].module.to(device)
             layout = FlatLayout.of(graphs[s].module, s)
             self.stages[s] = TensorStage(
-                self.algorithm, s, graphs[s], build_optimizer(optimizer, layout, _device_of(graphs[s].module)),
+                self.algorithm, s, graphs[s], build_optimizer(optimizer, layout, device),
                 sizing.weight_versions(s), sizing.derived_weights(s), loss_fn, self._targets.pop, on_nonfinite,
+                device=device,
             )
             self.stages[s].state_keys = self._stage_keys[s]
+            self.stages[s].use_stream(self.concurrent)
         if self.rank is not None:
             _release_other_stages(captured.model, graphs[self.rank].module)
         self.ties = tied_parameters(graphs, captured.model)
@@ -131,11 +152,13 @@ class Pipeline:
             st.split_backward = split_backward and s > 0  # stage 0 sends no input gradient
         self._transport: Transport
         if self.rank is None:
-            self._transport = LocalTransport()
+            self._transport = LocalTransport(timeout)
         else:
             from ..runtime.distributed import DistributedTransport
 
-            self._transport = DistributedTransport(self.rank, num_stages, timeout, _device_of(self.stages[self.rank].module))
+            self._transport = DistributedTransport(self.rank, num_stages, timeout, self.devices[self.rank])
+        # Stage worker threads, kept from step to step (one process, several stages, concurrent).
+        self._threads = StageThreads() if self.concurrent and len(self.stages) > 1 else None
         self._staleness = {s: _Tally() for s in self.stages}
         self._delays = {s: _Tally() for s in self.stages}
         self._closed = False
@@ -158,7 +181,7 @@ class Pipeline:
         self._executor = Executor(
             schedule, self.stages, Costs.uniform(self.num_stages), transport=self._transport,
             source=self._inputs.pop, keep_events=False, on_event=self._observe,
-            needs=None if sync is None else sync.needs,
+            needs=None if sync is None else sync.needs, threads=self._threads,
         )
 
     def _tie_stages(self, timeout: float) -> TieSync:
@@ -176,8 +199,7 @@ class Pipeline:
             exchange: Any = LocalTiedGradients(owners)
         else:
             shapes = {name: (view.shape, view.dtype) for name, view in views[self.rank].items()}
-            exchange = DistributedTiedGradients(owners, self.rank, timeout, _device_of(self.stages[self.rank].module),
-                                                shapes=shapes)
+            exchange = DistributedTiedGradients(owners, self.rank, timeout, self.devices[self.rank], shapes=shapes)
         self._tie_exchange = exchange
         for s, own in views.items():
             if own:
@@ -227,11 +249,11 @@ class Pipeline:
             raise ValueError(f"input batch has {x_chunks.samples} samples but target batch has {y_chunks.samples}")
         first = self._fed * m
         if x_chunks is not None:
-            device = _device_of(self.stages[0].module)
+            device = self.devices[0]
             for u, chunk in enumerate(x_chunks.chunks):
                 self._inputs[first + u] = as_payload(tuple(t.to(device) for t in chunk))
         if y_chunks is not None:
-            device = _device_of(self.stages[self.num_stages - 1].module)
+            device = self.devices[self.num_stages - 1]
             for u, chunk in enumerate(y_chunks.chunks):
                 self._targets[first + u] = _to_device(y_chunks.rebuild(chunk), device)
         minibatch = self._fed
@@ -269,9 +291,10 @@ class Pipeline:
         self._restart()
 
     def close(self) -> None:
-        """Flush, then release what the pipeline holds between processes: in a multi-process run, its
-        process groups, each with a connection and threads (gloo), which otherwise live until the process
-        ends. Every rank calls it. Afterwards ``step()`` and ``flush()`` raise; ``state_dict()``, the
+        """Flush, then release what the pipeline holds: its stage worker threads (``concurrent``; they also
+        end when the pipeline is garbage collected) and, in a multi-process run, its process groups, each
+        with a connection and threads (gloo), which otherwise live until the process ends. Every rank calls
+        it. Afterwards ``step()`` and ``flush()`` raise; ``state_dict()``, the
         checkpoint functions and ``stats()`` still work. Closing twice does nothing. Leaving a ``with``
         block closes the pipeline; if the block raised, it releases without flushing."""
         if self._closed:
@@ -285,6 +308,8 @@ class Pipeline:
 
     def _release(self, deliver: bool) -> None:
         self._closed = True
+        if self._threads is not None:
+            self._threads.close()
         try:
             if self._tie_exchange is not None:
                 self._tie_exchange.close(deliver)
@@ -526,6 +551,43 @@ def _boundary_meta(captured: CapturedModel, graphs: Sequence[StageGraph], exampl
                 )
             meta[name] = f"{tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
     return meta
+
+
+def _stage_devices(devices: Any, graphs: Sequence[StageGraph], rank: int | None) -> list[torch.device]:
+    """The device of every stage: as given (one per stage, or one for all), else where each stage's
+    parameters are (with one process per stage on NCCL, this rank's ``LOCAL_RANK`` GPU)."""
+    P = len(graphs)
+    if devices is None:
+        if rank is not None and torch.distributed.get_backend() == "nccl":
+            own = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+            return [own if s == rank else _device_of(g.module) for s, g in enumerate(graphs)]
+        return [_device_of(g.module) for g in graphs]
+    if isinstance(devices, (str, torch.device)):
+        devices = [devices] * P
+    devices = list(devices)
+    if len(devices) != P:
+        raise ValueError(f"devices has {len(devices)} entries but there are {P} stages; give one device per "
+                         "stage, or one device for all of them")
+    out = []
+    for s, spec in enumerate(devices):
+        try:
+            device = torch.device(spec)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"devices[{s}] = {spec!r} is not a device (e.g. 'cpu', 'cuda:0'): {exc}") from None
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"devices[{s}] = {spec!r}, but CUDA is not available on this machine")
+            count = torch.cuda.device_count()
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            elif device.index >= count:
+                raise ValueError(f"devices[{s}] = {spec!r}, but this machine has {count} CUDA device(s)")
+        elif device.type != "cpu":
+            raise ValueError(f"devices[{s}] = {spec!r}: stages run on 'cpu' or 'cuda' devices")
+        out.append(device)
+    if rank is not None and torch.distributed.get_backend() == "nccl" and out[rank].type != "cuda":
+        raise ValueError(f"devices[{rank}] = {out[rank]}: with the NCCL backend every rank's stage is on a GPU")
+    return out
 
 
 def _device_of(module: nn.Module) -> torch.device:

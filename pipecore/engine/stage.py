@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 import statistics
+import threading
 import time
 from array import array
 from collections import defaultdict
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -23,8 +25,8 @@ from torch import nn
 from .. import ops
 from ..algorithms.base import Algorithm, WeightRead
 from ..ring import WeightRing
-from ..runtime.worker import StageWorker
-from ..schedule.ir import Action
+from ..runtime.worker import Message, StageWorker
+from ..schedule.ir import Action, traced
 from ..versions import UpdateInfo
 from .flat import FlatLayout
 from .graph import StageGraph
@@ -32,6 +34,13 @@ from .inputs import as_payload, from_payload
 from .tied import StageTies
 from .optim import LrScales, StageOptimizer, uniform_scale
 from .split_backward import PendingWeightGradients, input_gradient, weight_gradients
+
+
+# Stage threads share torch's global random generator. The recompute rule saves its state before a
+# forward and replays it to recompute that forward in the backward: no other stage may draw in between
+# (the saved state would not be the one the forward drew from), and the replay, which restores the state
+# afterwards, must not rewind another stage's draws.
+_GLOBAL_RANDOM = threading.Lock()
 
 
 class _RecentSeconds:
@@ -94,6 +103,7 @@ class TensorStage(StageWorker):
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
         target: Callable[[int], torch.Tensor] | None,
         on_nonfinite: str,
+        device: torch.device | None = None,
     ):
         super().__init__(algorithm, stage)
         module = graph.module
@@ -102,7 +112,12 @@ class TensorStage(StageWorker):
         # The model's state_dict keys this stage holds (the generated module may hold more, e.g. constants).
         self.state_keys: list[str] = list(module.state_dict())
         self.layout = FlatLayout.of(module, stage)
-        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        if device is None:
+            device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        self.device = device
+        # The stream this stage computes on when stages run concurrently on CUDA (see use_stream).
+        self.stream: Any = None
+        self._nvtx = device.type == "cuda"
         flat = torch.zeros(self.layout.buffer_numel, dtype=self.layout.dtype, device=device)
         self.layout.gather(module, flat)
         self.ring = WeightRing.from_flat(flat, num_slots, version=0)
@@ -133,6 +148,7 @@ class TensorStage(StageWorker):
         self.is_last = stage == algorithm.num_stages - 1
         self.in_flight: dict[int, _InFlight] = {}
         self.losses: dict[int, float] = {}
+        self._unread_losses: dict[int, torch.Tensor] = {}  # last stage: losses not read from the device yet
         self.pinned_versions: set[int] = set()
         self.seconds: dict[str, float] = defaultdict(float)
         self.recent_seconds: dict[str, _RecentSeconds] = defaultdict(_RecentSeconds)
@@ -146,6 +162,51 @@ class TensorStage(StageWorker):
         self.ties: StageTies | None = None
         self._last_backward_count = 0
         self._bind_module_to_live()
+
+    # -- where and how the compute runs ----------------------------------------------------------
+
+    def use_stream(self, concurrent: bool) -> None:
+        """Compute on a stream of this stage's own when stages run concurrently on a CUDA device, so that
+        their kernels overlap; messages then carry CUDA events (see :meth:`stamp`, :meth:`accept`)."""
+        self.stream = torch.cuda.Stream(self.device) if concurrent and self.device.type == "cuda" else None
+
+    def running(self) -> AbstractContextManager[Any]:
+        return nullcontext() if self.stream is None else self._on_own_stream()
+
+    @contextmanager
+    def _on_own_stream(self) -> Iterator[None]:
+        ambient = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(ambient)  # what the caller queued before the run (inputs, loaded weights)
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            ambient.wait_stream(self.stream)  # and whatever the caller does after the run sees its results
+
+    def action_range(self, action: Action, reads: Mapping[int, WeightRead]) -> AbstractContextManager[Any]:
+        if not (self._nvtx or torch.autograd._profiler_enabled()):
+            return nullcontext()  # the check costs far less than an idle record_function
+        return _ActionRange(traced(action, reads), self._nvtx)
+
+    def accept(self, message: Message) -> Any:
+        payload = message.payload
+        if message.event is not None:
+            # Computed on another stage's stream. What reads it here runs on this thread's current stream of
+            # its device (this stage's own stream on the same device; a copy to another device runs on the
+            # source device's current stream): that stream waits for the event, and the allocator learns that
+            # it uses the memory, so the sender's stream cannot reuse it too early.
+            tensors = [t for t in _tensors(payload) if t.is_cuda]
+            for device in {t.device for t in tensors}:
+                torch.cuda.current_stream(device).wait_event(message.event)
+            for t in tensors:
+                t.record_stream(torch.cuda.current_stream(t.device))
+        return _to_device(payload, self.device)
+
+    def stamp(self, message: Message) -> Message:
+        if self.stream is not None and message.payload is not None:
+            message.event = torch.cuda.Event()
+            message.event.record()  # on the stream that computed the payload: the current one
+        return message
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -282,8 +343,8 @@ class TensorStage(StageWorker):
         inputs = self._stage_inputs(payload)
         target = self.target(k) if self.is_last else None
         if rule == "recompute":
-            rng = torch.get_rng_state()
-            with torch.no_grad():
+            with _GLOBAL_RANDOM, torch.no_grad():
+                rng = torch.get_rng_state()
                 y = self._forward_checked(self._views(weights), inputs)
                 if self.is_last:
                     self._loss(k, y, target)
@@ -324,7 +385,7 @@ class TensorStage(StageWorker):
                 params = self._leaves(self.materialize(read))
                 inputs = tuple(x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.requires_grad
                                else x for x in rec.inputs)
-                with torch.random.fork_rng(devices=[]):
+                with _GLOBAL_RANDOM, torch.random.fork_rng(devices=[]):
                     torch.set_rng_state(rec.rng_state)
                     y = self._run_module(params, inputs)
                     output = self._loss_fn(y, rec.target) / self.algorithm.update_every if self.is_last else tuple(y)
@@ -481,9 +542,22 @@ class TensorStage(StageWorker):
             ) from exc
         if loss.dim() != 0:
             raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)} (use reduction='mean')")
-        value = float(loss.detach())
-        self.losses[k] = value
-        if not math.isfinite(value):
+        self._unread_losses[k] = loss.detach()
+        a = self.algorithm
+        if (k + 1) % a.update_every == 0 or (k + 1) % a.n_microbatches == 0:
+            self._read_losses()
+        return loss / a.update_every
+
+    def _read_losses(self) -> None:
+        """Read the losses of an update group (or of a mini-batch's end) in one go: on a GPU, one wait for
+        the device per group instead of one per micro-batch. A non-finite one raises, or marks its group's
+        update to be skipped; the group's update comes after its last loss is read, here."""
+        pending, self._unread_losses = self._unread_losses, {}
+        values = torch.stack(list(pending.values())).tolist() if len(pending) > 1 else [float(*pending.values())]
+        for k, value in zip(pending, values):
+            self.losses[k] = value
+            if math.isfinite(value):
+                continue
             if self.on_nonfinite == "raise":
                 m = self.algorithm.n_microbatches
                 raise NonFiniteLoss(
@@ -491,7 +565,6 @@ class TensorStage(StageWorker):
                     f"mini-batch {k // m} since the last flush); pass on_nonfinite='skip' to skip such updates"
                 )
             self.poisoned_groups.add(k // self.algorithm.update_every)
-        return loss / self.algorithm.update_every
 
     # -- checkpoint ----------------------------------------------------------------------------
 
@@ -529,6 +602,47 @@ class TensorStage(StageWorker):
     def grad_view(self, name: str) -> torch.Tensor:
         """The slice of the gradient buffer that holds parameter ``name``'s gradient."""
         return self._grad_views[self.layout.names.index(name)]
+
+
+class _ActionRange:
+    """A ``torch.profiler`` range, and an NVTX range on CUDA, around one action."""
+
+    __slots__ = ("name", "nvtx", "_record")
+
+    def __init__(self, name: str, nvtx: bool):
+        self.name, self.nvtx = name, nvtx
+        self._record: Any = None
+
+    def __enter__(self) -> None:
+        if torch.autograd._profiler_enabled():
+            self._record = torch.autograd.profiler.record_function(self.name)
+            self._record.__enter__()
+        if self.nvtx:
+            torch.cuda.nvtx.range_push(self.name)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.nvtx:
+            torch.cuda.nvtx.range_pop()
+        if self._record is not None:
+            self._record.__exit__(*exc)
+
+
+def _tensors(payload: Any) -> list[torch.Tensor]:
+    if isinstance(payload, torch.Tensor):
+        return [payload]
+    if isinstance(payload, tuple):
+        return [t for t in payload if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _to_device(payload: Any, device: torch.device) -> Any:
+    """A message payload (None, a tensor, or a tuple of tensors and None) on ``device``. Copies to a GPU are
+    non-blocking (ordered on the current stream); a copy to the CPU waits, since the CPU reads it next."""
+    if isinstance(payload, torch.Tensor):
+        return payload if payload.device == device else payload.to(device, non_blocking=device.type == "cuda")
+    if isinstance(payload, tuple):
+        return tuple(_to_device(t, device) if isinstance(t, torch.Tensor) else t for t in payload)
+    return payload
 
 
 def _describe(value: Any, names: Sequence[str] = ()) -> str:

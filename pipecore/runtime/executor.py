@@ -8,17 +8,26 @@ each stage's own order, which the schedule fixes.
 
 The executor can stop before the end: ``run(available=n)`` executes every action it can without a
 stage-0 forward of micro-batch ``n`` or later, so a pipeline can keep running across ``step()`` calls.
+
+Two ways to run the same actions: in turn on the calling thread, or ``concurrent``, each stage on its own
+worker thread, which waits for its next action's message in a mailbox (and, for tied weights, for the other
+owners' progress) without holding the GIL. Either way every stage executes the same actions in the same
+order, which is all its numerics depend on, so both give the same bits.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
+
+from .. import _C
 
 from ..schedule.ir import Action, B, F, Kind, U
 from ..schedule.progress import positions, runnable
 from ..schedule.schedule import Schedule, upstream
 from ..schedule.validate import ScheduleError
+from .threads import StageThreads
 from .transport import LocalTransport, Transport
 from .worker import ActionRecord, Message, StageWorker
 
@@ -76,6 +85,9 @@ class Executor:
     #: Further work an action waits for besides its upstream message, as ``(stage, kind, micro-batch)``
     #: (the tied-weight owners' backwards before an update); checked here for stages this process runs.
     needs: Callable[[Action], Sequence[tuple[int, Kind, int]]] | None = None
+    #: Run each stage that has work on its own thread of this pool (the transport must block in ``receive``
+    #: and support ``abort``, as :class:`LocalTransport` does); None: run the stages in turn on this thread.
+    threads: StageThreads | None = None
     events: list[Event] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -88,6 +100,9 @@ class Executor:
         self.cursor = [0] * P
         self.stage_free = [0.0] * P
         self._index = positions(self.schedule)
+        self._progress: Any = None  # per-stage cursors other threads wait on (concurrent runs with needs)
+        # The error that stopped a run: the action it interrupted is half done, so no run can follow.
+        self.failure: BaseException | None = None
 
     def extend(self, schedule: Schedule) -> None:
         """Continue with a longer (or drained) schedule that agrees with everything executed so far.
@@ -106,11 +121,32 @@ class Executor:
     def run(self, available: int | None = None) -> None:
         """Run every action that can run; with ``available``, forwards of micro-batch ``available`` and
         later cannot (their input has not been given yet). Without it, the schedule must finish."""
+        if self.failure is not None:
+            raise RuntimeError(
+                f"an earlier run stopped at an error ({type(self.failure).__name__}: {self.failure}); the action it "
+                "interrupted cannot be resumed, so this schedule cannot continue"
+            ) from self.failure
         rows = self.schedule.stages
         target = runnable(self.schedule, self.cursor, available, self._index, self.needs)
         if available is None and any(t < len(rows[s]) for s, t in enumerate(target)):
             blocked = next(rows[s][t] for s, t in enumerate(target) if t < len(rows[s]))
             raise ScheduleError("deadlock: no stage can make progress", self.schedule, blocked)
+        busy = [s for s in self.workers if self.cursor[s] < target[s]]
+        try:
+            if self.threads is not None and len(busy) > 1:
+                self._run_concurrently(busy, target)
+            else:
+                self._run_in_turn(target)
+        except BaseException as exc:
+            self.failure = exc
+            raise
+        # Other stages advance in other processes; the local cursors of stages not owned stay behind.
+        for s in range(len(rows)):
+            if s not in self.workers:
+                self.cursor[s] = target[s]
+
+    def _run_in_turn(self, target: Sequence[int]) -> None:
+        rows = self.schedule.stages
         progressed = True
         while progressed:
             progressed = False
@@ -126,10 +162,66 @@ class Executor:
                     self._execute(action)
                     self.cursor[s] += 1
                     progressed = True
-        # Other stages advance in other processes; the local cursors of stages not owned stay behind.
-        for s in range(len(rows)):
-            if s not in self.workers:
-                self.cursor[s] = target[s]
+
+    def _run_concurrently(self, stages: Sequence[int], target: Sequence[int]) -> None:
+        """Run each of ``stages`` up to ``target`` on its own thread. The first error stops every thread
+        (a waiting one is woken by aborting the mailboxes) and is raised here, noting the stage and action;
+        so is a ``KeyboardInterrupt`` of the calling thread, once every stage thread has stopped."""
+        rows, index, needs = self.schedule.stages, self._index, self.needs
+        progress = None
+        if needs is not None:
+            if self._progress is None:
+                self._progress = _C.Progress(self.schedule.num_stages)
+            progress = self._progress
+            for s in self.workers:
+                progress.set(s, self.cursor[s])
+        failures: list[tuple[int, Action | None, BaseException]] = []
+        lock = threading.Lock()
+        # The caller's torch thread-local state (grad mode, autocast, an active profiler) applies on every
+        # stage thread, as it does when the stages run in turn on the caller's thread.
+        caller = _C.ThreadState()
+
+        def stop_all(reason: str) -> None:
+            self.transport.abort(reason)
+            if progress is not None:
+                progress.abort(reason)
+
+        def work(s: int) -> None:
+            action = None
+            try:
+                with caller.enter(), self.workers[s].running():
+                    row = rows[s]
+                    while self.cursor[s] < target[s] and not failures:
+                        action = row[self.cursor[s]]
+                        if needs is not None:
+                            for n in needs(action):
+                                if n[0] in self.workers:
+                                    progress.wait_at_least(n[0], index[n] + 1)
+                        self._execute(action)
+                        self.cursor[s] += 1
+                        if progress is not None:
+                            progress.set(s, self.cursor[s])
+            except _C.Aborted:
+                pass  # another stage failed first; its error is the one raised
+            except BaseException as exc:  # noqa: B902 - re-raised on the calling thread
+                with lock:
+                    failures.append((s, action, exc))
+                stop_all(f"stage {s} failed")
+
+        def interrupted() -> None:
+            failures.append((-1, None, KeyboardInterrupt()))
+            stop_all("the run was interrupted")
+
+        try:
+            self.threads.run({s: (lambda s=s: work(s)) for s in stages}, on_interrupt=interrupted)
+        finally:
+            self.transport.resume()
+            if progress is not None:
+                progress.reset()
+        if failures:
+            s, action, exc = failures[0]
+            exc.add_note(f"raised by stage {s}'s worker thread" + (f", running {action}" if action is not None else ""))
+            raise exc
 
     def _execute(self, action: Action) -> None:
         worker = self.workers[action.stage]

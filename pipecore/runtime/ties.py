@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import threading
 import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -128,16 +129,29 @@ class LocalTiedGradients:
         # (tie, group) -> the owners that reduced it; the entry goes once all have.
         self._reduced: dict[tuple[str, int], set[int]] = {}
         self._last: dict[int, int] = {}
+        # (tie, group) -> owner -> the CUDA event its copy is ready at (stages on their own streams).
+        self._ready_at: dict[tuple[str, int], dict[int, Any]] = {}
+        # Stages may run on their own threads.
+        self._lock = threading.Lock()
 
     def post(self, stage: int, group: int, grads: dict[str, torch.Tensor]) -> None:
         """Keep a copy of ``stage``'s gradients of ``group`` until every owner reduced it."""
-        _check_post(stage, group, grads, _owned(self.ties, stage), self._last.get(stage))
-        self._last[stage] = group
-        for name, grad in grads.items():
-            self._posted.setdefault((name, group), {})[stage] = grad.detach().clone()
+        with self._lock:
+            _check_post(stage, group, grads, _owned(self.ties, stage), self._last.get(stage))
+            self._last[stage] = group
+            for name, grad in grads.items():
+                self._posted.setdefault((name, group), {})[stage] = grad.detach().clone()
+                if grad.is_cuda:
+                    event = torch.cuda.Event()
+                    event.record()
+                    self._ready_at.setdefault((name, group), {})[stage] = event
 
     def ready(self, stage: int, group: int) -> bool:
         """Whether every owner of every tie ``stage`` owns has posted ``group``."""
+        with self._lock:
+            return self._ready(stage, group)
+
+    def _ready(self, stage: int, group: int) -> bool:
         for name in _owned(self.ties, stage):
             posted = self._posted.get((name, group), {})
             if any(owner not in posted for owner in self.ties[name]):
@@ -145,9 +159,14 @@ class LocalTiedGradients:
         return True
 
     def reduce(self, stage: int, group: int) -> dict[str, torch.Tensor]:
-        """Per tie ``stage`` owns, the sum in stage order (fresh tensors); raises if not :meth:`ready`."""
+        """Per tie ``stage`` owns, the sum in stage order (fresh tensors, on the device of ``stage``'s own
+        copy); raises if not :meth:`ready`."""
+        with self._lock:
+            return self._reduce(stage, group)
+
+    def _reduce(self, stage: int, group: int) -> dict[str, torch.Tensor]:
         owned = _owned(self.ties, stage)
-        if not self.ready(stage, group):
+        if not self._ready(stage, group):
             missing = {name: [o for o in self.ties[name] if o not in self._posted.get((name, group), {})]
                        for name in owned}
             raise RuntimeError(f"stage {stage}: update group {group} cannot be reduced yet; not posted by "
@@ -159,10 +178,11 @@ class LocalTiedGradients:
             if stage in done:
                 raise RuntimeError(f"stage {stage} reduced update group {group} of tie {name!r} twice")
             posted = self._posted[key]
-            sums[name] = _sum_in_stage_order([posted[owner] for owner in self.ties[name]])
+            sums[name] = _sum_in_stage_order(_readable(posted, self._ready_at.get(key, {}), self.ties[name], stage))
             done.add(stage)
             if len(done) == len(self.ties[name]):  # every owner has its sum: nothing of this group is needed
                 del self._posted[key], self._reduced[key]
+                self._ready_at.pop(key, None)
         return sums
 
     def wait_sends(self) -> None:
@@ -170,8 +190,25 @@ class LocalTiedGradients:
 
     def close(self, deliver: bool = True) -> None:
         """Drop everything posted."""
-        self._posted.clear()
-        self._reduced.clear()
+        with self._lock:
+            self._posted.clear()
+            self._reduced.clear()
+            self._ready_at.clear()
+
+
+def _readable(posted: Mapping[int, torch.Tensor], events: Mapping[int, Any], owners: Sequence[int],
+              stage: int) -> list[torch.Tensor]:
+    """The owners' posted copies, in owner order, readable on ``stage``'s device and current stream: a copy
+    made on another stage's CUDA stream is waited for, and marked in use on this stream, first."""
+    device = posted[stage].device
+    parts = []
+    for owner in owners:
+        t = posted[owner]
+        if owner in events:
+            torch.cuda.current_stream(t.device).wait_event(events[owner])
+            t.record_stream(torch.cuda.current_stream(t.device))
+        parts.append(t.to(device, non_blocking=device.type == "cuda"))
+    return parts
 
 
 @dataclass

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ..schedule.ir import Kind
+from .. import _C
+from ..schedule.ir import F, Kind
 from .worker import Message
 
 
@@ -29,20 +30,46 @@ class Transport(Protocol):
         sent if ``deliver``."""
 
 
-class LocalTransport:
-    """In-process mailboxes: every stage lives in this process."""
+_STAGE_BITS = 20  # a mailbox key packs (micro-batch, stage, kind) into one integer
 
-    def __init__(self) -> None:
-        self._mailbox: dict[tuple[int, Kind, int], Message] = {}
+
+def _key(stage: int, kind: Kind, microbatch: int) -> int:
+    return (microbatch << (_STAGE_BITS + 1)) | (stage << 1) | (kind is not F)
+
+
+class LocalTransport:
+    """In-process mailboxes: every stage lives in this process. ``receive`` blocks until the message is
+    there (without holding the GIL), so stage threads can wait on it, for at most ``timeout`` seconds (then
+    ``TimeoutError``; None waits as long as it takes); :meth:`abort` wakes them all."""
+
+    def __init__(self, timeout: float | None = None) -> None:
+        self._mailbox = _C.Mailbox()
+        self._timeout = -1.0 if timeout is None else float(timeout)
 
     def send(self, stage: int, kind: Kind, microbatch: int, message: Message) -> None:
-        self._mailbox[(stage, kind, microbatch)] = message
+        self._mailbox.put(_key(stage, kind, microbatch), message)
 
     def ready(self, stage: int, kind: Kind, microbatch: int) -> bool:
-        return (stage, kind, microbatch) in self._mailbox
+        return self._mailbox.contains(_key(stage, kind, microbatch))
 
     def receive(self, stage: int, kind: Kind, microbatch: int) -> Message:
-        return self._mailbox.pop((stage, kind, microbatch))
+        try:
+            return self._mailbox.take(_key(stage, kind, microbatch), self._timeout)
+        except TimeoutError:
+            sender = stage - 1 if kind is F else stage + 1
+            what = "activations" if kind is F else "gradient"
+            raise TimeoutError(
+                f"stage {stage} waited {self._timeout:g} s for stage {sender}'s {what} of micro-batch {microbatch} "
+                "(the pipeline's timeout; raise it for stages whose actions take longer)"
+            ) from None
+
+    def abort(self, reason: str) -> None:
+        """Make every waiting and later :meth:`receive` raise ``pipecore._C.Aborted(reason)``."""
+        self._mailbox.abort(reason)
+
+    def resume(self) -> None:
+        """Undo :meth:`abort` (the messages already delivered stay)."""
+        self._mailbox.reset()
 
     def close(self, deliver: bool = True) -> None:
         self._mailbox.clear()

@@ -8,8 +8,9 @@ the simulator's trace is exactly what the runtime does.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..algorithms.base import Algorithm, WeightRead
 from ..schedule.ir import Action
@@ -24,6 +25,7 @@ class Message:
     tag: int | None = None
     ready_at: float = 0.0  # simulated time at which the message reaches its consumer
     poisoned: bool = False  # the micro-batch had a non-finite loss; its update group must be skipped
+    event: Any = None  # on a CUDA stream: the event the payload is ready at (None: ready now)
 
 
 @dataclass
@@ -63,12 +65,31 @@ class StageWorker:
     def compute_update(self, action: Action, info: UpdateInfo) -> None:
         return None
 
+    # Hooks for where and how the compute runs; the symbolic stage needs none of them.
+    def running(self) -> AbstractContextManager[Any]:
+        """Entered by the thread that runs this stage's actions, around a run of them (a tensor stage on
+        CUDA makes its own stream current there)."""
+        return nullcontext()
+
+    def action_range(self, action: Action, reads: Mapping[int, WeightRead]) -> AbstractContextManager[Any]:
+        """Around each action's compute: a profiler range named like the simulator's action (``"2B5@v3"``)."""
+        return nullcontext()
+
+    def accept(self, message: Message) -> Any:
+        """The payload of a received message, ready to compute with on this stage (e.g. on its device)."""
+        return message.payload
+
+    def stamp(self, message: Message) -> Message:
+        """An outgoing message, marked with when its payload is ready (e.g. a CUDA event)."""
+        return message
+
     # The version logic, shared by every kind of stage.
     def forward(self, action: Action, message: Message) -> tuple[Message, ActionRecord]:
         live = self.book.live
         read, tag = self.book.forward(action.index, message.tag)
-        payload = self.compute_forward(action, read, message.payload)
-        return Message(payload, tag), ActionRecord({action.index: read}, live=live)
+        with self.action_range(action, {action.index: read}):
+            payload = self.compute_forward(action, read, self.accept(message))
+        return self.stamp(Message(payload, tag)), ActionRecord({action.index: read}, live=live)
 
     def backward(self, action: Action, messages: Sequence[Message]) -> tuple[list[Message], ActionRecord]:
         live = self.book.live
@@ -79,12 +100,14 @@ class StageWorker:
         pairs = [self.book.backward(k) for k in action.microbatches]
         reads = [p[0] for p in pairs]
         forward_reads = [p[1] for p in pairs]
-        payloads = self.compute_backward(action, reads, forward_reads, [m.payload for m in messages])
-        self.book.release_backward()
         record = ActionRecord(
             dict(zip(action.microbatches, reads)), dict(zip(action.microbatches, forward_reads)), live=live
         )
-        outs = [Message(p, poisoned=k // every in self.poisoned_groups) for k, p in zip(action.microbatches, payloads)]
+        with self.action_range(action, record.reads):
+            payloads = self.compute_backward(action, reads, forward_reads, [self.accept(m) for m in messages])
+        self.book.release_backward()
+        outs = [self.stamp(Message(p, poisoned=k // every in self.poisoned_groups))
+                for k, p in zip(action.microbatches, payloads)]
         return outs, record
 
     def finish_backward(self) -> None:
@@ -105,5 +128,6 @@ class StageWorker:
                 f"version {info.new_version}; the schedule "
                 "and the stage disagree on the update count"
             )
-        self.compute_update(action, info)
+        with self.action_range(action, {}):
+            self.compute_update(action, info)
         return ActionRecord(live=live, update=info)

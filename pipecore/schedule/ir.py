@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import Enum
+from typing import Mapping
 
 
 class Kind(str, Enum):
@@ -74,6 +75,16 @@ class Action:
         """Parse ``"2F0"``, ``"1B4-7"``, ``"0U3"``; a trailing ``@version`` tag is accepted and ignored."""
         action, _ = parse_traced(text)
         return action
+
+
+def traced(action: Action, reads: Mapping[int, object]) -> str:
+    """The action as traces name it: ``"2F0@v3"`` with the weights each micro-batch read (their ``str``),
+    one tag when all agree (``"1B4-7@v2"``), else one per micro-batch joined by ``/``; an update is bare."""
+    if action.kind is U or not reads:
+        return str(action)
+    tags = {str(r) for r in reads.values()}
+    tag = tags.pop() if len(tags) == 1 else "/".join(str(reads[k]) for k in action.microbatches)
+    return f"{action}@{tag}"
 
 
 def parse_traced(text: str) -> tuple[Action, str | None]:

@@ -26,6 +26,7 @@ from .ir import Action, Kind, U
 from .schedule import Schedule
 
 _Key = tuple[Kind, int]
+_RECENT = 64  # shifted actions a row keeps (see PeriodicRow._at): a step's worth, not a run's
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,9 @@ class PeriodicRow(Sequence[Action]):
         body_microbatches = [k for _, k in self._body_keys]
         self._body_span = (min(body_microbatches), max(body_microbatches)) if body_microbatches else None
         self._length = len(head) + copies * len(body) + len(tail)
+        # Executors look up each action several times (how far a step can run, then to run it); building
+        # the shifted Action is the costly part, so recent ones are kept (bounded: a long run's row is long).
+        self._recent: dict[int, Action] = {}
 
     def with_copies(self, copies: int) -> "PeriodicRow":
         """The same row with ``copies`` copies of the body (the list for a different number of periods)."""
@@ -83,6 +87,14 @@ class PeriodicRow(Sequence[Action]):
         return self._at(i)
 
     def _at(self, i: int) -> Action:
+        action = self._recent.get(i)
+        if action is None:
+            if len(self._recent) >= _RECENT:
+                self._recent.clear()
+            action = self._recent[i] = self._compute(i)
+        return action
+
+    def _compute(self, i: int) -> Action:
         if i < len(self.head):
             return self.head[i]
         i -= len(self.head)

@@ -1,0 +1,102 @@
+// Mailbox and Progress: the synchronisation points between pipeline stage worker threads.
+//
+// Every blocking wait releases the GIL, so other stages keep running Python while one waits, and
+// every wait that does not have to block returns without touching the GIL at all (releasing and
+// reacquiring it can hand the interpreter to another thread). Lock order: the GIL may be held when
+// taking the mutex (the sections it guards never need the GIL), but the GIL is never (re)acquired
+// while the mutex is held; that would deadlock against a thread holding the GIL in put()/set().
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace pipecore {
+
+// A wait ended because abort() was called; what() is the abort reason. Bound as pipecore._C.Aborted.
+class Aborted : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A wait ran past its timeout. Translated to Python's built-in TimeoutError.
+class WaitTimeout : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Shared abort flag: the first reason is kept until reset(), because later aborts are usually
+// consequences of the first failure (one stage fails, the executor then stops the others).
+class AbortState {
+ protected:
+  // Requires mu_ held: raises Aborted if aborted.
+  void throw_if_aborted() const;
+  // Requires mu_ held through `lock` and the GIL NOT held. Waits until aborted (raises Aborted)
+  // or ready(); after `timeout` seconds (negative = forever) raises WaitTimeout whose message is
+  // describe() (called with mu_ held) plus the seconds waited. Defined in mailbox.cpp, its
+  // only user.
+  template <class Ready, class Describe>
+  void wait(std::unique_lock<std::mutex>& lock, double timeout, Ready ready, Describe describe);
+  // Lock mu_ themselves; abort_all also wakes every waiter.
+  void abort_all(std::string reason);
+  void clear_abort();
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool aborted_ = false;
+  std::string reason_;
+};
+
+// Thread-safe int64 -> Python object map whose take() blocks until the key is present.
+class Mailbox : AbortState {
+ public:
+  Mailbox() = default;
+  Mailbox(const Mailbox&) = delete;
+  Mailbox& operator=(const Mailbox&) = delete;
+  ~Mailbox();
+
+  // GIL held by the caller. Raises KeyError if the key is present.
+  void put(int64_t key, pybind11::object value);
+  // GIL held by the caller; released only while waiting. timeout in seconds, negative = forever.
+  pybind11::object take(int64_t key, double timeout = -1.0);
+  bool contains(int64_t key) const;
+  size_t size() const;
+  std::vector<int64_t> keys() const;  // sorted
+  // Every take() from now on raises Aborted(reason), present key or not, until reset().
+  void abort(std::string reason) { abort_all(std::move(reason)); }
+  void reset() { clear_abort(); }  // the stored items stay
+  void clear();  // GIL held by the caller: drops (decrefs) every stored item
+
+ private:
+  // Raw strong references, so that no refcount is touched while the GIL is released.
+  std::map<int64_t, PyObject*> items_;
+};
+
+// One counter per stage (e.g. actions executed), with waiting for a counter to reach a value.
+class Progress : AbortState {
+ public:
+  explicit Progress(int64_t n);
+
+  void set(int64_t i, int64_t value);
+  int64_t get(int64_t i) const;
+  // Returns once counter i >= value. GIL held by the caller; released only while waiting.
+  void wait_at_least(int64_t i, int64_t value, double timeout = -1.0);
+  int64_t size() const { return static_cast<int64_t>(counters_.size()); }
+  // Every wait_at_least() from now on raises Aborted(reason), until reset().
+  void abort(std::string reason) { abort_all(std::move(reason)); }
+  void reset() { clear_abort(); }  // the counters keep their values
+
+ private:
+  size_t index(const char* op, int64_t i) const;  // raises IndexError when out of range
+
+  std::vector<int64_t> counters_;  // guarded by mu_; the size never changes
+};
+
+}  // namespace pipecore

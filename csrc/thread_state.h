@@ -1,0 +1,40 @@
+// ThreadState: the calling thread's torch thread-local state, carried into a stage worker thread.
+//
+// Grad mode, autocast, the active profiler (its record-function callbacks) and the dispatch key sets
+// are thread-local in torch. A stage worker thread starts with none of the caller's, so a `no_grad`,
+// an `autocast` or a `torch.profiler.profile` around `step()` would apply when the stages run in turn
+// on the caller's thread but not when they run on their own threads. Capturing the caller's state and
+// entering it on each worker (as torch's own async tasks do) makes both ways of running the same.
+// The intra-op thread count (torch.set_num_threads) is per OS thread for OpenMP and MKL: a new thread
+// would use every core, so entering also applies the process's setting, as torch's own threads do.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+
+#include <memory>
+#include <optional>
+
+namespace pipecore {
+
+class ThreadState {
+ public:
+  // Captures the calling thread's state.
+  ThreadState() = default;
+  // Makes the captured state current on the calling thread until exit(); enter/exit pair up per thread
+  // through the returned guard.
+  class Guard {
+   public:
+    explicit Guard(const at::ThreadLocalState& state) : guard_(std::in_place, state) { at::init_num_threads(); }
+    void exit() { guard_.reset(); }
+
+   private:
+    std::optional<at::ThreadLocalStateGuard> guard_;
+  };
+  std::unique_ptr<Guard> enter() const { return std::make_unique<Guard>(state_); }
+
+ private:
+  at::ThreadLocalState state_;
+};
+
+}  // namespace pipecore

@@ -9,8 +9,8 @@ each stage's own order, which the schedule fixes.
 The executor can stop before the end: ``run(available=n)`` executes every action it can without a
 stage-0 forward of micro-batch ``n`` or later, so a pipeline can keep running across ``step()`` calls.
 
-Two ways to run the same actions: in turn on the calling thread, or ``concurrent``, each stage on its own
-worker thread, which waits for its next action's message in a mailbox (and, for tied weights, for the other
+Two ways to run the same actions: in turn on the calling thread, or (given ``threads``) each stage on its
+own worker thread, which waits for its next action's message in a mailbox (and, for tied weights, for the other
 owners' progress) without holding the GIL. Either way every stage executes the same actions in the same
 order, which is all its numerics depend on, so both give the same bits.
 """
@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from .. import _C
-
 from ..schedule.ir import Action, B, F, Kind, U
 from ..schedule.progress import positions, runnable
 from ..schedule.schedule import Schedule, upstream

@@ -17,7 +17,7 @@ import pytest
 
 import pipecore
 from pipecore.cli import main
-from pipecore.cli.train import rank_path
+from pipecore.cli.profile import rank_path
 
 # 4 stages, 4 micro-batches of 100, 3 steps per epoch (1,437 // 400): the whole run is a handful of steps.
 SMALL = ["--hidden", "32", "--batch-size", "400", "--no-progress"]

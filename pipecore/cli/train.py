@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from ._args import algorithm_option, positive_int
+from .profile import DEFAULT_PROFILE_STEPS, Profile, check_profile_args, option_text, rank_path
 
 if TYPE_CHECKING:  # heavy imports stay inside run() so that ``pipecore --help`` is fast
     import torch
@@ -103,8 +104,6 @@ _STRUCTURAL = ("model", "algorithm", "stages", "microbatches", "hidden", "depth"
                "block_size", "optimizer")
 #: Settings that merely change the trajectory (or what is measured): resuming with other values is noted.
 _TRAJECTORY = ("batch_size", "lr", "seed", "option", "steps_per_epoch", "eval_windows")
-#: Training steps ``--profile`` records unless ``--profile-steps`` says otherwise.
-DEFAULT_PROFILE_STEPS = 20
 #: The length of an algorithm's learning-rate warm-up (PipeMare's T1), in epochs of updates (the spec's proposal).
 WARMUP_EPOCHS = 5
 
@@ -479,101 +478,6 @@ def _resolve_defaults(args: argparse.Namespace) -> None:
     args.epochs = args.epochs or DEFAULT_EPOCHS[args.model]
 
 
-def _check_profile_args(args: argparse.Namespace) -> None:
-    """``--profile-steps`` needs ``--profile`` (and defaults to :data:`DEFAULT_PROFILE_STEPS`); the trace's
-    directory must exist. (``--profile-steps`` below 1 is an argparse error.)"""
-    if args.profile is None:
-        if args.profile_steps is not None:
-            raise ValueError("--profile-steps applies with --profile PATH (the trace file to write)")
-        return
-    if args.profile_steps is None:
-        args.profile_steps = DEFAULT_PROFILE_STEPS
-    path = Path(args.profile)
-    if path.is_dir():
-        raise ValueError(f"--profile: {args.profile} is a directory; give the trace file's path (e.g. trace.json)")
-    if not path.resolve().parent.is_dir():
-        raise ValueError(f"--profile: the directory of {args.profile} does not exist")
-
-
-def rank_path(path: str, rank: int | str | None) -> str:
-    """The trace file of ``rank`` (None: the only process): the rank goes before the suffix, so that every
-    process of a torchrun run writes its own file: ``trace.json`` -> ``trace.rank1.json``."""
-    if rank is None:
-        return path
-    p = Path(path)
-    return str(p.with_name(f"{p.stem}.rank{rank}{p.suffix}"))
-
-
-def _option_text(value: Any) -> str:
-    """An ``--option`` value as the command line writes it (the inverse of ``parse_option_value``)."""
-    if isinstance(value, list):
-        return ",".join(_option_text(v) for v in value)
-    if isinstance(value, bool) or value is None:
-        return str(value).lower()
-    return str(value)
-
-
-class _Profile:
-    """``--profile``: ``torch.profiler.profile`` from the first training step to the end of the
-    ``limit``-th, or of the end-of-epoch flush that follows it (evaluations between recorded steps are
-    recorded, the one after the last recorded flush is not); the Chrome trace is written by :meth:`export`.
-    Without a path every method does nothing."""
-
-    def __init__(self, path: str | None, limit: int | None) -> None:
-        self.path, self.limit = path, limit or 0
-        self.recorded = 0  # training steps recorded
-        self._prof: Any = None
-        self._running = False
-
-    def start(self) -> None:
-        if self.path is None:
-            return
-        import torch
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        self._prof = profile(activities=activities)
-        self._prof.start()
-        self._running = True
-
-    def range(self, name: str) -> Any:
-        """A range around the caller's work (a step, a flush, an evaluation) while recording."""
-        from contextlib import nullcontext
-
-        import torch
-
-        return torch.profiler.record_function(name) if self._running else nullcontext()
-
-    def step_done(self, ends_epoch: bool) -> None:
-        """After a training step: the ``limit``-th stops the recording, unless the epoch's flush follows."""
-        if not self._running:
-            return
-        self.recorded += 1
-        if self.recorded >= self.limit and not ends_epoch:
-            self._stop()
-
-    def flushed(self, last: bool) -> None:
-        """After an end-of-epoch flush: stop once ``limit`` steps are recorded, or after the run's last flush."""
-        if self._running and (self.recorded >= self.limit or last):
-            self._stop()
-
-    def _stop(self) -> None:
-        self._running = False
-        self._prof.stop()
-
-    def close(self) -> None:
-        """Stop recording (also when training failed): a profiler left running would record the caller's work."""
-        if self._running:
-            self._stop()
-
-    def export(self, path: str) -> None:
-        self.close()
-        try:
-            self._prof.export_chrome_trace(path)
-        except (OSError, RuntimeError) as error:
-            raise ValueError(f"cannot write {path}: {getattr(error, 'strerror', None) or error}") from None
-
-
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """The run's settings as plain values (stored in checkpoints); flags of other models are None."""
     return {
@@ -722,7 +626,7 @@ def _train(args: argparse.Namespace) -> int:
     import pipecore
 
     _resolve_defaults(args)
-    _check_profile_args(args)  # fail before loading data and training, not after
+    check_profile_args(args)  # fail before loading data and training, not after
     if args.batch_size % args.microbatches:
         raise ValueError(
             f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}; "
@@ -849,7 +753,7 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
 
     hide_bar = True if args.no_progress or not leader else None  # None: tqdm shows the bar only on a terminal
     # With one process per stage every rank records its own stage's actions into its own file.
-    profile = _Profile(args.profile, args.profile_steps)
+    profile = Profile(args.profile, args.profile_steps)
     trace_path = rank_path(args.profile, pipe.rank) if args.profile else None
     profile.start()  # after data loading and setup: the trace starts at the first training step
     started = time.perf_counter()
@@ -917,7 +821,7 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
         print(f"wrote loss and {metric} curves to {args.plot}")
     if args.profile:
         written = trace_path if pipe.rank is None else f"{rank_path(args.profile, '<R>')} (one per rank)"
-        options = "".join(f" -o {k}={_option_text(v)}" for k, v in args.option)
+        options = "".join(f" -o {k}={option_text(v)}" for k, v in args.option)
         # A flush ends the pipeline's schedule: the next step starts a new one (micro-batches from 0 again), so
         # the simulation to compare with is the recorded steps of one epoch.
         simulated = min(profile.recorded, steps_per_epoch)

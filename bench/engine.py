@@ -525,8 +525,8 @@ class StageMatmuls:
 
 
 def on_threads(works: list[StageMatmuls]) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """A step (for ``measure``; it ignores the mini-batch) running every work once, each on its own thread, as
-    the concurrent executor starts a thread per stage for every step. Each thread first sets torch's thread
+    """A step (for ``measure``; it ignores the mini-batch) running every work once, each on its own thread
+    (started per step: its cost is negligible against a step's matrix products). Each thread first sets torch's thread
     count to the caller's: ``torch.set_num_threads`` on one thread does not reach MKL on a new one, whose
     matrix products would otherwise run on MKL's default thread count (all cores), oversubscribing them."""
 
@@ -620,7 +620,7 @@ def gloo_reference(path: Path = GLOO_RESULTS) -> dict[str, object] | None:
 
 def concurrent_targets(batches: dict[str, dict[str, object]], gloo: dict[str, object] | None
                        ) -> list[dict[str, object]]:
-    """The issue's targets, each with its measured value and ``passed`` (None where it cannot be judged)."""
+    """The benchmark's targets, each with its measured value and ``passed`` (None where it cannot be judged)."""
     targets: list[dict[str, object]] = []
     at_limit = batches.get(str(LIMIT_TARGET_BATCH))
     for name, share in LIMIT_TARGETS.items():

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import sys
 import threading
 import time
 
@@ -231,8 +232,12 @@ def test_a_failed_step_leaves_no_thread_waiting():
                              partition=starts, leaf_modules=[Fails])
     with pytest.raises(Injected):
         pipe.step(*data(1)[0])
-    # Every thread is back waiting for its next job: none is stuck in a mailbox.
-    assert pipe._threads is not None and all(t.is_alive() for t in pipe._threads.alive())
+    # Every stage thread is back in its idle loop, waiting for the next job: none is stuck in a mailbox.
+    threads = pipe._threads.alive()
+    assert len(threads) == 4
+    frames = sys._current_frames()
+    assert all(frames[t.ident].f_code.co_name == "_serve" for t in threads), [
+        frames[t.ident].f_code.co_name for t in threads]
     closed(pipe)
     assert not pipe._threads.alive()
 

@@ -24,6 +24,19 @@ def from_payload(payload: Any, count: int) -> tuple[Any, ...]:
     return (payload,) if count == 1 else tuple(payload)
 
 
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` (a tensor, None, or tuples, lists and dicts of them: a message payload, a target) on
+    ``device``. Copies to a GPU are non-blocking (ordered on the current stream); a copy to the CPU waits,
+    since the CPU reads it next."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device == device else value.to(device, non_blocking=device.type == "cuda")
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_device(v, device) for v in value)
+    return value
+
+
 def as_model_inputs(x: Batch, captured: "CapturedModel") -> tuple[torch.Tensor, ...]:
     """The tensors the captured forward reads, in its argument order, from ``x``: a tensor (a forward that
     reads one input), a tuple (positional arguments) or a dict (arguments by name)."""

@@ -25,7 +25,7 @@ from ..simulate import simulate
 from ..schedule.ties import TieSync, partners_of, smallest_delay
 from .flat import FlatLayout
 from .graph import CapturedModel, StageGraph, tied_parameters
-from .inputs import Batch, as_model_inputs, as_payload, split_batch
+from .inputs import Batch, as_model_inputs, as_payload, split_batch, to_device
 from .optim import SGD, build_optimizer
 from .partition import stage_starts
 from .stage import TensorStage
@@ -138,7 +138,6 @@ class Pipeline:
                 device=device,
             )
             self.stages[s].state_keys = self._stage_keys[s]
-            self.stages[s].use_stream(self.concurrent)
         if self.rank is not None:
             _release_other_stages(captured.model, graphs[self.rank].module)
         self.ties = tied_parameters(graphs, captured.model)
@@ -159,6 +158,8 @@ class Pipeline:
             self._transport = DistributedTransport(self.rank, num_stages, timeout, self.devices[self.rank])
         # Stage worker threads, kept from step to step (one process, several stages, concurrent).
         self._threads = StageThreads() if self.concurrent and len(self.stages) > 1 else None
+        for st in self.stages.values():
+            st.use_stream(self._threads is not None)  # a stream of its own only where it runs on its own thread
         self._staleness = {s: _Tally() for s in self.stages}
         self._delays = {s: _Tally() for s in self.stages}
         self._closed = False
@@ -255,7 +256,7 @@ class Pipeline:
         if y_chunks is not None:
             device = self.devices[self.num_stages - 1]
             for u, chunk in enumerate(y_chunks.chunks):
-                self._targets[first + u] = _to_device(y_chunks.rebuild(chunk), device)
+                self._targets[first + u] = to_device(y_chunks.rebuild(chunk), device)
         minibatch = self._fed
         self._fed += 1
         if self.rank is not None and not last_stage:
@@ -515,14 +516,6 @@ def _release_other_stages(model: nn.Module, own: nn.Module) -> None:
                     meta = t.detach().to("meta")
                     moved[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
                 table[name] = moved[id(t)]
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    return type(value)(_to_device(v, device) for v in value)
 
 
 def _boundary_meta(captured: CapturedModel, graphs: Sequence[StageGraph], example_input: Any) -> dict[str, str]:

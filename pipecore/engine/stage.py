@@ -30,7 +30,7 @@ from ..schedule.ir import Action, traced
 from ..versions import UpdateInfo
 from .flat import FlatLayout
 from .graph import StageGraph
-from .inputs import as_payload, from_payload
+from .inputs import as_payload, from_payload, to_device
 from .tied import StageTies
 from .optim import LrScales, StageOptimizer, uniform_scale
 from .split_backward import PendingWeightGradients, input_gradient, weight_gradients
@@ -200,7 +200,7 @@ class TensorStage(StageWorker):
                 torch.cuda.current_stream(device).wait_event(message.event)
             for t in tensors:
                 t.record_stream(torch.cuda.current_stream(t.device))
-        return _to_device(payload, self.device)
+        return to_device(payload, self.device)
 
     def stamp(self, message: Message) -> Message:
         if self.stream is not None and message.payload is not None:
@@ -553,7 +553,7 @@ class TensorStage(StageWorker):
         the device per group instead of one per micro-batch. A non-finite one raises, or marks its group's
         update to be skipped; the group's update comes after its last loss is read, here."""
         pending, self._unread_losses = self._unread_losses, {}
-        values = torch.stack(list(pending.values())).tolist() if len(pending) > 1 else [float(*pending.values())]
+        values = torch.stack(list(pending.values())).tolist()
         for k, value in zip(pending, values):
             self.losses[k] = value
             if math.isfinite(value):
@@ -633,16 +633,6 @@ def _tensors(payload: Any) -> list[torch.Tensor]:
     if isinstance(payload, tuple):
         return [t for t in payload if isinstance(t, torch.Tensor)]
     return []
-
-
-def _to_device(payload: Any, device: torch.device) -> Any:
-    """A message payload (None, a tensor, or a tuple of tensors and None) on ``device``. Copies to a GPU are
-    non-blocking (ordered on the current stream); a copy to the CPU waits, since the CPU reads it next."""
-    if isinstance(payload, torch.Tensor):
-        return payload if payload.device == device else payload.to(device, non_blocking=device.type == "cuda")
-    if isinstance(payload, tuple):
-        return tuple(_to_device(t, device) if isinstance(t, torch.Tensor) else t for t in payload)
-    return payload
 
 
 def _describe(value: Any, names: Sequence[str] = ()) -> str:

@@ -17,7 +17,6 @@ order, which is all its numerics depend on, so both give the same bits.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -174,8 +173,7 @@ class Executor:
             progress = self._progress
             for s in self.workers:
                 progress.set(s, self.cursor[s])
-        failures: list[tuple[int, Action | None, BaseException]] = []
-        lock = threading.Lock()
+        failures: list[tuple[int, Action | None, BaseException]] = []  # appended by the stage threads
         # The caller's torch thread-local state (grad mode, autocast, an active profiler) applies on every
         # stage thread, as it does when the stages run in turn on the caller's thread.
         caller = _C.ThreadState()
@@ -203,8 +201,7 @@ class Executor:
             except _C.Aborted:
                 pass  # another stage failed first; its error is the one raised
             except BaseException as exc:  # noqa: B902 - re-raised on the calling thread
-                with lock:
-                    failures.append((s, action, exc))
+                failures.append((s, action, exc))
                 stop_all(f"stage {s} failed")
 
         def interrupted() -> None:

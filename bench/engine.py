@@ -33,19 +33,21 @@ in one process), so the ideal ratio to sequential training stays 1.0.
 * ``concurrent``: what a worker thread per stage (``concurrent=True``) gains. The MLP below as 2 stages, m
   micro-batches, at each batch of ``--concurrent-batches``, under ``torch.set_num_threads(1)`` (one intra-op
   thread per stage thread; the previous count is restored after): sequential training, and per algorithm of
-  ``--concurrent-algorithms`` (``pipecore.SGD(momentum=0.9)``) ``<alg>`` (``concurrent=False``) and
-  ``<alg>+threads`` (``concurrent=True``), interleaved in rounds (rotated each round). Reported: samples/s, the
-  median and range of per-round ratios to sequential, and of ``+threads`` / in turn. The machine's own limit is
+  ``--concurrent-algorithms`` (``pipecore.SGD(momentum=0.9)``) ``<alg>`` (``concurrent=False``),
+  ``<alg>+threads`` (``concurrent=True``: ``step()`` returns settled) and ``<alg>+overlap`` (also
+  ``overlap_steps=True``: the stage threads go on after ``step()`` returns its loss; a window ends after
+  ``synchronize()``), interleaved in rounds (rotated each round). Reported: samples/s, the median and range of
+  per-round ratios to sequential, and of each threaded configuration / in turn. The machine's own limit is
   measured in the same rounds: one thread running one stage's matrix products for a step (per micro-batch and
   Linear: the forward ``addmm``, the input- and weight-gradient ``mm`` of (batch/m) x width by width x width,
   on its own tensors; each thread sets torch's thread count itself, since ``torch.set_num_threads`` on the
   calling thread does not reach MKL on a new thread) against two threads each running theirs; limit =
-  2 t_one / t_two. Per algorithm, ``fraction_of_limit`` = (``+threads`` speedup over sequential) / limit.
-  Targets (printed PASS/FAIL, stored): at batch 1024 ``2bw+threads`` at least 0.9 and ``1f1b+threads`` at
-  least 0.8 of the limit; at batch 256 ``1f1b+threads`` and ``2bw+threads`` at least the two-process gloo
-  figures of ``bench/results/pipeline-cpu.json`` (``vs_single_process`` of its 1f1b and 2bw rows). Before
-  timing, every algorithm's ``concurrent=True`` and ``concurrent=False`` pipelines train 3 steps on the same
-  data and must end bit-identical (so must the timed pairs after the run; the exit status is 1 otherwise).
+  2 t_one / t_two. Per threaded configuration, ``fraction_of_limit`` = (its speedup over sequential) / limit.
+  Targets (printed PASS/FAIL, stored), for ``+threads`` and ``+overlap`` alike: at batch 1024 2bw at least 0.9
+  and 1f1b at least 0.8 of the limit; at batch 256 1f1b and 2bw at least the two-process gloo figures of
+  ``bench/results/pipeline-cpu.json`` (``vs_single_process`` of its 1f1b and 2bw rows). Before timing, every
+  algorithm's threaded pipelines and its ``concurrent=False`` one train 3 steps on the same data and must end
+  bit-identical (so must the timed ones after the run; the exit status is 1 otherwise).
   Where ``torch.cuda.is_available()``, the same comparison also runs on one GPU (key ``gpu``): 4 stages on
   ``cuda:0`` of ``--layers`` x ``--gpu-width`` blocks, batch ``--gpu-batch``, windows timed between
   ``torch.cuda.synchronize()`` calls, sequential reading its loss once per step.
@@ -117,6 +119,8 @@ CONCURRENT_ALGORITHMS = ("gpipe", "1f1b", "2bw", "pipedream")
 CONCURRENT_BATCHES = (256, 1024)
 CONCURRENT_STAGES = 2
 THREADS = "+threads"  # the configuration with a thread per stage (concurrent=True)
+OVERLAP = "+overlap"  # a thread per stage going on after step() returns (concurrent=True, overlap_steps=True)
+THREADED = (THREADS, OVERLAP)
 LIMIT_ONE, LIMIT_TWO = "limit:1 thread", "limit:2 threads"  # the machine's limit, measured with the rounds
 LIMIT_TARGET_BATCH = 1024
 LIMIT_TARGETS = {"2bw": 0.9, "1f1b": 0.8}  # +threads speedup over sequential, as a fraction of the limit
@@ -170,12 +174,18 @@ def accumulating_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, los
 
 
 def pipeline(name: str, model: nn.Module, stages: int, m: int, concurrent: bool = False,
-             devices: str | None = None) -> pipecore.Pipeline:
+             devices: str | None = None, overlap_steps: bool = False) -> pipecore.Pipeline:
     """``name`` with ``pipecore.SGD(momentum=0.9)``; by default the stages run in turn on the calling thread
     (``concurrent=False``), which is what the engine, graph and gpt parts measure."""
     return pipecore.Pipeline(model, stages, algorithm=name, n_microbatches=m,
                              optimizer=pipecore.SGD(lr=LR, momentum=0.9), loss_fn=nn.CrossEntropyLoss(),
-                             concurrent=concurrent, devices=devices)
+                             concurrent=concurrent, devices=devices, overlap_steps=overlap_steps)
+
+
+def threaded(name: str, suffix: str, model: nn.Module, stages: int, m: int, devices: str | None = None
+             ) -> pipecore.Pipeline:
+    """``name``'s pipeline with a thread per stage: ``+threads`` (step() returns settled) or ``+overlap``."""
+    return pipeline(name, model, stages, m, concurrent=True, devices=devices, overlap_steps=suffix == OVERLAP)
 
 
 def expected_versions(name: str, stages: int, m: int) -> list[int]:
@@ -250,6 +260,8 @@ def measure(configs: list[Config], data: list[tuple[torch.Tensor, torch.Tensor]]
             start = time.perf_counter()
             for x, y in data:
                 c.step(x, y)
+            if c.pipe is not None:
+                c.pipe.synchronize()  # a window ends when its work is done (overlap_steps goes on after step())
             wait()
             rates[c.name].append(window * batch / (time.perf_counter() - start))
     return rates
@@ -480,28 +492,38 @@ def median_range(values: list[float], digits: int = 3) -> dict[str, object]:
 
 
 def concurrent_matches(name: str, base: nn.Module, width: int, batch: int, stages: int, m: int,
-                       devices: str | None = None, steps: int = 3) -> float:
-    """Largest |weight difference| between ``concurrent=True`` and ``concurrent=False`` pipelines of ``name``
-    after ``steps`` steps on the same data (0: bit-identical)."""
-    pipes = [pipeline(name, copy.deepcopy(base), stages, m, concurrent=c, devices=devices) for c in (True, False)]
+                       devices: str | None = None, steps: int = 3) -> dict[str, float]:
+    """Per threaded configuration of ``name`` (``+threads``, ``+overlap``): the largest |weight difference| from
+    the ``concurrent=False`` pipeline after ``steps`` steps on the same data (0: bit-identical)."""
+    in_turn = pipeline(name, copy.deepcopy(base), stages, m, devices=devices)
+    pipes = {name + suffix: threaded(name, suffix, copy.deepcopy(base), stages, m, devices) for suffix in THREADED}
     for x, y in mlp_data(batch, width, steps):
-        for pipe in pipes:
+        for pipe in [in_turn, *pipes.values()]:
             pipe.step(x, y)
-    return weights_diff(*pipes)
+    return {config: weights_diff(pipe, in_turn) for config, pipe in pipes.items()}
 
 
 def build_concurrent(names: list[str], base: nn.Module, stages: int, m: int, devices: str | None = None
                      ) -> list[Config]:
     """Sequential training of a copy of ``base`` (on ``devices``, there reading its loss once per step), and per
-    algorithm the pipeline with its stages in turn on the calling thread (``name``) and with a thread per stage
-    (``name+threads``), all its stages on ``devices`` if given."""
+    algorithm the pipeline with its stages in turn on the calling thread (``name``), with a thread per stage
+    (``name+threads``) and with threads going on after ``step()`` returns (``name+overlap``), all its stages on
+    ``devices`` if given."""
     model = copy.deepcopy(base).to(devices or "cpu")
     configs = [Config("sequential", sequential_trainer(model, m, defer_loss=devices is not None))]
     for name in names:
-        for concurrent in (False, True):
-            pipe = pipeline(name, copy.deepcopy(base), stages, m, concurrent=concurrent, devices=devices)
-            configs.append(Config(name + (THREADS if concurrent else ""), pipe.step, pipe))
+        pipe = pipeline(name, copy.deepcopy(base), stages, m, devices=devices)
+        configs.append(Config(name, pipe.step, pipe))
+        for suffix in THREADED:
+            pipe = threaded(name, suffix, copy.deepcopy(base), stages, m, devices)
+            configs.append(Config(name + suffix, pipe.step, pipe))
     return configs
+
+
+def in_turn_name(config: str) -> str | None:
+    """The in-turn configuration a threaded one (``2bw+threads``, ``2bw+overlap``) is compared with; None for
+    the others."""
+    return next((config[: -len(x)] for x in THREADED if config.endswith(x)), None)
 
 
 class StageMatmuls:
@@ -575,8 +597,8 @@ def compare_to_sequential(configs: list[Config], rates: dict[str, list[float]], 
             "vs_sequential": median_range([r / b for r, b in zip(rates[c.name], seq)]),
             "windows_samples_per_s": [round(r, 1) for r in rates[c.name]],
         }
-    threads_over_in_turn = {n: median_range([t / s for t, s in zip(rates[n + THREADS], rates[n])]) for n in names}
-    return {"results": results, "threads_over_in_turn": threads_over_in_turn}
+    over_in_turn = {n + x: median_range([t / s for t, s in zip(rates[n + x], rates[n])]) for n in names for x in THREADED}
+    return {"results": results, "over_in_turn": over_in_turn}
 
 
 def run_concurrent_batch(names: list[str], width: int, layers: int, batch: int, m: int, warmup: int,
@@ -593,12 +615,13 @@ def run_concurrent_batch(names: list[str], width: int, layers: int, batch: int, 
     out["machine_limit"] = {**median_range(limit), "per_round": [round(v, 3) for v in limit]}
     results = out["results"]
     out["fraction_of_limit"] = {
-        n: {"of_medians": round(results[n + THREADS]["vs_sequential"]["median"] / statistics.median(limit), 3),
-            **median_range([r / b / lim for r, b, lim in zip(rates[n + THREADS], rates["sequential"], limit)])}
-        for n in names}
-    for c in configs:  # the timed pair trained on the same data in the same order
-        if c.pipe is not None and c.name.endswith(THREADS):
-            partner = next(p.pipe for p in configs if p.name == c.name[: -len(THREADS)])
+        c: {"of_medians": round(results[c]["vs_sequential"]["median"] / statistics.median(limit), 3),
+            **median_range([r / b / lim for r, b, lim in zip(rates[c], rates["sequential"], limit)])}
+        for c in (n + x for n in names for x in THREADED)}
+    for c in configs:  # the timed threaded ones trained on the same data in the same order as their in-turn one
+        partner_name = in_turn_name(c.name)
+        if c.pipe is not None and partner_name is not None:
+            partner = next(p.pipe for p in configs if p.name == partner_name)
             results[c.name]["max_weight_diff_vs_in_turn"] = weights_diff(c.pipe, partner)
     return out
 
@@ -624,21 +647,24 @@ def concurrent_targets(batches: dict[str, dict[str, object]], gloo: dict[str, ob
     targets: list[dict[str, object]] = []
     at_limit = batches.get(str(LIMIT_TARGET_BATCH))
     for name, share in LIMIT_TARGETS.items():
-        if at_limit is not None and name in at_limit["fraction_of_limit"]:
-            value = at_limit["fraction_of_limit"][name]["of_medians"]
-            targets.append({"batch": LIMIT_TARGET_BATCH, "configuration": name + THREADS,
-                            "measure": "fraction_of_limit", "value": value, "at_least": share,
-                            "passed": value >= share})
+        for config in (name + x for x in THREADED):
+            if at_limit is not None and config in at_limit["fraction_of_limit"]:
+                value = at_limit["fraction_of_limit"][config]["of_medians"]
+                targets.append({"batch": LIMIT_TARGET_BATCH, "configuration": config,
+                                "measure": "fraction_of_limit", "value": value, "at_least": share,
+                                "passed": value >= share})
     at_gloo = batches.get(str(GLOO_TARGET_BATCH))
     reference = gloo["vs_single_process"] if gloo else {}
     for name in GLOO_ALGORITHMS:
-        if at_gloo is None or name + THREADS not in at_gloo["results"]:
-            continue
-        value = at_gloo["results"][name + THREADS]["vs_sequential"]["median"]
-        bound = reference.get(name)
-        targets.append({"batch": GLOO_TARGET_BATCH, "configuration": name + THREADS, "measure": "vs_sequential",
-                        "value": value, "at_least": bound, "reference": f"two-process gloo {name}, vs_single_process",
-                        "passed": None if bound is None else value >= bound})
+        for config in (name + x for x in THREADED):
+            if at_gloo is None or config not in at_gloo["results"]:
+                continue
+            value = at_gloo["results"][config]["vs_sequential"]["median"]
+            bound = reference.get(name)
+            targets.append({"batch": GLOO_TARGET_BATCH, "configuration": config, "measure": "vs_sequential",
+                            "value": value, "at_least": bound,
+                            "reference": f"two-process gloo {name}, vs_single_process",
+                            "passed": None if bound is None else value >= bound})
     return targets
 
 
@@ -651,7 +677,7 @@ def run_concurrent(names: list[str], width: int, layers: int, batches: list[int]
         weights = {n: concurrent_matches(n, base, width, min(batches), CONCURRENT_STAGES, m) for n in names}
         by_batch = {str(b): run_concurrent_batch(names, width, layers, b, m, warmup, window, rounds) for b in batches}
     gloo = gloo_reference()
-    return {"max_weight_diff_threads_vs_in_turn": weights, "batches": by_batch, "gloo_reference": gloo,
+    return {"max_weight_diff_vs_in_turn": weights, "batches": by_batch, "gloo_reference": gloo,
             "targets": concurrent_targets(by_batch, gloo)}
 
 
@@ -671,7 +697,7 @@ def run_concurrent_gpu(names: list[str], width: int, layers: int, batch: int, m:
             "timing": {"warmup_steps": warmup, "window_steps": window, "rounds": rounds,
                        "statistic": "torch.cuda.synchronize() before a window's clock starts and before it stops; "
                                     "otherwise as the CPU part"},
-            "max_weight_diff_threads_vs_in_turn": weights,
+            "max_weight_diff_vs_in_turn": weights,
             **compare_to_sequential(configs, rates, names, batch)}
 
 
@@ -741,9 +767,10 @@ def print_gpt_table(gpt: dict[str, object]) -> None:
 def concurrent_description(args: argparse.Namespace, results: dict[str, object]) -> dict[str, object]:
     """The concurrent part's JSON: what was run and how it was timed, then its results."""
     return {
-        "what": "throughput of Pipeline(concurrent=True) (a worker thread per stage) and concurrent=False (the "
-                "stages in turn on the calling thread) against plain sequential training, with the machine's own "
-                "limit for two threads",
+        "what": "throughput of Pipeline(concurrent=True) (a worker thread per stage; +threads: step() returns "
+                "settled, +overlap: overlap_steps=True, the threads go on after step() returns its loss) and "
+                "concurrent=False (the stages in turn on the calling thread) against plain sequential training, "
+                "with the machine's own limit for two threads",
         "model": f"{args.layers} x (Linear({args.width},{args.width}) + ReLU), cross-entropy",
         "sizes": {"width": args.width, "layers": args.layers, "batches": [int(b) for b in results["batches"]],
                   "microbatches": args.microbatches, "stages": CONCURRENT_STAGES},
@@ -751,7 +778,7 @@ def concurrent_description(args: argparse.Namespace, results: dict[str, object])
         "torch_threads": 1,
         "environment": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")},
         "threads": "torch.set_num_threads(1): one intra-op thread for sequential, for the in-turn pipelines, and "
-                   "for each stage thread of +threads (restored afterwards)",
+                   "for each stage thread of +threads and +overlap (restored afterwards)",
         "algorithms": args.concurrent_algorithms.split(","),
         "optimizer": {"pipecore": f"pipecore.SGD(lr={LR}, momentum=0.9)",
                       "sequential": f"torch.optim.SGD(lr={LR}, momentum=0.9, foreach=True)"},
@@ -762,17 +789,20 @@ def concurrent_description(args: argparse.Namespace, results: dict[str, object])
                          "t_two = two threads each doing that at once; measured as two more configurations in "
                          "the rounds",
         "timing": {"warmup_steps": args.warmup, "window_steps": args.window, "rounds": args.rounds,
-                   "statistic": "samples_per_s: median over windows; vs_sequential, threads_over_in_turn: median "
-                                "and range of per-round ratios; configurations (and the limit's two) rotate from "
-                                "round to round; fraction_of_limit.of_medians = vs_sequential median of +threads / "
-                                "machine_limit median (the targets use it), fraction_of_limit.median/range: of "
-                                "the per-round (+threads / sequential) / limit"},
+                   "statistic": "samples_per_s: median over windows (a window ends after synchronize()); "
+                                "vs_sequential, over_in_turn: median and range of per-round ratios; configurations "
+                                "(and the limit's two) rotate from round to round; fraction_of_limit.of_medians = "
+                                "vs_sequential median of the configuration / machine_limit median (the targets "
+                                "use it), fraction_of_limit.median/range: of the per-round (configuration / "
+                                "sequential) / limit"},
         "targets_definition": {
-            f"batch {LIMIT_TARGET_BATCH}": {n + THREADS: f"fraction_of_limit >= {v}" for n, v in LIMIT_TARGETS.items()},
-            f"batch {GLOO_TARGET_BATCH}": {n + THREADS: "vs_sequential >= the two-process gloo vs_single_process"
-                                           for n in GLOO_ALGORITHMS}},
-        "weights": "max_weight_diff_threads_vs_in_turn: after 3 steps on the same data, before timing (0: "
-                   "bit-identical); max_weight_diff_vs_in_turn: the timed pair after the run",
+            f"batch {LIMIT_TARGET_BATCH}": {n + x: f"fraction_of_limit >= {v}" for n, v in LIMIT_TARGETS.items()
+                                            for x in THREADED},
+            f"batch {GLOO_TARGET_BATCH}": {n + x: "vs_sequential >= the two-process gloo vs_single_process"
+                                           for n in GLOO_ALGORITHMS for x in THREADED}},
+        "weights": "max_weight_diff_vs_in_turn (top level): per algorithm and threaded configuration, after 3 "
+                   "steps on the same data, before timing (0: bit-identical); in each batch's results: the timed "
+                   "configuration against its in-turn one after the run",
         **results,
     }
 
@@ -781,7 +811,7 @@ def concurrent_identical(part: dict[str, object] | None) -> bool:
     """Whether every threads / in-turn pair of the concurrent part (CPU or GPU) ended with bit-identical weights."""
     if part is None:
         return True
-    diffs = list(part["max_weight_diff_threads_vs_in_turn"].values())
+    diffs = [d for per_config in part["max_weight_diff_vs_in_turn"].values() for d in per_config.values()]
     diffs += [r["max_weight_diff_vs_in_turn"] for b in part.get("batches", {}).values()
               for r in b["results"].values() if "max_weight_diff_vs_in_turn" in r]
     return all(d == 0 for d in diffs)
@@ -794,25 +824,28 @@ def print_concurrent(conc: dict[str, object], m: int) -> None:
         print(f"\nbatch {batch} ({int(batch) // m} rows per micro-batch); machine limit (two threads of independent "
               f"stage matmuls / one): {lim['median']:.2f} [{lim['range'][0]:.2f}, {lim['range'][1]:.2f}]")
         print_concurrent_table(b)
-    weights = conc["max_weight_diff_threads_vs_in_turn"]
-    print("threads vs in turn, weights after 3 steps: "
-          + ", ".join(f"{n} {'identical' if d == 0 else f'DIFFER by {d:.2e}'}" for n, d in weights.items()))
+    print_identity(conc["max_weight_diff_vs_in_turn"])
     print_targets(conc["targets"], conc["gloo_reference"])
 
 
+def print_identity(weights: dict[str, dict[str, float]]) -> None:
+    print("threaded vs in turn, weights after 3 steps: " + ", ".join(
+        f"{c} {'identical' if d == 0 else f'DIFFER by {d:.2e}'}" for per_config in weights.values()
+        for c, d in per_config.items()))
+
+
 def print_concurrent_table(b: dict[str, object]) -> None:
-    """One batch size's (or the GPU's) configurations: throughput, ratio to sequential, and for ``+threads`` the
-    ratio to the same algorithm in turn and the fraction of the machine's limit (where measured)."""
+    """One batch size's (or the GPU's) configurations: throughput, ratio to sequential, and for the threaded ones
+    the ratio to the same algorithm in turn and the fraction of the machine's limit (where measured)."""
     def span(r: dict[str, object]) -> str:
         return f"{r['median']:.3f} [{r['range'][0]:.3f}, {r['range'][1]:.3f}]"
 
     print(f"{'configuration':<17}  {'samples/s':>9}  {'ms/step':>8}  {'vs sequential [range]':<22}  "
-          f"{'threads/in turn [range]':<23}  {'of limit [per-round range]':<26}")
+          f"{'vs in turn [range]':<23}  {'of limit [per-round range]':<26}")
     fractions = b.get("fraction_of_limit", {})
     for name, r in b["results"].items():
-        alg = name[: -len(THREADS)] if name.endswith(THREADS) else None
-        ratio = span(b["threads_over_in_turn"][alg]) if alg else "-"
-        f = fractions.get(alg) if alg else None
+        ratio = span(b["over_in_turn"][name]) if name in b["over_in_turn"] else "-"
+        f = fractions.get(name)
         share = f"{f['of_medians']:.3f} [{f['range'][0]:.3f}, {f['range'][1]:.3f}]" if f else "-"
         print(f"{name:<17}  {r['samples_per_s']:>9,.0f}  {r['ms_per_step']:>8.2f}  {span(r['vs_sequential']):<22}  "
               f"{ratio:<23}  {share:<26}")
@@ -1030,16 +1063,14 @@ def main(argv: list[str] | None = None) -> int:
     if concurrent is not None:
         print(f"\nconcurrent: {report['concurrent']['model']}, {CONCURRENT_STAGES} stages, {m} micro-batches, "
               f"float32, 1 torch thread per thread; sequential, each algorithm with its stages in turn (concurrent="
-              f"False) and a thread per stage (+threads); median of {args.rounds} windows of {args.window} steps, "
+              f"False), a thread per stage (+threads) and threads going on after step() (+overlap); median of {args.rounds} windows of {args.window} steps, "
               "ratios: median [min, max] of per-round ratios")
         print_concurrent(concurrent, m)
     if gpu is not None:
         print(f"\nconcurrent on {gpu['device']}: {gpu['model']}, batch {args.gpu_batch}, {GPU_STAGES} stages, {m} "
               f"micro-batches, float32; median of {args.rounds} windows of {args.window} steps")
         print_concurrent_table(gpu)
-        print("threads vs in turn, weights after 3 steps: " + ", ".join(
-            f"{n} {'identical' if d == 0 else f'DIFFER by {d:.2e}'}"
-            for n, d in gpu["max_weight_diff_threads_vs_in_turn"].items()))
+        print_identity(gpu["max_weight_diff_vs_in_turn"])
     print(f"\nwrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
     checks = [r.get("check", "ok") for run in runs for r in run.get("results", {}).values()]
     identical = all(r["max_weight_diff"] == 0 for run in runs for part in run.get("graph_vs_sequential_modules", {}).values()

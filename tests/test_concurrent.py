@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import re
 import signal
@@ -102,6 +103,137 @@ def test_a_tied_head_across_stage_threads_is_bit_identical(algorithm):
     assert_same(run(True), run(False), algorithm)
 
 
+# -- overlap_steps: the stage threads go on after step() returns ------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_overlapping_steps_is_bit_identical_for_every_algorithm(algorithm):
+    assert_same(train(True, algorithm, overlap_steps=True), train(False, algorithm), algorithm)
+
+
+@pytest.mark.parametrize("algorithm", ["gpipe", "2bw", "pipedream", "i-timeprest"])
+def test_synchronize_leaves_the_weights_a_step_without_overlap_leaves(algorithm):
+    """Between steps, without flushing: after synchronize() the live parameters are those of a pipeline whose
+    step() returns settled, whatever is still in flight."""
+    def params_after_each_step(**options) -> list[list[torch.Tensor]]:
+        pipe = pipecore.Pipeline(mlp(), 4, algorithm, n_microbatches=4, optimizer=pipecore.SGD(lr=0.05, momentum=0.9),
+                                 loss_fn=nn.CrossEntropyLoss(), **options)
+        seen = []
+        for x, y in data(4):
+            pipe.step(x, y)
+            pipe.synchronize()
+            seen.append([p.detach().clone() for p in pipe.model.parameters()])
+        pipe.close()
+        return seen
+
+    assert_same(params_after_each_step(overlap_steps=True), params_after_each_step(concurrent=False), algorithm)
+
+
+@pytest.mark.parametrize("algorithm", ["1f1b", "pipedream"])
+def test_overlapping_steps_with_a_tied_head_is_bit_identical(algorithm):
+    def run(**options):
+        torch.manual_seed(0)
+        model = GPT(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16).double()
+        g = torch.Generator().manual_seed(3)
+        pipe = pipecore.Pipeline(model, 3, algorithm, n_microbatches=4, optimizer=pipecore.SGD(lr=0.05),
+                                 loss_fn=lambda out, t: nn.functional.cross_entropy(out.flatten(0, 1), t.flatten()),
+                                 partition=["blocks.0", "blocks.1"], **options)
+        losses = [pipe.step(torch.randint(0, 16, (8, 8), generator=g), torch.randint(0, 16, (8, 8), generator=g))
+                  for _ in range(4)]
+        pipe.flush()
+        return losses, pipe.state_dict()
+
+    assert_same(run(overlap_steps=True), run(concurrent=False), algorithm)
+
+
+class _Gate(torch.autograd.Function):
+    """Identity whose backward waits for ``opened`` (bounded, so a broken test fails instead of hanging),
+    after setting ``reached``; it then raises ``error`` if given."""
+
+    @staticmethod
+    def forward(ctx, x, reached, opened, error):
+        ctx.reached, ctx.opened, ctx.error = reached, opened, error
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.reached.set()
+        assert ctx.opened.wait(timeout=20), "the test never opened the gate"
+        if ctx.error is not None:
+            raise ctx.error("injected failure in backward")
+        return grad, None, None, None
+
+
+class Gated(nn.Module):
+    def __init__(self, error: type[BaseException] | None = None):
+        super().__init__()
+        self.reached, self.opened, self.error = threading.Event(), threading.Event(), error
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Gate.apply(x, self.reached, self.opened, self.error)
+
+
+def gated_pipeline(error: type[BaseException] | None = None) -> tuple[pipecore.Pipeline, Gated]:
+    """gpipe over 2 stages with a gate in stage 0: every forward of a mini-batch runs before its first
+    backward, so its loss is known while stage 0's backwards wait at the gate."""
+    torch.manual_seed(0)
+    gate = Gated(error)
+    model = nn.Sequential(nn.Linear(8, 8), gate, nn.Tanh(), nn.Linear(8, 3)).double()
+    pipe = pipecore.Pipeline(model, 2, "gpipe", n_microbatches=2, optimizer=pipecore.SGD(lr=0.1),
+                             loss_fn=nn.CrossEntropyLoss(), partition=[3], leaf_modules=[Gated], overlap_steps=True)
+    return pipe, gate
+
+
+def test_step_returns_its_loss_while_the_backwards_still_run():
+    pipe, gate = gated_pipeline()
+    before = pipe.model[0].weight.detach().clone()
+    x, y = data(1)[0]
+    loss = pipe.step(x, y)
+    assert math.isfinite(loss)
+    assert gate.reached.wait(timeout=20)  # stage 0's first backward is running, after step() returned
+    assert torch.equal(pipe.model[0].weight, before)  # its update has not been applied yet
+    gate.opened.set()
+    pipe.synchronize()
+    assert not torch.equal(pipe.model[0].weight, before)
+    assert pipe.in_flight == 0
+    pipe.close()
+
+
+def test_an_error_after_step_returned_is_raised_by_the_next_call():
+    pipe, gate = gated_pipeline(error=Injected)
+    x, y = data(1)[0]
+    pipe.step(x, y)  # returns before stage 0's backward fails
+    assert gate.reached.wait(timeout=20)
+    gate.opened.set()
+    with pytest.raises(Injected, match="injected failure in backward") as info:
+        pipe.state_dict()
+    assert any("stage 0's worker thread, running 0B0" in note for note in info.value.__notes__), info.value.__notes__
+    with pytest.raises(RuntimeError, match="an earlier run stopped at an error"):
+        pipe.step(x, y)
+    closed(pipe)
+    assert not pipe._threads.alive()
+
+
+def test_a_nonfinite_loss_is_raised_by_its_own_step_with_overlap():
+    pipe = pipecore.Pipeline(mlp(), 4, "2bw", n_microbatches=4, loss_fn=nn.CrossEntropyLoss(), overlap_steps=True)
+    x, y = data(1)[0]
+    pipe.step(x, y)
+    x = x.clone()
+    x[5, 0] = math.nan
+    with pytest.raises(pipecore.NonFiniteLoss, match="stage 3, micro-batch 6"):
+        pipe.step(x, y)
+    closed(pipe)
+
+
+def test_overlap_steps_needs_stage_threads():
+    with pytest.raises(ValueError, match="overlap_steps=True needs a worker thread per stage.*concurrent=False"):
+        pipecore.Pipeline(mlp(), 4, "1f1b", loss_fn=nn.CrossEntropyLoss(), concurrent=False, overlap_steps=True)
+    with pytest.raises(ValueError, match=r"runs 1 stage\(s\)"):
+        pipecore.Pipeline(mlp(), 1, "1f1b", loss_fn=nn.CrossEntropyLoss(), overlap_steps=True)
+    with pytest.raises(TypeError, match="overlap_steps must be True or False"):
+        pipecore.Pipeline(mlp(), 4, "1f1b", loss_fn=nn.CrossEntropyLoss(), overlap_steps=1)
+
+
 class Injected(Exception):
     """The failure the tests inject."""
 
@@ -152,14 +284,16 @@ def failing_model(stage_of_failure: int, **kwargs) -> tuple[nn.Sequential, list[
 
 @pytest.mark.parametrize("stage", range(4))
 @pytest.mark.parametrize("in_backward", [False, True])
-def test_an_error_in_any_stage_thread_reaches_step_naming_the_stage(stage, in_backward):
+@pytest.mark.parametrize("overlap_steps", [False, True])
+def test_an_error_in_any_stage_thread_reaches_step_naming_the_stage(stage, in_backward, overlap_steps):
     model, starts = failing_model(stage, at=6, in_backward=in_backward)
     pipe = pipecore.Pipeline(model, 4, "pipedream", n_microbatches=4, loss_fn=nn.CrossEntropyLoss(),
-                             partition=starts, concurrent=True, leaf_modules=[Fails])
+                             partition=starts, concurrent=True, leaf_modules=[Fails], overlap_steps=overlap_steps)
     batches = data(4)
     with pytest.raises(Injected, match="injected failure") as info:
         for x, y in batches:
             pipe.step(x, y)
+        pipe.synchronize()  # with overlap_steps, an error after the last step returned is raised here
     assert any(f"stage {stage}'s worker thread" in note for note in getattr(info.value, "__notes__", []))
     closed(pipe)
     assert not pipe._threads.alive()
@@ -190,14 +324,17 @@ class InterruptsMain(nn.Module):
         return x
 
 
-def test_ctrl_c_while_stages_run_stops_every_thread():
+@pytest.mark.parametrize("overlap_steps", [False, True])
+def test_ctrl_c_while_stages_run_stops_every_thread(overlap_steps):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), InterruptsMain(at=2), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3))
     pipe = pipecore.Pipeline(model.double(), 4, "1f1b", n_microbatches=4, loss_fn=nn.CrossEntropyLoss(),
-                             partition=[2, 3, 4], leaf_modules=[InterruptsMain], timeout=5)
+                             partition=[2, 3, 4], leaf_modules=[InterruptsMain], timeout=5,
+                             overlap_steps=overlap_steps)
     with pytest.raises(KeyboardInterrupt):
         for x, y in data(50, batch=64):
             pipe.step(x, y)
+        pipe.synchronize()
     closed(pipe)
     assert not pipe._threads.alive()
 

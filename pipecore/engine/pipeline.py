@@ -7,6 +7,7 @@ neighbouring ranks; the executor, the schedule and the stage worker are the same
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from collections import OrderedDict
@@ -73,6 +74,14 @@ class Pipeline:
             the results are bit-identical to ``concurrent=False`` (one thread running the stages in turn).
             Default: True in one process with more than one stage. Stage threads share torch's intra-op
             thread pool: give each about ``cores / num_stages`` threads (``torch.set_num_threads``).
+        overlap_steps: let the stage threads go on with a mini-batch's remaining work after ``step()`` has
+            returned its loss, so that they work while the caller prepares the next mini-batch (``step()``
+            returns once the last stage has computed the loss; the stages keep their order, so the results
+            are unchanged). Until :meth:`synchronize`, the model's parameters may be mid-update: the
+            pipeline's own methods (:meth:`flush`, :meth:`state_dict`, :meth:`stats`, checkpoints, ...)
+            synchronize first, but code that reads the parameters directly must call :meth:`synchronize`.
+            An error in the remaining work is raised by the next call into the pipeline. Needs stage threads
+            (``concurrent`` with more than one stage in this process). Default False.
         **options: algorithm options (``backward_rule``, ``update_every``, ``lam``, ``alpha``, ...).
 
     Each micro-batch loss is divided by the number of micro-batches one update accumulates (``m`` for the
@@ -96,10 +105,13 @@ class Pipeline:
         leaf_modules: Sequence[type | str] = (),
         devices: Sequence[str | torch.device] | str | torch.device | None = None,
         concurrent: bool | None = None,
+        overlap_steps: bool = False,
         **options: Any,
     ):
         if concurrent is not None and not isinstance(concurrent, bool):
             raise TypeError(f"concurrent must be True, False or None (the default), got {concurrent!r}")
+        if not isinstance(overlap_steps, bool):
+            raise TypeError(f"overlap_steps must be True or False, got {overlap_steps!r}")
         if on_nonfinite not in _NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {_NONFINITE}, got {on_nonfinite!r}")
         if loss_fn is None:
@@ -108,6 +120,7 @@ class Pipeline:
         self.model = model
         self.num_stages = num_stages
         self.n_microbatches = n_microbatches
+        self.on_nonfinite = on_nonfinite
         self.captured = captured = CapturedModel(model, leaf_modules, example_input)
         graphs = captured.split(stage_starts(captured, num_stages, partition))
         self.stage_graphs = graphs
@@ -158,6 +171,12 @@ class Pipeline:
             self._transport = DistributedTransport(self.rank, num_stages, timeout, self.devices[self.rank])
         # Stage worker threads, kept from step to step (one process, several stages, concurrent).
         self._threads = StageThreads() if self.concurrent and len(self.stages) > 1 else None
+        if overlap_steps and self._threads is None:
+            raise ValueError(
+                "overlap_steps=True needs a worker thread per stage: concurrent=True with more than one stage in "
+                f"this process (this process runs {len(self.stages)} stage(s), concurrent={self.concurrent})"
+            )
+        self.overlap_steps = overlap_steps
         for st in self.stages.values():
             st.use_stream(self._threads is not None)  # a stream of its own only where it runs on its own thread
         self._staleness = {s: _Tally() for s in self.stages}
@@ -265,10 +284,21 @@ class Pipeline:
             # Regenerate further ahead, doubling, so regeneration costs stay linear in the number of steps.
             self._horizon = max(2 * self._horizon, self._fed + 1)
             self._executor.extend(self.algorithm.schedule(self._horizon))
-        self._executor.run(available=self._fed * m)
-        if last_stage:
-            return self._minibatch_loss.pop(minibatch)
-        return self._transport.receive_loss(minibatch)
+        # With overlap_steps, return once the last stage has the loss (its last forward of this mini-batch).
+        until = (self.num_stages - 1, F, self._fed * m - 1) if self.overlap_steps else None
+        self._executor.run(available=self._fed * m, until=until)
+        if not last_stage:
+            return self._transport.receive_loss(minibatch)
+        loss = self._minibatch_loss.pop(minibatch)
+        if until is not None and not math.isfinite(loss) and self.on_nonfinite == "raise":
+            self.synchronize()  # the stage reading it raises NonFiniteLoss: from this step, as without overlap
+        return loss
+
+    def synchronize(self) -> None:
+        """Wait until the stage threads have run all the work given so far (with ``overlap_steps``, a step's
+        remaining backwards and updates), and raise the first error they met. Afterwards the model's
+        parameters hold the live weights. Does nothing without ``overlap_steps``: every call returns settled."""
+        self._executor.settle()
 
     def flush(self) -> None:
         """Run every in-flight backward and update; afterwards no micro-batch is in flight on any rank."""
@@ -333,6 +363,7 @@ class Pipeline:
     @property
     def in_flight(self) -> int:
         """Micro-batches whose backward has not run yet, summed over this process's stages."""
+        self.synchronize()
         return sum(st.book.in_flight() for st in self.stages.values())
 
     # -- checkpoints -----------------------------------------------------------------------------
@@ -376,6 +407,7 @@ class Pipeline:
         """Restore this process's stages from a :meth:`state_dict` that holds them: this process's own, a
         :meth:`full_state_dict`, or a merge of the ranks' (:func:`merge_state_dicts`). Keys of other stages
         are ignored; a missing key of this process's stages, or a key of no stage, is an error."""
+        self.synchronize()
         own = {k for s in self.stages for k in self._stage_keys[s]} | {"pipecore"}
         known = {k for keys in self._stage_keys for k in keys} | {"pipecore"}
         missing, extra = sorted(own - set(state)), sorted(set(state) - known)
@@ -422,6 +454,7 @@ class Pipeline:
         backward), and the median seconds of the stage's recent actions of each kind."""
         if all_stages:
             return sorted((st for part in self._gather(self.stats()) for st in part), key=lambda st: st["stage"])
+        self.synchronize()
         out = []
         for s, st in self.stages.items():
             stale, delay = self._staleness[s], self._delays[s]

@@ -18,6 +18,7 @@ order, which is all its numerics depend on, so both give the same bits.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Mapping, Sequence
 
 from .. import _C
@@ -30,6 +31,7 @@ from .transport import LocalTransport, Transport
 from .worker import ActionRecord, Message, StageWorker
 
 _RECHECKED = 256
+_POLL = 0.05  # seconds between the caller's checks for Ctrl-C while it waits for a stage thread
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,11 @@ class Executor:
         self.cursor = [0] * P
         self.stage_free = [0.0] * P
         self._index = positions(self.schedule)
-        self._progress: Any = None  # per-stage cursors other threads wait on (concurrent runs with needs)
+        # Actions handed out: every stage will have run up to here once the stage threads settle (the
+        # cursors are where each stage is now).
+        self.planned = [0] * P
+        self._progress: Any = None  # per-stage cursors (stage threads): tied-weight updates and the caller wait on them
+        self._failures: list[tuple[int, Action | None, BaseException]] = []  # appended by the stage threads
         # The error that stopped a run: the action it interrupted is half done, so no run can follow.
         self.failure: BaseException | None = None
 
@@ -109,39 +115,78 @@ class Executor:
         cost time proportional to the steps since the last flush, at every extension.
         """
         for s, row in enumerate(schedule.stages):
-            done = self.cursor[s]
+            done = self.planned[s]  # what stage threads are running agrees as well
             start = max(0, done - _RECHECKED)
             if len(row) < done or tuple(row[start:done]) != tuple(self.schedule.stages[s][start:done]):
                 raise ValueError(f"stage {s}: the new schedule does not continue the executed prefix")
         self.schedule = schedule
         self._index = positions(schedule)
 
-    def run(self, available: int | None = None) -> None:
+    def run(self, available: int | None = None, until: tuple[int, Kind, int] | None = None) -> None:
         """Run every action that can run; with ``available``, forwards of micro-batch ``available`` and
-        later cannot (their input has not been given yet). Without it, the schedule must finish."""
+        later cannot (their input has not been given yet). Without it, the schedule must finish.
+
+        With stage threads and ``until`` (an action ``(stage, kind, micro-batch)`` of a stage this process
+        runs, among those this run can reach), return as soon as that action has run: the threads go on
+        with the rest while the caller works, and :meth:`settle` waits for them.
+        """
+        self._check_failure()
+        rows = self.schedule.stages
+        target = runnable(self.schedule, self.planned, available, self._index, self.needs)
+        if available is None and any(t < len(rows[s]) for s, t in enumerate(target)):
+            blocked = next(rows[s][t] for s, t in enumerate(target) if t < len(rows[s]))
+            raise ScheduleError("deadlock: no stage can make progress", self.schedule, blocked)
+        busy = [s for s in self.workers if self.planned[s] < target[s]]
+        threads = self.threads
+        if threads is not None and (threads.pending or self._failures or len(busy) > 1):
+            self._submit(busy, target)
+            self.planned = list(target)
+            if until is None or until[0] not in self.workers:
+                self.settle()
+            else:
+                self._wait_until(until)
+        else:
+            try:
+                self._run_in_turn(target)
+            except BaseException as exc:
+                self.failure = exc
+                raise
+            self.planned = list(target)
+        # Other stages advance in other processes; the local cursors of stages not owned stay behind.
+        for s in range(len(rows)):
+            if s not in self.workers:
+                self.cursor[s] = target[s]
+
+    def settle(self) -> None:
+        """Wait until the stage threads have run every action handed to them. Raises the first error a stage
+        thread met (noting the stage and action), or ``KeyboardInterrupt`` if the caller was interrupted
+        while waiting, once every stage thread has stopped. Returns at once without stage threads."""
+        self._check_failure(settling=True)
+        threads = self.threads
+        if threads is None or (not threads.pending and not self._failures):
+            return
+        try:
+            try:
+                threads.wait(on_interrupt=self._interrupted)
+            finally:
+                self.transport.resume()
+                self._progress.reset()
+            if self._failures:
+                s, action, exc = self._failures[0]
+                exc.add_note(f"raised by stage {s}'s worker thread" + (f", running {action}" if action is not None else ""))
+                raise exc
+        except BaseException as exc:
+            self.failure = exc
+            raise
+
+    def _check_failure(self, settling: bool = False) -> None:
         if self.failure is not None:
             raise RuntimeError(
                 f"an earlier run stopped at an error ({type(self.failure).__name__}: {self.failure}); the action it "
                 "interrupted cannot be resumed, so this schedule cannot continue"
             ) from self.failure
-        rows = self.schedule.stages
-        target = runnable(self.schedule, self.cursor, available, self._index, self.needs)
-        if available is None and any(t < len(rows[s]) for s, t in enumerate(target)):
-            blocked = next(rows[s][t] for s, t in enumerate(target) if t < len(rows[s]))
-            raise ScheduleError("deadlock: no stage can make progress", self.schedule, blocked)
-        busy = [s for s in self.workers if self.cursor[s] < target[s]]
-        try:
-            if self.threads is not None and len(busy) > 1:
-                self._run_concurrently(busy, target)
-            else:
-                self._run_in_turn(target)
-        except BaseException as exc:
-            self.failure = exc
-            raise
-        # Other stages advance in other processes; the local cursors of stages not owned stay behind.
-        for s in range(len(rows)):
-            if s not in self.workers:
-                self.cursor[s] = target[s]
+        if self._failures and not settling:
+            self.settle()  # a stage thread failed after the last run returned: raise its error now
 
     def _run_in_turn(self, target: Sequence[int]) -> None:
         rows = self.schedule.stages
@@ -161,63 +206,66 @@ class Executor:
                     self.cursor[s] += 1
                     progressed = True
 
-    def _run_concurrently(self, stages: Sequence[int], target: Sequence[int]) -> None:
-        """Run each of ``stages`` up to ``target`` on its own thread. The first error stops every thread
-        (a waiting one is woken by aborting the mailboxes) and is raised here, noting the stage and action;
-        so is a ``KeyboardInterrupt`` of the calling thread, once every stage thread has stopped."""
-        rows, index, needs = self.schedule.stages, self._index, self.needs
-        progress = None
-        if needs is not None:
-            if self._progress is None:
-                self._progress = _C.Progress(self.schedule.num_stages)
-            progress = self._progress
+    def _submit(self, stages: Sequence[int], target: Sequence[int]) -> None:
+        """Queue, on each of ``stages``' threads, a job running that stage up to ``target``. The first error
+        stops every thread (a waiting one is woken by aborting the mailboxes and the progress counters);
+        :meth:`settle` raises it."""
+        assert self.threads is not None
+        if self._progress is None:
+            self._progress = _C.Progress(self.schedule.num_stages)
+        if not self.threads.pending:  # the threads are idle: their cursors are final until these jobs start
             for s in self.workers:
-                progress.set(s, self.cursor[s])
-        failures: list[tuple[int, Action | None, BaseException]] = []  # appended by the stage threads
+                self._progress.set(s, self.cursor[s])
         # The caller's torch thread-local state (grad mode, autocast, an active profiler) applies on every
         # stage thread, as it does when the stages run in turn on the caller's thread.
         caller = _C.ThreadState()
+        self.threads.submit({s: partial(self._work, s, target[s], caller) for s in stages})
 
-        def stop_all(reason: str) -> None:
-            self.transport.abort(reason)
-            if progress is not None:
-                progress.abort(reason)
-
-        def work(s: int) -> None:
-            action = None
-            try:
-                with caller.enter(), self.workers[s].running():
-                    row = rows[s]
-                    while self.cursor[s] < target[s] and not failures:
-                        action = row[self.cursor[s]]
-                        if needs is not None:
-                            for n in needs(action):
-                                if n[0] in self.workers:
-                                    progress.wait_at_least(n[0], index[n] + 1)
-                        self._execute(action)
-                        self.cursor[s] += 1
-                        if progress is not None:
-                            progress.set(s, self.cursor[s])
-            except _C.Aborted:
-                pass  # another stage failed first; its error is the one raised
-            except BaseException as exc:  # noqa: B902 - re-raised on the calling thread
-                failures.append((s, action, exc))
-                stop_all(f"stage {s} failed")
-
-        def interrupted() -> None:
-            failures.append((-1, None, KeyboardInterrupt()))
-            stop_all("the run was interrupted")
-
+    def _work(self, s: int, end: int, caller: Any) -> None:
+        """Stage ``s``'s job on its thread: run its actions up to index ``end``."""
+        failures, progress, needs, index = self._failures, self._progress, self.needs, self._index
+        action = None
         try:
-            self.threads.run({s: (lambda s=s: work(s)) for s in stages}, on_interrupt=interrupted)
-        finally:
-            self.transport.resume()
-            if progress is not None:
-                progress.reset()
-        if failures:
-            s, action, exc = failures[0]
-            exc.add_note(f"raised by stage {s}'s worker thread" + (f", running {action}" if action is not None else ""))
-            raise exc
+            with caller.enter(), self.workers[s].running():
+                row = self.schedule.stages[s]
+                while self.cursor[s] < end and not failures:
+                    action = row[self.cursor[s]]
+                    if needs is not None:
+                        for n in needs(action):
+                            if n[0] in self.workers:
+                                progress.wait_at_least(n[0], index[n] + 1)
+                    self._execute(action)
+                    self.cursor[s] += 1
+                    progress.set(s, self.cursor[s])
+        except _C.Aborted:
+            pass  # another stage failed first; its error is the one raised
+        except BaseException as exc:  # noqa: B902 - re-raised on the calling thread by settle()
+            failures.append((s, action, exc))
+            self._stop_all(f"stage {s} failed")
+
+    def _stop_all(self, reason: str) -> None:
+        self.transport.abort(reason)
+        self._progress.abort(reason)
+
+    def _interrupted(self) -> None:
+        self._failures.append((-1, None, KeyboardInterrupt()))
+        self._stop_all("the run was interrupted")
+
+    def _wait_until(self, until: tuple[int, Kind, int]) -> None:
+        """Wait for the action ``until`` on its stage thread; a stage's error or an interrupt settles."""
+        s, position = until[0], self._index[until] + 1
+        try:
+            while not self._failures:
+                try:
+                    self._progress.wait_at_least(s, position, _POLL)
+                    return
+                except TimeoutError:
+                    continue  # short waits, so that Ctrl-C is seen (see StageThreads.wait)
+        except _C.Aborted:
+            pass  # a stage failed: settle() raises its error
+        except BaseException:
+            self._interrupted()
+        self.settle()
 
     def _execute(self, action: Action) -> None:
         worker = self.workers[action.stage]

@@ -1,8 +1,9 @@
 """Long-lived worker threads, one per stage, that run the executor's per-stage jobs.
 
 A pipeline keeps its stage threads from one ``step()`` to the next (starting threads at every step would
-cost time, and a profiler trace would show new threads each step instead of one row per stage). A thread
-waits for its next job without holding the GIL; :meth:`StageThreads.close` (or the pipeline being garbage
+cost time, and a profiler trace would show new threads each step instead of one row per stage). Jobs can be
+queued while earlier ones run, so the stages can go on with one step's work while the caller prepares the
+next. A thread waits for its next job without holding the GIL; :meth:`StageThreads.close` (or the pipeline being garbage
 collected) ends every thread.
 """
 
@@ -24,31 +25,40 @@ class StageThreads:
         self._inboxes: dict[int, queue.SimpleQueue] = {}
         self._threads: dict[int, threading.Thread] = {}
         self._closed = False
+        self._done = threading.Semaphore(0)  # released once per finished job
+        self._pending = 0  # jobs submitted and not yet seen finished (only the submitting thread counts)
         # Ends the threads when the pool is dropped without close() (they hold no reference to it).
         self._finalizer = weakref.finalize(self, _stop, self._inboxes, self._threads)
 
-    def run(self, jobs: Mapping[int, Callable[[], None]], on_interrupt: Callable[[], None]) -> None:
-        """Run ``jobs[s]`` on stage ``s``'s thread, all at the same time, and return when every job has
-        returned. Jobs must not raise (the executor's jobs record their errors). If the calling thread is
-        interrupted while waiting (``KeyboardInterrupt``), ``on_interrupt`` is called to make the jobs stop,
-        and the interrupt is raised once they have."""
+    def submit(self, jobs: Mapping[int, Callable[[], None]]) -> None:
+        """Queue ``jobs[s]`` on stage ``s``'s thread and return at once. Each thread runs its jobs in the order
+        they were submitted. Jobs must not raise (the executor's jobs record their errors)."""
         if self._closed:
             raise RuntimeError("the stage threads were closed")
-        done = threading.Semaphore(0)
         for s, job in jobs.items():
-            self._inbox(s).put((job, done))
-        waiting = len(jobs)
+            self._inbox(s).put((job, self._done))
+            self._pending += 1
+
+    @property
+    def pending(self) -> int:
+        """Jobs submitted and not finished."""
+        return self._pending
+
+    def wait(self, on_interrupt: Callable[[], None]) -> None:
+        """Return when every submitted job has returned. If the calling thread is interrupted while waiting
+        (``KeyboardInterrupt``), ``on_interrupt`` is called to make the jobs stop, and the interrupt is raised
+        once they have."""
         try:
-            while waiting:
+            while self._pending:
                 # Short waits: SIGINT may be delivered to a stage thread, and then only the main thread's
                 # next bytecode raises KeyboardInterrupt; a wait that never returns would never see it.
-                if done.acquire(timeout=_POLL):
-                    waiting -= 1
+                if self._done.acquire(timeout=_POLL):
+                    self._pending -= 1
         except BaseException:
             on_interrupt()
-            while waiting:
-                done.acquire()
-                waiting -= 1
+            while self._pending:
+                self._done.acquire()
+                self._pending -= 1
             raise
 
     def _inbox(self, stage: int) -> queue.SimpleQueue:

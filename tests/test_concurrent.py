@@ -439,6 +439,17 @@ def test_every_action_is_a_profiler_range_named_like_the_simulator_with_its_kern
     assert inside
 
 
+def test_overlapping_steps_return_settled_under_a_profiler():
+    """A profiler session must not end while stage threads still record into it: under one, step() waits for
+    its work even with overlap_steps."""
+    pipe = pipecore.Pipeline(mlp(), 4, "2bw", n_microbatches=4, loss_fn=nn.CrossEntropyLoss(), overlap_steps=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        for x, y in data(3):
+            pipe.step(x, y)
+            assert pipe._executor.cursor == pipe._executor.planned
+    pipe.close()
+
+
 class Probe(nn.Module):
     """Scales its input and records whether autocast was on when it ran (a leaf module: recorded per call)."""
 

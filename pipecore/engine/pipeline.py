@@ -284,8 +284,10 @@ class Pipeline:
             # Regenerate further ahead, doubling, so regeneration costs stay linear in the number of steps.
             self._horizon = max(2 * self._horizon, self._fed + 1)
             self._executor.extend(self.algorithm.schedule(self._horizon))
-        # With overlap_steps, return once the last stage has the loss (its last forward of this mini-batch).
-        until = (self.num_stages - 1, F, self._fed * m - 1) if self.overlap_steps else None
+        # With overlap_steps, return once the last stage has the loss (its last forward of this mini-batch);
+        # not under a profiler, whose session must not end while stage threads still record into it.
+        overlap = self.overlap_steps and not torch.autograd._profiler_enabled()
+        until = (self.num_stages - 1, F, self._fed * m - 1) if overlap else None
         self._executor.run(available=self._fed * m, until=until)
         if not last_stage:
             return self._transport.receive_loss(minibatch)

@@ -83,6 +83,11 @@ def make_pipeline(num_stages: int, algorithm: str, **kwargs) -> pipecore.Pipelin
                              optimizer=pipecore.SGD(lr=0.1, momentum=0.9), loss_fn=nn.CrossEntropyLoss(), **kwargs)
 
 
+def cosine(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """The learning-rate schedule of the ``lr`` mode: a torch scheduler over a few updates."""
+    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=6)
+
+
 def train(pipe: pipecore.Pipeline, data, first: bool, last: bool) -> list[float]:
     losses = [pipe.step(x if first else None, y if last else None) for x, y in data]
     pipe.flush()
@@ -100,6 +105,18 @@ def main() -> None:
             pipe = make_pipeline(world, algorithm, timeout=60, split_backward=split)
             losses = train(pipe, batches(STEPS), first, last)
             torch.save({"losses": losses, "state": pipe.state_dict()}, os.path.join(out, f"{algorithm}-{rank}.pt"))
+    elif mode == "lr":
+        # A torch scheduler stepped at each stage's updates, then set_lr() between steps.
+        for algorithm in sys.argv[3].split(","):
+            pipe = make_pipeline(world, algorithm, timeout=60, lr_scheduler=cosine)
+            losses = train(pipe, batches(STEPS), first, last)
+            fixed = make_pipeline(world, algorithm, timeout=60)
+            data = batches(STEPS)
+            losses += train(fixed, data[:2], first, last)
+            fixed.set_lr(0.03)
+            losses += train(fixed, data[2:], first, last)
+            torch.save({"losses": losses, "state": pipe.state_dict(), "fixed": fixed.state_dict()},
+                       os.path.join(out, f"lr-{algorithm}-{rank}.pt"))
     elif mode == "gpt":
         for algorithm in sys.argv[3].split(","):
             pipe = make_gpt_pipeline(world, algorithm, timeout=60)

@@ -181,6 +181,32 @@ def test_pipemare_warmup_defaults_to_five_epochs(capsys: pytest.CaptureFixture[s
     assert code == 0 and "pipemare warmup_steps=440" in out and "SGD lr 0.025 " in out
 
 
+def test_a_cosine_schedule_decays_to_zero_and_resumes_exactly(capsys: pytest.CaptureFixture[str],
+                                                              tmp_path: Path) -> None:
+    from pipecore.cli.train import cosine_decay
+
+    assert cosine_decay(10, 0) == 1.0 and cosine_decay(10, 5) == pytest.approx(0.5) and cosine_decay(10, 10) == 0.0
+    assert cosine_decay(10, 12) == 0.0
+    args = ["--algorithm", "pipedream", "--lr-schedule", "cosine", *SMALL]
+    full, half, resumed = tmp_path / "full.pt", tmp_path / "half.pt", tmp_path / "resumed.pt"
+    code, out, _ = train(capsys, *args, "--epochs", "2", "--save", str(full))
+    # 44 steps per epoch, pipedream updates after each of the 4 micro-batches: 352 updates per stage in 2 epochs.
+    assert code == 0 and "cosine learning rate over 352 updates per stage" in out
+    meta = load(full)["pipeline"]["pipecore"]["stages"]
+    for s, stage in meta.items():  # the rate of each stage's last update, on its own update count
+        assert stage["lr"] == 0.0125 * cosine_decay(352, stage["updates"] - 1)
+    # Resumed, the schedule goes on from the update count the checkpoint holds (--epochs is the total: the
+    # first run's cosine spanned its 1 epoch, the resumed one spans 2).
+    assert train(capsys, *args, "--epochs", "1", "--save", str(half))[0] == 0
+    code, out, err = train(capsys, *args, "--epochs", "2", "--resume", str(half), "--save", str(resumed))
+    assert code == 0, err
+    for s, stage in load(resumed)["pipeline"]["pipecore"]["stages"].items():
+        assert stage["updates"] == meta[s]["updates"]
+        assert stage["lr"] == 0.0125 * cosine_decay(352, stage["updates"] - 1)
+    code, out, _ = train(capsys, "--algorithm", "pipedream", *SMALL, "--epochs", "3", "--resume", str(half))
+    assert code == 0 and "note: --lr-schedule constant differs from the checkpoint's cosine" in out
+
+
 def test_default_lr_scales_with_updates_per_minibatch(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = train(capsys, "--algorithm", "pipedream", "--epochs", "1", *SMALL)
     assert code == 0 and "SGD lr 0.0125 momentum 0.9" in out  # 4 updates per mini-batch: 0.05 / 4

@@ -73,6 +73,34 @@ def test_gpt_with_a_tied_head_is_bit_identical_across_processes(world, algorithm
         torch.set_num_threads(threads)
 
 
+def test_learning_rate_schedules_and_set_lr_are_bit_identical_across_processes(tmp_path):
+    """Each rank steps its stage's scheduler on its own update count, as each stage does in one process."""
+    algorithms = ["1f1b", "pipedream", "spectrain"]
+    _check_ok(launch(2, "lr", str(tmp_path), ",".join(algorithms)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for algorithm in algorithms:
+            pipe = dist_run.make_pipeline(2, algorithm, lr_scheduler=dist_run.cosine)
+            losses = dist_run.train(pipe, dist_run.batches(dist_run.STEPS), True, True)
+            fixed = dist_run.make_pipeline(2, algorithm)
+            data = dist_run.batches(dist_run.STEPS)
+            losses += dist_run.train(fixed, data[:2], True, True)
+            fixed.set_lr(0.03)
+            losses += dist_run.train(fixed, data[2:], True, True)
+            state, fixed_state = pipe.state_dict(), fixed.state_dict()
+            for rank in range(2):
+                part = torch.load(tmp_path / f"lr-{algorithm}-{rank}.pt")
+                assert part["losses"] == losses, (algorithm, rank)
+                for key, value in part["state"].items():
+                    if key != "pipecore":
+                        assert torch.equal(value, state[key]), (algorithm, rank, key)
+                        assert torch.equal(part["fixed"][key], fixed_state[key]), (algorithm, rank, key)
+                assert part["fixed"]["pipecore"]["stages"][rank]["lr"] == 0.03
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("world,algorithms,split", [
     (2, pipecore.algorithm_names(), "unsplit"),
     (4, ["1f1b", "pipedream", "2bw", "i-timeprest"], "unsplit"),

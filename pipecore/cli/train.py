@@ -18,6 +18,7 @@ checkpoint sees exactly the batches an uninterrupted run would have seen.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -103,7 +104,7 @@ MODEL_FLAGS: dict[str, dict[str, int | None]] = {
 _STRUCTURAL = ("model", "algorithm", "stages", "microbatches", "hidden", "depth", "width", "layers", "heads", "embd",
                "block_size", "optimizer")
 #: Settings that merely change the trajectory (or what is measured): resuming with other values is noted.
-_TRAJECTORY = ("batch_size", "lr", "seed", "option", "steps_per_epoch", "eval_windows")
+_TRAJECTORY = ("batch_size", "lr", "lr_schedule", "seed", "option", "steps_per_epoch", "eval_windows")
 #: The length of an algorithm's learning-rate warm-up (PipeMare's T1), in epochs of updates (the spec's proposal).
 WARMUP_EPOCHS = 5
 
@@ -139,6 +140,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"learning rate (default {DEFAULT_LR['sgd']} for sgd, {DEFAULT_LR['adamw']} for adamw, "
                              "per update of a whole mini-batch; algorithms that update every k of the M "
                              "micro-batches default to that times k/M)")
+    parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                        help="the learning rate over the run: constant, or cosine from --lr down to 0 over the "
+                             "updates of --epochs (each stage by its own update count; default constant)")
     parser.add_argument("--optimizer", choices=("sgd", "adamw"),
                         help="sgd (momentum 0.9) or adamw (default sgd for mlp and resnet, adamw for gpt)")
     mlp = parser.add_argument_group("mlp")
@@ -482,7 +486,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """The run's settings as plain values (stored in checkpoints); flags of other models are None."""
     return {
         "model": args.model, "algorithm": args.algorithm, "stages": args.stages, "microbatches": args.microbatches,
-        "batch_size": args.batch_size, "epochs": args.epochs, "lr": args.lr, "optimizer": args.optimizer,
+        "batch_size": args.batch_size, "epochs": args.epochs, "lr": args.lr, "lr_schedule": args.lr_schedule,
+        "optimizer": args.optimizer,
         **{flag: getattr(args, flag) for flag in MODEL_FLAGS},
         "seed": args.seed, "option": [list(o) for o in args.option],
     }
@@ -504,7 +509,8 @@ def _load_checkpoint(path: str) -> dict[str, Any]:
 
 def _check_resume(settings: dict[str, Any], saved: dict[str, Any], epochs: int, epoch: int) -> list[str]:
     """Errors for settings a checkpoint fixes; notes for the ones that merely change the trajectory."""
-    saved = {"model": "mlp", **saved}  # checkpoints from before --model trained the MLP
+    # Checkpoints from before --model trained the MLP; from before --lr-schedule, at a constant rate.
+    saved = {"model": "mlp", "lr_schedule": "constant", **saved}
     keys = ("model",) if settings["model"] != saved["model"] else _STRUCTURAL
     mismatched = [k for k in keys if settings[k] != saved.get(k)]
     if mismatched:
@@ -653,6 +659,11 @@ def _train(args: argparse.Namespace) -> int:
         options["warmup_steps"] = WARMUP_EPOCHS * steps_per_epoch * updates_per_step
         notes.append(f"{algorithm.name} warmup_steps={options['warmup_steps']} ({WARMUP_EPOCHS} epochs of updates)")
 
+    if args.lr_schedule == "cosine":
+        total_updates = args.epochs * steps_per_epoch * (args.microbatches // algorithm.update_every)
+        options["lr_scheduler"] = functools.partial(cosine_decay, total_updates)
+        notes.append(f"cosine learning rate over {total_updates} updates per stage")
+
     settings = _settings(args)
     ckpt = _load_checkpoint(args.resume) if args.resume else None
     start_epoch, history = 0, []
@@ -681,6 +692,12 @@ def _train(args: argparse.Namespace) -> int:
     finally:
         if joined_here and _process_group_initialized():
             torch.distributed.destroy_process_group()  # under torchrun the pipeline joined it; leave it too
+
+
+def cosine_decay(total_updates: int, update: int) -> float:
+    """The multiplier of the learning rate at ``update`` of ``total_updates``: from 1 down to 0 on a half cosine
+    (0 from then on)."""
+    return 0.5 * (1.0 + math.cos(math.pi * min(update, total_updates) / total_updates))
 
 
 def _too_many_stages(args: argparse.Namespace, message: str) -> str:

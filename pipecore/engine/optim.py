@@ -50,6 +50,10 @@ class StageOptimizer(ABC):
 
     lr: float
 
+    def set_lr(self, lr: float) -> None:
+        """Use learning rate ``lr`` from the next step on."""
+        self.lr = lr
+
     @abstractmethod
     def step(self, w: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, lr_scales: "LrScales",
              velocity: torch.Tensor | None, velocity_decay: float | None) -> None:
@@ -118,7 +122,7 @@ class FusedSGD(StageOptimizer):
         c = self.config
         for start, stop, scale in lr_scales:
             ops.sgd_step(
-                w[start:stop], grad[start:stop], _part(self.momentum_buf, start, stop), lr=c.lr * scale,
+                w[start:stop], grad[start:stop], _part(self.momentum_buf, start, stop), lr=self.lr * scale,
                 momentum=c.momentum, dampening=c.dampening, weight_decay=c.weight_decay, nesterov=c.nesterov,
                 first_step=self.steps == 0, out=out[start:stop], delta=_part(velocity, start, stop),
                 delta_decay=velocity_decay,
@@ -186,7 +190,7 @@ class FusedAdamW(StageOptimizer):
         for start, stop, scale in lr_scales:
             ops.adamw_step(
                 w[start:stop], grad[start:stop], self.exp_avg[start:stop], self.exp_avg_sq[start:stop],
-                step=self.steps, lr=c.lr * scale, beta1=c.betas[0], beta2=c.betas[1], eps=c.eps,
+                step=self.steps, lr=self.lr * scale, beta1=c.betas[0], beta2=c.betas[1], eps=c.eps,
                 weight_decay=c.weight_decay, out=out[start:stop],
             )
         if velocity is not None:
@@ -229,6 +233,11 @@ class TorchOptimizer(StageOptimizer):
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer factory must return a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
         self.lr = float(self.optimizer.param_groups[0].get("lr", 0.0))
+
+    def set_lr(self, lr: float) -> None:
+        self.lr = lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def step(self, w, grad, out, lr_scales, velocity, velocity_decay):
         scales = {scale for _, _, scale in lr_scales}

@@ -27,6 +27,7 @@ from ..schedule.ties import TieSync, partners_of, smallest_delay
 from .flat import FlatLayout
 from .graph import CapturedModel, StageGraph, tied_parameters
 from .inputs import Batch, as_model_inputs, as_payload, split_batch, to_device
+from .lr import LrSchedule
 from .optim import SGD, build_optimizer
 from .partition import stage_starts
 from .stage import TensorStage
@@ -49,6 +50,11 @@ class Pipeline:
         algorithm: one of :func:`pipecore.algorithm_names` (or an alias such as ``"pipedream-flush"``).
         n_microbatches: micro-batches per mini-batch ``m``; ``step()`` needs a batch divisible by it.
         optimizer: ``pipecore.SGD(...)``, ``pipecore.AdamW(...)`` (fused), or a torch optimizer factory.
+        lr_scheduler: the learning rate of each stage's updates by that stage's update count ``u`` (from 0):
+            a function of ``u`` returning a multiplier of the optimizer's rate (``LambdaLR`` semantics), or a
+            factory of a torch ``LRScheduler`` (``lambda opt: CosineAnnealingLR(opt, T_max=1000)``), stepped
+            once per update. Per-stage scaling (PipeMare) multiplies it; weight prediction (SpecTrain) uses
+            the rate of the stage's next update. Default None: the optimizer's rate (see :meth:`set_lr`).
         loss_fn: ``loss_fn(output, target)`` returning the mean loss of a micro-batch.
         partition: None (balanced by parameter count, cutting only where a module starts) or where stages
             ``1..P-1`` start: compute-node indices of the captured graph (for an ``nn.Sequential``, layer
@@ -106,6 +112,7 @@ class Pipeline:
         devices: Sequence[str | torch.device] | str | torch.device | None = None,
         concurrent: bool | None = None,
         overlap_steps: bool = False,
+        lr_scheduler: Callable[..., Any] | None = None,
         **options: Any,
     ):
         if concurrent is not None and not isinstance(concurrent, bool):
@@ -151,6 +158,9 @@ class Pipeline:
                 device=device,
             )
             self.stages[s].state_keys = self._stage_keys[s]
+            if lr_scheduler is not None:
+                self.stages[s].lr_schedule = LrSchedule(lr_scheduler, self.stages[s].optimizer.lr)
+        self.lr_scheduler = lr_scheduler
         if self.rank is not None:
             _release_other_stages(captured.model, graphs[self.rank].module)
         self.ties = tied_parameters(graphs, captured.model)
@@ -296,6 +306,19 @@ class Pipeline:
             self.synchronize()  # the stage reading it raises NonFiniteLoss: from this step, as without overlap
         return loss
 
+    def set_lr(self, lr: float) -> None:
+        """Use learning rate ``lr`` for every stage's updates from now on (each stage's next update; with
+        ``overlap_steps``, after the work already given). Checkpoints keep it. Not with ``lr_scheduler``,
+        which sets the rate of every update itself."""
+        if self.lr_scheduler is not None:
+            raise RuntimeError("set_lr(): this pipeline has an lr_scheduler, which sets the learning rate of every "
+                               "update; use one or the other")
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"set_lr(): the learning rate must be a finite number >= 0, got {lr!r}")
+        self.synchronize()
+        for st in self.stages.values():
+            st.optimizer.set_lr(float(lr))
+
     def synchronize(self) -> None:
         """Wait until the stage threads have run all the work given so far (with ``overlap_steps``, a step's
         remaining backwards and updates), and raise the first error they met. Afterwards the model's
@@ -307,6 +330,7 @@ class Pipeline:
         self._check_open("flush")
         if self._fed == 0:
             return
+        self.synchronize()  # the drain below changes the tied weights' sync, which stage threads read
         drained = self.algorithm.schedule(self._fed)
         if self._tie_sync is not None:
             # The last update of each owner applies every tied gradient still pending.
@@ -387,6 +411,7 @@ class Pipeline:
                 "updates": st.book.updates,
                 "optimizer": _clone(st.optimizer.state_dict()),
                 "velocity": None if st.velocity is None else st.velocity.clone(),
+                "lr": st.optimizer.lr,
             }
         state["pipecore"] = {
             "algorithm": self.algorithm.name,
@@ -430,6 +455,8 @@ class Pipeline:
         for s, st in self.stages.items():
             sm = meta["stages"][s]
             st.load({n: state[n] for n in st.layout.names}, sm["version"], sm["updates"], sm["optimizer"], sm["velocity"])
+            if "lr" in sm and st.lr_schedule is None:  # a scheduler's rate follows from the update count
+                st.optimizer.set_lr(sm["lr"])
             for name, buf in st.module.named_buffers():
                 if name in state:
                     buf.copy_(state[name])
@@ -453,7 +480,8 @@ class Pipeline:
         collective with one process per stage): layers, versions held, bytes of weight versions (and of the
         scratch buffer for derived weights and PipeMare's velocity, each one weight-sized), staleness
         seen (``staleness``: live minus read version; ``delay``: updates between a forward's read and its
-        backward), and the median seconds of the stage's recent actions of each kind."""
+        backward), the learning rate of the stage's next update (``lr``, before per-stage scaling), and the
+        median seconds of the stage's recent actions of each kind."""
         if all_stages:
             return sorted((st for part in self._gather(self.stats()) for st in part), key=lambda st: st["stage"])
         self.synchronize()
@@ -471,6 +499,7 @@ class Pipeline:
                 "scratch_bytes": 0 if st.scratch is None else st.layout.numel * itemsize,
                 "velocity_bytes": 0 if st.velocity is None else st.layout.numel * st.velocity.element_size(),
                 "live_version": st.book.live,
+                "lr": st.next_lr(),
                 "staleness_mean": stale.mean,
                 "staleness_max": stale.max,
                 "delay_mean": delay.mean,

@@ -25,13 +25,14 @@ from torch import nn
 from .. import ops
 from ..algorithms.base import Algorithm, WeightRead
 from ..ring import WeightRing
-from ..runtime.worker import Message, StageWorker
+from ..runtime.worker import ActionRecord, Message, StageWorker
 from ..schedule.ir import Action, traced
 from ..versions import UpdateInfo
 from .flat import FlatLayout
 from .graph import StageGraph
 from .inputs import as_payload, from_payload, to_device
 from .tied import StageTies
+from .lr import LrSchedule
 from .optim import LrScales, StageOptimizer, uniform_scale
 from .split_backward import PendingWeightGradients, input_gradient, weight_gradients
 
@@ -126,6 +127,9 @@ class TensorStage(StageWorker):
         self.velocity = torch.zeros(self.layout.buffer_numel, dtype=_state_dtype(flat.dtype), device=device) if decay is not None else None
         self.velocity_decay = decay
         self.optimizer = optimizer
+        # The learning rate by update index (Pipeline's lr_scheduler); None: the optimizer's own rate.
+        self.lr_schedule: LrSchedule | None = None
+        self._scheduled_lr = 0.0  # the rate of the update being applied, when lr_schedule is set
         if algorithm.needs_update_direction:
             optimizer.track_direction()
         self.grad = torch.zeros_like(flat)
@@ -226,7 +230,7 @@ class TensorStage(StageWorker):
             return ops.interpolate(base, self.slot_of(read.other), read.coef, out=self.scratch)
         if read.derivation == "predict":
             direction = self.optimizer.direction(base).to(base.dtype)
-            return ops.predict(base, direction, read.coef * self.optimizer.lr, out=self.scratch)
+            return ops.predict(base, direction, read.coef * self.next_lr(), out=self.scratch)
         if read.derivation == "correct":
             assert self.velocity is not None
             return ops.predict(base, self.velocity.to(base.dtype), read.coef, out=self.scratch)
@@ -455,6 +459,12 @@ class TensorStage(StageWorker):
             accumulators, new = zip(*pairs)
             torch._foreach_add_(list(accumulators), list(new))  # one call instead of one per parameter
 
+    def update(self, action: Action) -> ActionRecord:
+        # The scheduled rate first: a schedule that raises leaves the version book untouched.
+        if self.lr_schedule is not None:
+            self._scheduled_lr = self.lr_schedule.lr(self.book.updates)
+        return super().update(action)
+
     def compute_update(self, action: Action, info: UpdateInfo) -> None:
         t0 = time.perf_counter()
         self.sync_ring()
@@ -469,6 +479,8 @@ class TensorStage(StageWorker):
             if target_slot != live_slot:
                 out.copy_(w)  # skipped update: the new version carries the old weights unchanged
         else:
+            if self.lr_schedule is not None:
+                self.optimizer.set_lr(self._scheduled_lr)
             self.optimizer.step(w, self.grad, out, self._lr_scales(info), self.velocity, self.velocity_decay)
         if target_slot == live_slot:
             self.ring.advance(info.new_version)
@@ -478,6 +490,12 @@ class TensorStage(StageWorker):
         self.sync_ring()
         self._bind_module_to_live()
         self._timed("U", t0)
+
+    def next_lr(self) -> float:
+        """The learning rate of this stage's next update (before any per-stage scaling)."""
+        if self.lr_schedule is not None:
+            return self.lr_schedule.lr(self.book.updates)
+        return self.optimizer.lr
 
     def _lr_scales(self, info: UpdateInfo) -> LrScales:
         """The learning-rate scale of each range of the flat buffer: the stage's own, except that a tied

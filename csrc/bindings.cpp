@@ -114,6 +114,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("enter", &pipecore::ThreadState::enter,
            "A context manager that makes the captured state current on the calling thread.");
 
+  py::class_<pipecore::RecordingOff>(m, "RecordingOff",
+                                     "A context manager: no profiler events (record-function callbacks) on the "
+                                     "calling thread inside it.")
+      .def(py::init<>())
+      .def("__enter__", [](pipecore::RecordingOff& r) { r.enter(); return &r; }, py::return_value_policy::reference)
+      .def("__exit__", [](pipecore::RecordingOff& r, py::args) { r.exit(); });
+
   m.attr("with_cuda") =
 #ifdef PIPECORE_WITH_CUDA
       true;

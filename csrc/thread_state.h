@@ -11,6 +11,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
+#include <ATen/record_function.h>
 
 #include <memory>
 #include <optional>
@@ -35,6 +36,22 @@ class ThreadState {
 
  private:
   at::ThreadLocalState state_;
+};
+
+// RecordingOff: no record-function callbacks (no profiler events) on the calling thread inside the block.
+// For communication posted ahead of time (a receive kept posted between steps): a c10d work started while a
+// profiler records ends its event when it completes, on another thread, possibly after the profiler
+// stopped; torch 2.13's profiler results then crash when freed.
+class RecordingOff {
+ public:
+  void enter() {
+    previous_ = at::isRecordFunctionEnabled();
+    at::enableRecordFunction(false);
+  }
+  void exit() { at::enableRecordFunction(previous_); }
+
+ private:
+  bool previous_ = true;
 };
 
 }  // namespace pipecore

@@ -215,6 +215,24 @@ def test_rank_path_puts_the_rank_before_the_suffix() -> None:
     assert rank_path("trace", 3) == "trace.rank3"
 
 
+def test_torchrun_survives_communication_after_the_recording(tmp_path: Path) -> None:
+    """Training and evaluation go on over the ranks after the recorded steps: messages posted while the
+    profiler recorded complete after it stopped. Such a message's profiler event used to crash torch's
+    profiler results when freed (a segmentation fault at the export or at exit); the transport posts its
+    messages without profiler events."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+           and not k.startswith("TORCHELASTIC")}
+    for attempt in range(3):  # the crash did not happen every time
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              "-m", "pipecore", "train", "-a", "pipedream", "--stages", "2", "--epochs", "3", *SMALL,
+                              "--profile", "trace.json", "--profile-steps", "2"],
+                             cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                             timeout=240)
+        assert run.returncode == 0, (attempt, run.stdout + run.stderr)
+        assert "wrote the profile of 2 training steps" in run.stdout, run.stdout
+
+
 def test_torchrun_writes_one_trace_per_rank(tmp_path: Path) -> None:
     """One process per stage: each rank writes its own stage's actions to PATH with its rank before the
     suffix; together they are the simulator's actions."""

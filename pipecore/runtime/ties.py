@@ -55,6 +55,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from .. import _C
+
 from .distributed import PeerError, _first_line, _padded
 
 # Each group carries one tie's messages from one sender, so one tag is enough (NCCL ignores tags and matches
@@ -342,7 +344,8 @@ class DistributedTiedGradients:
                 sends = self._sends[name, peer]
                 self._prune(name, peer)
                 try:
-                    sends.append(_Sent(tie.group.send([buffer], peer_in_group, _TIE_TAG), buffer))
+                    with _C.RecordingOff():  # as the transport's messages (DistributedTransport._post_receive)
+                        sends.append(_Sent(tie.group.send([buffer], peer_in_group, _TIE_TAG), buffer))
                 except RuntimeError as exc:
                     raise self._failed(name, peer, "sending to", exc) from exc
             own[name] = view
@@ -409,7 +412,8 @@ class DistributedTiedGradients:
         buffer = torch.empty(tie.size, dtype=torch.uint8, device=self.device)
         group, peer_in_group = tie.sources[peer]
         try:
-            work = group.recv([buffer], peer_in_group, _TIE_TAG)
+            with _C.RecordingOff():  # as the transport's messages (DistributedTransport._post_receive)
+                work = group.recv([buffer], peer_in_group, _TIE_TAG)
         except RuntimeError as exc:
             raise self._failed(tie.name, peer, "posting the receive from", exc) from exc
         self._posted_recv[tie.name, peer] = (buffer, work)

@@ -83,6 +83,9 @@ def make_pipeline(num_stages: int, algorithm: str, **kwargs) -> pipecore.Pipelin
                              optimizer=pipecore.SGD(lr=0.1, momentum=0.9), loss_fn=nn.CrossEntropyLoss(), **kwargs)
 
 
+CLIP = 0.05  # the clip_grad_norm of the "clip" mode: small enough to clip every step
+
+
 def cosine(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
     """The learning-rate schedule of the ``lr`` mode: a torch scheduler over a few updates."""
     return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=6)
@@ -92,6 +95,29 @@ def train(pipe: pipecore.Pipeline, data, first: bool, last: bool) -> list[float]
     losses = [pipe.step(x if first else None, y if last else None) for x, y in data]
     pipe.flush()
     return losses
+
+
+#: The cases of the ``predict`` mode: an MLP per algorithm, and a GPT (token inputs, a tied head).
+PREDICT_ALGORITHMS = ["gpipe", "pipedream", "2bw"]
+PREDICT_CASES = [*PREDICT_ALGORITHMS, "gpt"]
+
+
+def predict_case(world: int, case: str, **kwargs):
+    """``(pipeline, training batches, inputs to predict after step i)`` of a ``predict`` case."""
+    if case == "gpt":
+        def tokens(i: int) -> torch.Tensor:
+            g = torch.Generator().manual_seed(100 + i)
+            return torch.randint(0, 11, (3 + i, 8 - i % 3), generator=g)
+
+        return make_gpt_pipeline(world, "pipedream", **kwargs), gpt_batches(STEPS), tokens
+    return make_pipeline(world, case, **kwargs), batches(STEPS), predict_input
+
+
+def predict_input(i: int) -> torch.Tensor:
+    """What the ``predict`` mode predicts after step ``i``: 5, 6, 7, ... samples (not divisible by the
+    micro-batches, mostly)."""
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(5 + i, 6, generator=g, dtype=torch.float64)
 
 
 def main() -> None:
@@ -105,6 +131,17 @@ def main() -> None:
             pipe = make_pipeline(world, algorithm, timeout=60, split_backward=split)
             losses = train(pipe, batches(STEPS), first, last)
             torch.save({"losses": losses, "state": pipe.state_dict()}, os.path.join(out, f"{algorithm}-{rank}.pt"))
+    elif mode == "clip":
+        # Gradient clipping: the global norm gathered over the ranks (gpipe, 1f1b; a tied GPT head), per-stage
+        # norms (pipedream).
+        for algorithm in sys.argv[3].split(","):
+            pipe = make_pipeline(world, algorithm, timeout=60, clip_grad_norm=CLIP)
+            losses = train(pipe, batches(STEPS), first, last)
+            torch.save({"losses": losses, "state": pipe.state_dict(), "stats": pipe.stats()},
+                       os.path.join(out, f"clip-{algorithm}-{rank}.pt"))
+        pipe = make_gpt_pipeline(world, "1f1b", timeout=60, clip_grad_norm=CLIP)
+        losses = train(pipe, gpt_batches(STEPS), first, last)
+        torch.save({"losses": losses, "state": pipe.state_dict()}, os.path.join(out, f"clip-gpt-{rank}.pt"))
     elif mode == "lr":
         # A torch scheduler stepped at each stage's updates, then set_lr() between steps.
         for algorithm in sys.argv[3].split(","):
@@ -293,6 +330,27 @@ def main() -> None:
         else:
             time.sleep(timeout + 3)
         torch.save(errors, os.path.join(out, f"save-{rank}.pt"))
+    elif mode == "predict":
+        # Predictions between steps (micro-batches in flight for the asynchronous algorithms): the last rank's
+        # result, then the same with broadcast=True on every rank; the training goes on around them.
+        for case in PREDICT_CASES:
+            pipe, data, inputs = predict_case(world, case, timeout=60)
+            losses, at_last, shared = [], [], []
+            for i, (x, y) in enumerate(data):
+                losses.append(pipe.step(x if first else None, y if last else None))
+                at_last.append(pipe.predict(inputs(i) if first else None))
+                shared.append(pipe.predict(inputs(i) if first else None, broadcast=True))
+            pipe.flush()
+            torch.save({"losses": losses, "state": pipe.state_dict(), "last": at_last, "broadcast": shared},
+                       os.path.join(out, f"predict-{case}-{rank}.pt"))
+        # Ranks that disagree on broadcast: every rank follows rank 0's, and the others say so afterwards.
+        record = {"mismatch": None, "mismatched": None}
+        try:
+            record["mismatched"] = pipe.predict(inputs(STEPS) if first else None, broadcast=first)
+        except ValueError as exc:
+            record["mismatch"] = str(exc)
+        losses = train(pipe, data[:1], first, last)  # and training goes on
+        torch.save({**record, "losses": losses}, os.path.join(out, f"predict-mismatch-{rank}.pt"))
     elif mode == "mismatch":
         try:
             make_pipeline(world + 1, "1f1b")

@@ -207,6 +207,32 @@ def test_a_cosine_schedule_decays_to_zero_and_resumes_exactly(capsys: pytest.Cap
     assert code == 0 and "note: --lr-schedule constant differs from the checkpoint's cosine" in out
 
 
+def test_clip_bounds_every_update_and_is_noted_on_resume(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    ckpt, clipped = tmp_path / "plain.pt", tmp_path / "clipped.pt"
+    assert train(capsys, "--epochs", "1", *SMALL, "--save", str(ckpt))[0] == 0
+    code, out, err = train(capsys, "--epochs", "1", *SMALL, "--clip", "0.001", "--save", str(clipped))
+    assert code == 0, err
+    # The same seed and data: only the clipping (at every update, with a norm this small) tells them apart.
+    plain, small = load(ckpt)["pipeline"], load(clipped)["pipeline"]
+    assert any(not torch.equal(plain[k], small[k]) for k in plain if k != "pipecore")
+    code, out, _ = train(capsys, "--epochs", "2", *SMALL, "--resume", str(ckpt), "--clip", "0.5")
+    assert code == 0 and "note: --clip 0.5 differs from the checkpoint's None" in out
+    code, _, err = train(capsys, "--epochs", "1", *SMALL, "--clip", "0")
+    assert code == 2 and "--clip" in err
+
+
+def test_bf16_runs_the_forwards_under_autocast(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    plain, mixed = tmp_path / "plain.pt", tmp_path / "bf16.pt"
+    assert train(capsys, "--epochs", "1", *SMALL, "--save", str(plain))[0] == 0
+    code, out, err = train(capsys, "--epochs", "1", *SMALL, "--bf16", "--save", str(mixed))
+    assert code == 0, err
+    assert "forwards under bfloat16 autocast" in out and final_accuracy(out) > 0.5
+    a, b = load(plain)["pipeline"], load(mixed)["pipeline"]
+    keys = [k for k in a if k != "pipecore"]
+    assert all(b[k].dtype == torch.float32 for k in keys)  # the weights stay float32
+    assert any(not torch.equal(a[k], b[k]) for k in keys)  # the arithmetic was not
+
+
 def test_default_lr_scales_with_updates_per_minibatch(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = train(capsys, "--algorithm", "pipedream", "--epochs", "1", *SMALL)
     assert code == 0 and "SGD lr 0.0125 momentum 0.9" in out  # 4 updates per mini-batch: 0.05 / 4
@@ -406,8 +432,8 @@ def test_held_out_windows_are_spread_over_the_text() -> None:
 
 
 def test_gpt_under_torchrun_matches_one_process(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    """One process per stage: rank 0 evaluates the whole model (gathered from the ranks, tied head
-    included) and reports what the one-process run reports; the checkpoints agree."""
+    """One process per stage: the ranks evaluate through pipe.predict (each its stage, the tied head on the
+    last rank) and rank 0 reports what the one-process run reports; the checkpoints agree."""
     args = [*TINY_GPT, "--algorithm", "pipedream", "--steps-per-epoch", "10", "--epochs", "2"]
     code, alone, err = train(capsys, *args, "--save", str(tmp_path / "alone.pt"))
     assert code == 0, err

@@ -493,9 +493,10 @@ class Slow(nn.Module):
 
 def test_a_stage_waiting_longer_than_the_timeout_raises_naming_both_stages():
     torch.manual_seed(0)
+    # Two stages: only stage 1 waits (with a third, stage 2's wait for stage 1 could time out first).
     model = nn.Sequential(nn.Linear(8, 8), Slow(at=1, seconds=2.0), nn.Linear(8, 8), nn.Linear(8, 3)).double()
-    pipe = pipecore.Pipeline(model, 3, "1f1b", n_microbatches=4, loss_fn=nn.CrossEntropyLoss(),
-                             partition=[2, 3], leaf_modules=[Slow], timeout=0.3)
+    pipe = pipecore.Pipeline(model, 2, "1f1b", n_microbatches=4, loss_fn=nn.CrossEntropyLoss(),
+                             partition=[2], leaf_modules=[Slow], timeout=0.3)
     with pytest.raises(TimeoutError, match="stage 1 waited 0.3 s for stage 0's activations of micro-batch 0"):
         pipe.step(*data(1)[0])
     # The interrupted schedule cannot continue; the next step says so instead of waiting again.

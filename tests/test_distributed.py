@@ -9,7 +9,9 @@ import re
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -73,13 +75,50 @@ def test_gpt_with_a_tied_head_is_bit_identical_across_processes(world, algorithm
         torch.set_num_threads(threads)
 
 
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """The ranks run with one thread each: so does the one-process reference (identical reductions)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def assert_rank_matches(part: dict, losses: list[float], state: dict, where: tuple) -> None:
+    """A rank's saved losses and stage state equal the one-process run's, bit for bit."""
+    assert part["losses"] == losses, where
+    for key, value in part["state"].items():
+        if key != "pipecore":
+            assert torch.equal(value, state[key]), (*where, key)
+
+
+def test_gradient_clipping_is_bit_identical_across_processes(tmp_path):
+    """The ranks gather their squared norms and add them in stage order, as one process adds its stages'."""
+    algorithms = ["gpipe", "1f1b", "pipedream"]
+    _check_ok(launch(2, "clip", str(tmp_path), ",".join(algorithms)))
+    with one_torch_thread():
+        for algorithm in algorithms:
+            pipe = dist_run.make_pipeline(2, algorithm, clip_grad_norm=dist_run.CLIP)
+            losses = dist_run.train(pipe, dist_run.batches(dist_run.STEPS), True, True)
+            state, stats = pipe.state_dict(), pipe.stats()
+            assert max(st["grad_norm"] for st in stats) > dist_run.CLIP
+            for rank in range(2):
+                part = torch.load(tmp_path / f"clip-{algorithm}-{rank}.pt")
+                assert_rank_matches(part, losses, state, (algorithm, rank))
+                assert part["stats"][0]["grad_norm"] == stats[rank]["grad_norm"], (algorithm, rank)
+        pipe = dist_run.make_gpt_pipeline(2, "1f1b", clip_grad_norm=dist_run.CLIP)
+        losses = dist_run.train(pipe, dist_run.gpt_batches(dist_run.STEPS), True, True)
+        for rank in range(2):
+            assert_rank_matches(torch.load(tmp_path / f"clip-gpt-{rank}.pt"), losses, pipe.state_dict(), ("gpt", rank))
+
+
 def test_learning_rate_schedules_and_set_lr_are_bit_identical_across_processes(tmp_path):
     """Each rank steps its stage's scheduler on its own update count, as each stage does in one process."""
     algorithms = ["1f1b", "pipedream", "spectrain"]
     _check_ok(launch(2, "lr", str(tmp_path), ",".join(algorithms)))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         for algorithm in algorithms:
             pipe = dist_run.make_pipeline(2, algorithm, lr_scheduler=dist_run.cosine)
             losses = dist_run.train(pipe, dist_run.batches(dist_run.STEPS), True, True)
@@ -91,14 +130,9 @@ def test_learning_rate_schedules_and_set_lr_are_bit_identical_across_processes(t
             state, fixed_state = pipe.state_dict(), fixed.state_dict()
             for rank in range(2):
                 part = torch.load(tmp_path / f"lr-{algorithm}-{rank}.pt")
-                assert part["losses"] == losses, (algorithm, rank)
-                for key, value in part["state"].items():
-                    if key != "pipecore":
-                        assert torch.equal(value, state[key]), (algorithm, rank, key)
-                        assert torch.equal(part["fixed"][key], fixed_state[key]), (algorithm, rank, key)
+                assert_rank_matches(part, losses, state, (algorithm, rank))
+                assert_rank_matches({"losses": losses, "state": part["fixed"]}, losses, fixed_state, (algorithm, rank))
                 assert part["fixed"]["pipecore"]["stages"][rank]["lr"] == 0.03
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("world,algorithms,split", [
@@ -385,7 +419,7 @@ def test_the_example_prints_the_same_losses_alone_under_torchrun_and_on_two_node
 
 def test_pipecore_train_under_torchrun_matches_one_process_and_checkpoints_move_between_them(tmp_path):
     """``torchrun --nproc-per-node 2 -m pipecore train --stages 2``: rank 0 alone prints; the losses, test
-    accuracies (of the whole model, gathered from the ranks) and the checkpoint equal the one-process run's;
+    accuracies (through pipe.predict, every rank running its stage) and the checkpoint equal the one-process run's;
     each run resumes the other's checkpoint and both continue identically."""
     settings = ["train", "--stages", "2", "--algorithm", "pipedream", "--hidden", "32", "--batch-size", "32",
                 "--no-progress"]

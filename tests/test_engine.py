@@ -501,6 +501,22 @@ def test_unknown_algorithm_and_option():
         Pipeline(mlp(3), 2, "i-timeprest", 2, loss_fn=nn.CrossEntropyLoss(), lamda=0.5)
 
 
+class LossFailed(RuntimeError):
+    """What the loss function of the next test raises."""
+
+
+@pytest.mark.parametrize("error", [RuntimeError, LossFailed, KeyError])
+def test_a_loss_functions_own_error_reaches_step_as_itself(error):
+    def loss_fn(out, target):
+        raise error("the loss function's own message")
+
+    pipe = Pipeline(mlp(3), 2, "gpipe", 2, loss_fn=loss_fn, concurrent=False)
+    with pytest.raises(error, match="the loss function's own message") as info:
+        pipe.step(torch.randn(4, 5, dtype=torch.float64), torch.zeros(4, dtype=torch.long))
+    assert type(info.value) is error
+    assert any("raised by loss_fn, given the last stage's output of shape (2, 3)" in n for n in info.value.__notes__)
+
+
 def test_nonfinite_loss_raises_naming_stage_and_microbatch():
     pipe = Pipeline(mlp(3), 2, "gpipe", 2, loss_fn=nn.CrossEntropyLoss())
     before = pipe.state_dict()

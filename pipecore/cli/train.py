@@ -34,6 +34,8 @@ if TYPE_CHECKING:  # heavy imports stay inside run() so that ``pipecore --help``
     import torch
     from torch import nn
 
+    import pipecore
+
 HELP = ("train an MLP or ResNet on scikit-learn's digits, or a character-level GPT, with a pipeline "
         "(progress, accuracy or perplexity, staleness, checkpoints)")
 
@@ -104,7 +106,7 @@ MODEL_FLAGS: dict[str, dict[str, int | None]] = {
 _STRUCTURAL = ("model", "algorithm", "stages", "microbatches", "hidden", "depth", "width", "layers", "heads", "embd",
                "block_size", "optimizer")
 #: Settings that merely change the trajectory (or what is measured): resuming with other values is noted.
-_TRAJECTORY = ("batch_size", "lr", "lr_schedule", "seed", "option", "steps_per_epoch", "eval_windows")
+_TRAJECTORY = ("batch_size", "lr", "lr_schedule", "clip", "bf16", "seed", "option", "steps_per_epoch", "eval_windows")
 #: The length of an algorithm's learning-rate warm-up (PipeMare's T1), in epochs of updates (the spec's proposal).
 WARMUP_EPOCHS = 5
 
@@ -143,6 +145,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
                         help="the learning rate over the run: constant, or cosine from --lr down to 0 over the "
                              "updates of --epochs (each stage by its own update count; default constant)")
+    parser.add_argument("--clip", type=_positive_float, metavar="NORM",
+                        help="clip each update's gradient to this norm (the global norm over all stages for gpipe "
+                             "and 1f1b, each stage's own for the asynchronous algorithms)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="run the forwards under torch.autocast in bfloat16 (weights and optimizer state stay "
+                             "float32)")
     parser.add_argument("--optimizer", choices=("sgd", "adamw"),
                         help="sgd (momentum 0.9) or adamw (default sgd for mlp and resnet, adamw for gpt)")
     mlp = parser.add_argument_group("mlp")
@@ -271,15 +279,30 @@ def mlp_shape(features: int, hidden: int, depth: int, classes: int) -> str:
     return "-".join(str(n) for n in [features] + [hidden] * depth + [classes])
 
 
-def evaluate(model: "nn.Module", x: "torch.Tensor", y: "torch.Tensor") -> tuple[float, int]:
-    """Accuracy and number correct of ``model`` (the live weights) on ``(x, y)``."""
+def outputs_in_eval_mode(model: "nn.Module | pipecore.Pipeline", x: "torch.Tensor") -> "torch.Tensor":
+    """``model``'s output on ``x`` in evaluation mode, without gradients; its mode is restored afterwards.
+
+    ``model`` is a plain module, or a :class:`pipecore.Pipeline`: then the output comes through
+    ``pipe.predict`` (the stages' live weights; with one process per stage, collective: every rank calls it
+    and gets the output, on the CPU)."""
     import torch
+
+    import pipecore
 
     was_training = model.training
     model.eval()
-    with torch.no_grad():
-        correct = int((model(x).argmax(dim=1) == y).sum())
-    model.train(was_training)
+    try:
+        if isinstance(model, pipecore.Pipeline):
+            return model.predict(x, broadcast=True).cpu()
+        with torch.no_grad():
+            return model(x)
+    finally:
+        model.train(was_training)
+
+
+def evaluate(model: "nn.Module | pipecore.Pipeline", x: "torch.Tensor", y: "torch.Tensor") -> tuple[float, int]:
+    """Accuracy and number correct of ``model`` (a module or a pipeline: the live weights) on ``(x, y)``."""
+    correct = int((outputs_in_eval_mode(model, x).argmax(dim=1) == y).sum())
     return correct / len(y), correct
 
 
@@ -313,21 +336,18 @@ def held_out_windows(data: "torch.Tensor", block_size: int, limit: int) -> tuple
     return x, y
 
 
-def held_out_loss(model: "nn.Module", x: "torch.Tensor", y: "torch.Tensor", chunk: int = 64) -> float:
-    """Mean cross entropy per position of ``model`` (a language model, its live weights) on windows ``(x, y)``,
-    ``chunk`` windows per forward."""
-    import torch
+def held_out_loss(model: "nn.Module | pipecore.Pipeline", x: "torch.Tensor", y: "torch.Tensor",
+                  chunk: int = 64) -> float:
+    """Mean cross entropy per position of ``model`` (a language model or a pipeline of one: the live weights)
+    on windows ``(x, y)``, ``chunk`` windows per forward (or per ``predict``), so that the logits of one chunk
+    at a time are held."""
     import torch.nn.functional as F
 
-    was_training = model.training
-    model.eval()
     total = 0.0
-    with torch.no_grad():
-        for a in range(0, len(x), chunk):
-            logits = model(x[a: a + chunk])
-            total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[a: a + chunk].reshape(-1),
-                                           reduction="sum"))
-    model.train(was_training)
+    for a in range(0, len(x), chunk):
+        logits = outputs_in_eval_mode(model, x[a: a + chunk])
+        total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[a: a + chunk].reshape(-1),
+                                       reduction="sum"))
     return total / y.numel()
 
 
@@ -375,7 +395,7 @@ class _DigitsTask:
         for idx in epoch_batches(self.n_train, self.args.batch_size, self.args.seed, epoch):
             yield d.x_train[idx], d.y_train[idx]
 
-    def evaluate(self, model: "nn.Module") -> dict[str, float]:
+    def evaluate(self, model: "nn.Module | pipecore.Pipeline") -> dict[str, float]:
         accuracy, correct = evaluate(model, self.data.x_test, self.data.y_test)
         return {"accuracy": accuracy, "correct": correct}
 
@@ -442,7 +462,7 @@ class _TextTask:
         for _ in range(a.steps_per_epoch):
             yield batches(self.data.train, a.block_size, a.batch_size, generator)
 
-    def evaluate(self, model: "nn.Module") -> dict[str, float]:
+    def evaluate(self, model: "nn.Module | pipecore.Pipeline") -> dict[str, float]:
         loss = held_out_loss(model, self.x_test, self.y_test)
         return {"test_loss": loss, "perplexity": math.exp(loss)}
 
@@ -487,6 +507,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model": args.model, "algorithm": args.algorithm, "stages": args.stages, "microbatches": args.microbatches,
         "batch_size": args.batch_size, "epochs": args.epochs, "lr": args.lr, "lr_schedule": args.lr_schedule,
+        "clip": args.clip, "bf16": args.bf16,
         "optimizer": args.optimizer,
         **{flag: getattr(args, flag) for flag in MODEL_FLAGS},
         "seed": args.seed, "option": [list(o) for o in args.option],
@@ -509,8 +530,9 @@ def _load_checkpoint(path: str) -> dict[str, Any]:
 
 def _check_resume(settings: dict[str, Any], saved: dict[str, Any], epochs: int, epoch: int) -> list[str]:
     """Errors for settings a checkpoint fixes; notes for the ones that merely change the trajectory."""
-    # Checkpoints from before --model trained the MLP; from before --lr-schedule, at a constant rate.
-    saved = {"model": "mlp", "lr_schedule": "constant", **saved}
+    # Checkpoints from before --model trained the MLP; from before --lr-schedule, --clip and --bf16, at a
+    # constant rate, without clipping, in float32.
+    saved = {"model": "mlp", "lr_schedule": "constant", "clip": None, "bf16": False, **saved}
     keys = ("model",) if settings["model"] != saved["model"] else _STRUCTURAL
     mismatched = [k for k in keys if settings[k] != saved.get(k)]
     if mismatched:
@@ -659,6 +681,14 @@ def _train(args: argparse.Namespace) -> int:
         options["warmup_steps"] = WARMUP_EPOCHS * steps_per_epoch * updates_per_step
         notes.append(f"{algorithm.name} warmup_steps={options['warmup_steps']} ({WARMUP_EPOCHS} epochs of updates)")
 
+    if args.clip is not None:
+        options["clip_grad_norm"] = args.clip
+        notes.append(f"gradients clipped to norm {args.clip:g}")
+    if args.bf16:
+        import torch
+
+        options["autocast"] = torch.bfloat16
+        notes.append("forwards under bfloat16 autocast")
     if args.lr_schedule == "cosine":
         total_updates = args.epochs * steps_per_epoch * (args.microbatches // algorithm.update_every)
         options["lr_scheduler"] = functools.partial(cosine_decay, total_updates)
@@ -730,8 +760,8 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
     import pipecore
     from ..checkpoint import write_atomically
 
-    # With one process per stage (under torchrun) every rank trains its stage; rank 0 alone prints, evaluates
-    # and writes.
+    # With one process per stage (under torchrun) every rank trains its stage and takes part in the evaluation
+    # (pipe.predict); rank 0 alone prints and writes.
     leader = pipe.rank in (None, 0)
     say = print if leader else _quiet
     for flag, path in (("--save", args.save), ("--plot", args.plot)):
@@ -741,16 +771,11 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
     if ckpt is not None:
         pipe.load_state_dict(ckpt["pipeline"])
     steps_per_epoch = task.steps_per_epoch
-    # The whole model, for evaluation: with one process per stage, this rank's copy of the other stages is
-    # stale, so every evaluation loads the stages' live weights and buffers (full_state_dict) into it.
-    scorer = task.build()
 
     def test_metrics() -> dict[str, float]:
-        full = pipe.full_state_dict()  # collective with one process per stage: every rank takes part
-        if not leader:
-            return {}
-        scorer.load_state_dict({k: v for k, v in full.items() if k != "pipecore"})
-        return task.evaluate(scorer)
+        # Through the pipeline (pipe.predict, the stages' live weights, in evaluation mode): nothing is gathered.
+        # Collective with one process per stage: every rank takes part, and every rank gets the metrics.
+        return task.evaluate(pipe)
 
     optimizer = f"SGD lr {args.lr:g} momentum 0.9" if args.optimizer == "sgd" else f"AdamW lr {args.lr:g}"
     say(f"{task.describe_data()}; {name}")
@@ -800,7 +825,7 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
             record = {"epoch": epoch + 1, "loss": sum(losses) / len(losses),
                       **{k: v for k, v in metrics.items() if k != "correct"}}
             history.append(record)
-            if leader:  # the other ranks do not evaluate
+            if leader:  # the other ranks print nothing
                 print(task.line(record, f"{time.perf_counter() - t0:.2f}s"), flush=True)
         elapsed = time.perf_counter() - started
     finally:

@@ -82,9 +82,13 @@ class Chunks:
     rebuild: Callable[[tuple[torch.Tensor, ...]], Any]
 
 
-def split_batch(batch: Any, n: int, what: str) -> Chunks:
+def split_batch(batch: Any, n: int, what: str, *, uneven: bool = False) -> Chunks:
     """Split every tensor of ``batch`` (a tensor, tuple or dict of tensors) into ``n`` micro-batches along
-    dimension 0; all must have the same number of samples, divisible by ``n``."""
+    dimension 0; all must have the same number of samples, divisible by ``n``.
+
+    With ``uneven`` (evaluation, where no loss is averaged over micro-batches), any positive number of
+    samples is split into ``min(n, samples)`` micro-batches whose sizes differ by at most one, the larger
+    ones first (``torch.tensor_split``)."""
     if isinstance(batch, torch.Tensor):
         names, tensors, rebuild = ["0"], [batch], lambda t: t[0]
     elif isinstance(batch, Mapping):
@@ -109,6 +113,12 @@ def split_batch(batch: Any, n: int, what: str) -> Chunks:
         raise ValueError(f"the tensors of {what} have different batch sizes (dimension 0): "
                          + ", ".join(f"{name}: {size}" for name, size in sizes.items()))
     samples = tensors[0].shape[0]
+    if uneven:
+        if samples == 0:
+            raise ValueError(f"{what} holds no samples (dimension 0 is empty); give at least one")
+        count = min(n, samples)
+        pieces = [t.tensor_split(count) for t in tensors]
+        return Chunks([tuple(p[u] for p in pieces) for u in range(count)], samples, rebuild)
     if samples % n:
         raise ValueError(
             f"batch of {samples} samples is not divisible by n_microbatches={n}; pipecore does not "

@@ -20,17 +20,19 @@ from ..algorithms import get_algorithm
 from ..runtime.executor import Costs, Event, Executor
 from ..runtime.threads import StageThreads
 from ..runtime.transport import LocalTransport, Transport
-from ..schedule.ir import B, F
+from ..schedule.ir import Action, B, F, Kind
 from ..schedule.validate import validate
 from ..simulate import simulate
 from ..schedule.ties import TieSync, partners_of, smallest_delay
 from .flat import FlatLayout
 from .graph import CapturedModel, StageGraph, tied_parameters
 from .inputs import Batch, as_model_inputs, as_payload, split_batch, to_device
+from .clip import (ClipDependencies, DistributedGlobalNorm, GlobalNorm, GradClip, LocalGlobalNorm, check_max_norm,
+                   flushes_every_minibatch)
 from .lr import LrSchedule
 from .optim import SGD, build_optimizer
 from .partition import stage_starts
-from .stage import TensorStage
+from .stage import TensorStage, buffer_copies
 from .tied import StageTies
 
 _NONFINITE = ("raise", "skip")
@@ -88,6 +90,15 @@ class Pipeline:
             synchronize first, but code that reads the parameters directly must call :meth:`synchronize`.
             An error in the remaining work is raised by the next call into the pipeline. Needs stage threads
             (``concurrent`` with more than one stage in this process). Default False.
+        clip_grad_norm: clip each update's gradient to this norm (``torch.nn.utils.clip_grad_norm_``'s rule).
+            Synchronous algorithms (gpipe, 1f1b) use the global norm over all stages, which equals clipping
+            the whole model; asynchronous ones the norm of each stage's own gradient at its update (a tied
+            weight's by its own norm). ``stats()[s]["grad_norm"]`` is the norm before clipping. Default None.
+        autocast: run every forward (and the loss) under ``torch.autocast`` with this dtype, e.g.
+            ``torch.bfloat16``, on each stage's device; weights, gradients and optimizer state keep their
+            dtype. Activations that cross a cut may then be in either dtype. The ``swap`` backward rule
+            becomes ``recompute`` under autocast (its weight casts are copies a swap cannot replace).
+            Default None.
         **options: algorithm options (``backward_rule``, ``update_every``, ``lam``, ``alpha``, ...).
 
     Each micro-batch loss is divided by the number of micro-batches one update accumulates (``m`` for the
@@ -113,6 +124,8 @@ class Pipeline:
         concurrent: bool | None = None,
         overlap_steps: bool = False,
         lr_scheduler: Callable[..., Any] | None = None,
+        clip_grad_norm: float | None = None,
+        autocast: torch.dtype | None = None,
         **options: Any,
     ):
         if concurrent is not None and not isinstance(concurrent, bool):
@@ -172,6 +185,20 @@ class Pipeline:
             raise TypeError(f"split_backward must be True or False, got {split_backward!r}")
         for s, st in self.stages.items():
             st.split_backward = split_backward and s > 0  # stage 0 sends no input gradient
+        if autocast is not None and not (isinstance(autocast, torch.dtype) and autocast.is_floating_point):
+            raise TypeError(f"autocast must be a floating torch dtype such as torch.bfloat16 (or None), got {autocast!r}")
+        self.autocast = autocast
+        for st in self.stages.values():
+            st.autocast = autocast
+        self.clip_grad_norm = check_max_norm(clip_grad_norm)
+        self._global_norm: GlobalNorm | None = None
+        if self.clip_grad_norm is not None:
+            algorithm = self.algorithm
+            if flushes_every_minibatch(algorithm.schedule(2), n_microbatches, algorithm.update_every):
+                self._global_norm = (LocalGlobalNorm(self.stages) if self.rank is None
+                                     else DistributedGlobalNorm(num_stages, timeout))
+            for st in self.stages.values():
+                st.clip = GradClip(self.clip_grad_norm, self._global_norm)
         self._transport: Transport
         if self.rank is None:
             self._transport = LocalTransport(timeout)
@@ -211,8 +238,16 @@ class Pipeline:
         self._executor = Executor(
             schedule, self.stages, Costs.uniform(self.num_stages), transport=self._transport,
             source=self._inputs.pop, keep_events=False, on_event=self._observe,
-            needs=None if sync is None else sync.needs, threads=self._threads,
+            needs=self._needs(None if sync is None else sync.needs), threads=self._threads,
         )
+
+    def _needs(self, ties: Callable[[Action], Sequence[tuple[int, Kind, int]]] | None
+               ) -> Callable[[Action], Sequence[tuple[int, Kind, int]]] | None:
+        """What an action waits for besides its message: tied weights' partners, and with a global gradient
+        norm in one process, every stage's last backward of the group an update applies."""
+        if isinstance(self._global_norm, LocalGlobalNorm):
+            return ClipDependencies(self.num_stages, self.algorithm.update_every, ties)
+        return ties
 
     def _tie_stages(self, timeout: float) -> TieSync:
         """Give every owner of a tied weight its share of the gradient exchange; the tied gradients are
@@ -335,7 +370,7 @@ class Pipeline:
         if self._tie_sync is not None:
             # The last update of each owner applies every tied gradient still pending.
             draining = self._tie_sync.draining(drained)
-            self._executor.needs = draining.needs
+            self._executor.needs = self._needs(draining.needs)
             for st in self.stages.values():
                 if st.ties is not None:
                     st.ties.sync = draining
@@ -367,6 +402,8 @@ class Pipeline:
         self._closed = True
         if self._threads is not None:
             self._threads.close()
+        if isinstance(self._global_norm, DistributedGlobalNorm):
+            self._global_norm.close()
         try:
             if self._tie_exchange is not None:
                 self._tie_exchange.close(deliver)
@@ -391,6 +428,135 @@ class Pipeline:
         """Micro-batches whose backward has not run yet, summed over this process's stages."""
         self.synchronize()
         return sum(st.book.in_flight() for st in self.stages.values())
+
+    # -- evaluation ------------------------------------------------------------------------------
+
+    @property
+    def training(self) -> bool:
+        """Whether the model is in training mode: set by :meth:`train` and :meth:`eval`; at first, the mode
+        of the model given to the pipeline (``model.training``)."""
+        return self.captured.model.training
+
+    def train(self, mode: bool = True) -> "Pipeline":
+        """Put every stage module this process holds (and the model given to the pipeline) in training mode,
+        or with ``mode=False`` in evaluation mode, like ``nn.Module.train``: dropout and BatchNorm in later
+        forwards, of :meth:`step` and of :meth:`predict`, follow it (a step in evaluation mode trains with
+        BatchNorm's running statistics, as torch does). Returns the pipeline.
+
+        Switch modes between steps. With ``overlap_steps``, this waits for the stage threads first (their
+        remaining backwards may still read the mode). Under the ``recompute`` backward rule, a micro-batch in
+        flight is recomputed in the mode at its backward: :meth:`flush` first where that matters."""
+        if not isinstance(mode, bool):
+            raise TypeError(f"train(mode): mode must be True or False, got {mode!r}")
+        self.synchronize()
+        self.captured.model.train(mode)
+        for st in self.stages.values():
+            st.module.train(mode)  # a stage may hold private copies of modules (tied weights); set them too
+        return self
+
+    def eval(self) -> "Pipeline":
+        """Evaluation mode for every stage module this process holds: ``train(False)``. Returns the pipeline."""
+        return self.train(False)
+
+    def predict(self, x: Batch | None, *, broadcast: bool = False) -> Any:
+        """The model's output on ``x``, computed through the stages: forwards only, under ``torch.no_grad()``,
+        with each stage's live weights (its newest version, not a stale one the schedule would read), in the
+        current mode (:meth:`eval` for dropout off and BatchNorm's running statistics).
+
+        ``x`` holds the model's inputs as :meth:`step` takes them (a tensor, a tuple or a dict of tensors).
+        It is split along dimension 0 into ``n_microbatches`` micro-batches like a step's, except that any
+        number of samples is accepted: ``min(n_microbatches, samples)`` micro-batches whose sizes differ by
+        at most one (``torch.tensor_split``). Each micro-batch runs through every stage; the last stage's
+        outputs are concatenated along dimension 0 in the model's output structure (a tensor, or tuples,
+        lists and dicts of tensors). The result is on the last stage's device.
+
+        Nothing of training changes: no backward, update, weight version or statistic; the forwards write
+        into copies of the buffers (BatchNorm's running statistics, in training mode), and the random
+        generators (dropout) are put back afterwards, so two calls in training mode draw the same dropout
+        masks (reseed between them for others). A :meth:`step` after ``predict`` continues exactly, bit for
+        bit, as it would have without it, also with micro-batches in flight. With ``overlap_steps`` it first
+        waits for the stage threads (:meth:`synchronize`), which may still be updating the weights.
+
+        With one process per stage it is collective: every rank calls it. Rank 0 reads ``x`` (the others may
+        pass None; what they pass is ignored); each rank runs its stage on every micro-batch and sends the
+        outputs to the next rank, down the links that carry training's activations. The last rank returns
+        the result and the others None; with ``broadcast=True`` every rank gets it (sent from the last rank
+        through the CPU, returned on each rank's stage device). Every rank must pass the same ``broadcast``;
+        a rank that passes the other value follows rank 0's, so that no rank is left waiting, and raises
+        ValueError afterwards. A rank that does not take part is reported after the pipeline's ``timeout``."""
+        self._check_open("predict")
+        if not isinstance(broadcast, bool):
+            raise TypeError(f"predict(): broadcast must be True or False, got {broadcast!r}")
+        self.synchronize()  # with overlap_steps, the stage threads may still be updating the live weights
+        chunks: list[Any] = []
+        if self._owns(0):
+            if x is None:
+                where = "" if self.rank is None else " (the ranks that run other stages may pass None)"
+                raise TypeError(f"predict(): x is required on the rank that runs the first stage, got None{where}")
+            inputs = as_model_inputs(x, self.captured)
+            split = split_batch(dict(zip(self.captured.input_names, inputs)), self.n_microbatches, "x", uneven=True)
+            chunks = [to_device(as_payload(chunk), self.devices[0]) for chunk in split.chunks]
+        # Forwards in training mode write buffers (BatchNorm's running statistics) and draw random numbers
+        # (dropout): the forwards here write into copies of the buffers, and the random state is put back, so
+        # that the training that follows sees neither. Copies rather than restoring the buffers in place: the
+        # graphs of micro-batches in flight saved some of them (BatchNorm's), and autograd refuses a backward
+        # through a tensor modified in place since, even to its old values.
+        cuda = sorted({st.device.index or 0 for st in self.stages.values() if st.device.type == "cuda"})
+        with buffer_copies([st.module for st in self.stages.values()]), torch.random.fork_rng(devices=cuda):
+            if self.rank is None:
+                return _concatenate([self._predict_here(payload) for payload in chunks])
+            return self._predict_across_ranks(chunks, broadcast)
+
+    def _predict_here(self, payload: Any) -> Any:
+        """One micro-batch through every stage, in turn on the calling thread (one process)."""
+        for s in range(self.num_stages):
+            st = self.stages[s]
+            payload = st.predict_forward(to_device(payload, st.device))
+        return payload
+
+    def _predict_across_ranks(self, chunks: list[Any], broadcast: bool) -> Any:
+        """This rank's share of :meth:`predict` with one process per stage.
+
+        The messages travel through the training transport, on the links that carry activations, between
+        steps: by then every activation of the steps so far has been taken (the last stage's loss needs
+        them), so the link is empty, and its per-link bookkeeping (sizes, acknowledgements, the receive kept
+        posted) stays what the next step expects. Their micro-batch numbers are negative, apart from
+        training's; a rank out of step is reported by the transport rather than mixing messages up."""
+        from ..runtime.worker import Message
+
+        transport = self._transport
+        r, last = self.rank, self.num_stages - 1
+        assert r is not None
+        st = self.stages[r]
+        # First, down the same link: how many micro-batches follow and rank 0's `broadcast`, so that every
+        # rank knows what to expect and all broadcast alike (none is left waiting by a rank that disagrees).
+        if r == 0:
+            header = torch.tensor([len(chunks), int(broadcast)], dtype=torch.int64)
+        else:
+            header = transport.receive(r, F, _PREDICT_HEADER).payload.cpu()
+        if r < last:
+            transport.send(r + 1, F, _PREDICT_HEADER, Message(header))
+        count, shared = int(header[0]), bool(header[1])
+        outputs = []
+        for u in range(count):
+            payload = chunks[u] if r == 0 else transport.receive(r, F, _predict_microbatch(u)).payload
+            out = st.predict_forward(to_device(payload, st.device))
+            if r < last:
+                transport.send(r + 1, F, _predict_microbatch(u), Message(out))
+            else:
+                outputs.append(out)
+        # Complete the sends now (the next rank takes them in its own predict), rather than holding their
+        # buffers until training's next gradient acknowledges them: an evaluation loop would pile them up.
+        transport.complete_sends(F)
+        result = _concatenate(outputs) if r == last else None
+        if shared:
+            received = transport.broadcast_object(to_device(result, torch.device("cpu")) if r == last else None, last)
+            if r != last:
+                result = to_device(received, self.devices[r])
+        if broadcast != shared:
+            raise ValueError(f"predict(): rank {r} passed broadcast={broadcast} but rank 0 passed broadcast={shared}; "
+                             f"every rank must pass the same (this rank followed rank 0's)")
+        return result
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -500,6 +666,7 @@ class Pipeline:
                 "velocity_bytes": 0 if st.velocity is None else st.layout.numel * st.velocity.element_size(),
                 "live_version": st.book.live,
                 "lr": st.next_lr(),
+                "grad_norm": None if st.clip is None else st.clip.last_norm,
                 "staleness_mean": stale.mean,
                 "staleness_max": stale.max,
                 "delay_mean": delay.mean,
@@ -563,6 +730,38 @@ def _on_cpu(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _on_cpu(v) for k, v in value.items()}
     return value
+
+
+# predict()'s messages between ranks: micro-batch numbers below training's (which count up from 0).
+_PREDICT_HEADER = -1
+
+
+def _predict_microbatch(u: int) -> int:
+    return -2 - u
+
+
+def _concatenate(parts: Sequence[Any]) -> Any:
+    """The last stage's outputs of the micro-batches, in order, as one output of the same structure: tensors
+    concatenated along dimension 0; tuples (named ones too), lists and dicts entry by entry; None and plain
+    constants (equal in every part) kept."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        if first.dim() == 0:
+            raise ValueError("predict(): the model's output holds a 0-dimensional tensor, which has no samples to "
+                             "concatenate along dimension 0; predict() needs every output tensor to have the "
+                             "samples along dimension 0")
+        return first if len(parts) == 1 else torch.cat(list(parts))
+    if isinstance(first, dict):
+        return {k: _concatenate([p[k] for p in parts]) for k in first}
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(_concatenate(column) for column in zip(*parts)))
+    if isinstance(first, (tuple, list)):
+        return type(first)(_concatenate(column) for column in zip(*parts))
+    if (first is None or isinstance(first, (bool, int, float, str))) and all(p == first for p in parts):
+        return first
+    raise TypeError(f"predict(): the model's output holds a {type(first).__name__} ({first!r}) that differs "
+                    "between micro-batches; predict() concatenates tensors along dimension 0 and keeps only "
+                    "constants that are the same in every micro-batch")
 
 
 def _release_other_stages(model: nn.Module, own: nn.Module) -> None:

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .. import ops
 from ..algorithms.base import Algorithm, WeightRead
@@ -32,6 +34,7 @@ from .flat import FlatLayout
 from .graph import StageGraph
 from .inputs import as_payload, from_payload, to_device
 from .tied import StageTies
+from .clip import GradClip
 from .lr import LrSchedule
 from .optim import LrScales, StageOptimizer, uniform_scale
 from .split_backward import PendingWeightGradients, input_gradient, weight_gradients
@@ -73,7 +76,7 @@ class _InFlight:
     leaves: list[torch.Tensor] | None     # per-parameter autograd leaves (views of the weights read)
     outputs: Any                          # the values sent (a tuple), or the last stage's loss
     forward_weights: torch.Tensor | None  # kept only under the stash rule
-    rng_state: torch.Tensor | None        # kept only under the recompute rule
+    rng_state: Any                        # kept only under the recompute rule: (CPU state, CUDA state or None)
     target: torch.Tensor | None = None    # last stage, recompute rule: the loss is recomputed too
 
 
@@ -130,6 +133,9 @@ class TensorStage(StageWorker):
         # The learning rate by update index (Pipeline's lr_scheduler); None: the optimizer's own rate.
         self.lr_schedule: LrSchedule | None = None
         self._scheduled_lr = 0.0  # the rate of the update being applied, when lr_schedule is set
+        self.clip: GradClip | None = None  # Pipeline's clip_grad_norm
+        # Pipeline's autocast: the dtype forwards run in (weights and optimizer state keep theirs).
+        self.autocast: torch.dtype | None = None
         if algorithm.needs_update_direction:
             optimizer.track_direction()
         self.grad = torch.zeros_like(flat)
@@ -157,6 +163,9 @@ class TensorStage(StageWorker):
         self.seconds: dict[str, float] = defaultdict(float)
         self.recent_seconds: dict[str, _RecentSeconds] = defaultdict(_RecentSeconds)
         self._packing: torch.Tensor | None = None
+        # The swap rule's check for weights transformed before they are saved: on the first forward only.
+        self._weight_tracker: _WeightDerived | None = None
+        self._swap_checked = False
         self._unpack_target: torch.Tensor | None = None
         # Send the input gradient before computing weight gradients (see split_backward); the pipeline's
         # split_backward option sets it for every stage but the first.
@@ -250,6 +259,28 @@ class TensorStage(StageWorker):
         for param, view in zip(self._module_params, self._views(self.ring.live)):
             param.data = view
 
+    @property
+    def backward_rule(self) -> str:
+        """The algorithm's backward rule, except that ``swap`` becomes ``recompute`` under autocast: autocast's
+        weight casts are copies that a swap cannot replace, while a recomputation casts the backward's weights."""
+        rule = self.algorithm.backward_rule
+        return "recompute" if rule == "swap" and self.autocast is not None else rule
+
+    def _autocast(self) -> AbstractContextManager:
+        if self.autocast is None:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast)
+
+    def _random_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    def _set_random_state(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        cpu, cuda = state
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self.device)
+
     # -- saved-tensor hooks: weights are saved as references ------------------------------------
 
     def _pack(self, t: torch.Tensor) -> Any:
@@ -258,7 +289,26 @@ class TensorStage(StageWorker):
             offset = t.storage_offset() - flat.storage_offset()
             if 0 <= offset < flat.numel():
                 return _WeightRef(t.size(), t.stride(), offset)
+        self._check_saved(t)
         return t
+
+    def _check_saved(self, t: torch.Tensor) -> None:
+        """Under the swap rule, a saved tensor computed from the weights alone (a cast, a parametrization)
+        would keep the forward's values: the backward could not swap it. Checked on the first forward."""
+        tracker = self._weight_tracker
+        if tracker is None:
+            return
+        # Operators save views (a linear saves its weight transposed): the view's base is what was recorded.
+        sources = tracker.derived.get(id(t)) or (tracker.derived.get(id(t._base)) if t._base is not None else None)
+        if sources:
+            params = [self.layout.names[i] for i in sorted(sources)]
+            modules = sorted({name.rpartition(".")[0] or "(the stage's top module)" for name in params})
+            raise ValueError(
+                f"stage {self.stage}: module(s) {', '.join(modules)} transform their weights before autograd saves "
+                f"them (a cast, a parametrization or a compiled module; parameters {', '.join(params)}), so the "
+                "'swap' backward rule cannot give the backward other weights than the forward's; pass "
+                "backward_rule='recompute' (or 'stash')"
+            )
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _WeightRef):
@@ -340,7 +390,7 @@ class TensorStage(StageWorker):
     def compute_forward(self, action: Action, read: WeightRead, payload: Any) -> Any:
         t0 = time.perf_counter()
         k = action.index
-        rule = self.algorithm.backward_rule
+        rule = self.backward_rule
         weights = self.materialize(read)
         if rule == "stash" and read.derivation is not None:
             weights = weights.clone()  # the scratch is reused; the backward needs these exact values
@@ -348,11 +398,12 @@ class TensorStage(StageWorker):
         target = self.target(k) if self.is_last else None
         if rule == "recompute":
             with _GLOBAL_RANDOM, torch.no_grad():
-                rng = torch.get_rng_state()
-                y = self._forward_checked(self._views(weights), inputs)
-                if self.is_last:
-                    self._loss(k, y, target)
-                else:
+                rng = self._random_state()
+                with self._autocast():
+                    y = self._forward_checked(self._views(weights), inputs)
+                    if self.is_last:
+                        self._loss(k, y, target)
+                if not self.is_last:
                     y = self._stage_outputs(y)
             record = _InFlight(inputs, None, None, None, rng, target)
         else:
@@ -360,16 +411,20 @@ class TensorStage(StageWorker):
             if rule == "swap":
                 # Saved weights become references, resolved to the backward's weights when it runs.
                 self._packing = weights
+                tracker = self._weight_tracker = None if self._swap_checked else _WeightDerived(leaves, inputs)
                 try:
-                    with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                    with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
+                            (tracker if tracker is not None else nullcontext()):
                         y = self._forward_checked(leaves, inputs)
                         loss = self._loss(k, y, target) if self.is_last else None
                 finally:
-                    self._packing = None
+                    self._packing = self._weight_tracker = None
+                self._swap_checked = True
             else:
                 # stash: the graph keeps the forward's own weights, which stay pinned until the backward.
-                y = self._forward_checked(leaves, inputs)
-                loss = self._loss(k, y, target) if self.is_last else None
+                with self._autocast():
+                    y = self._forward_checked(leaves, inputs)
+                    loss = self._loss(k, y, target) if self.is_last else None
             if not self.is_last:
                 y = self._stage_outputs(y)
             record = _InFlight(inputs, leaves, loss if self.is_last else y, weights if rule == "stash" else None, None)
@@ -385,12 +440,15 @@ class TensorStage(StageWorker):
         outs = []
         for k, read, grad_out in zip(action.microbatches, reads, payloads):
             rec = self.in_flight.pop(k)
-            if self.algorithm.backward_rule == "recompute":
+            if self.backward_rule == "recompute":
                 params = self._leaves(self.materialize(read))
                 inputs = tuple(x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.requires_grad
                                else x for x in rec.inputs)
-                with _GLOBAL_RANDOM, torch.random.fork_rng(devices=[]):
-                    torch.set_rng_state(rec.rng_state)
+                cuda = [self.device] if self.device.type == "cuda" else []
+                # The forward's random state (dropout masks) and buffers: the recomputation must draw the
+                # same masks, and BatchNorm must not count the micro-batch in its running statistics twice.
+                with _GLOBAL_RANDOM, torch.random.fork_rng(devices=cuda), buffer_copies([self.module]), self._autocast():
+                    self._set_random_state(rec.rng_state)
                     y = self._run_module(params, inputs)
                     output = self._loss_fn(y, rec.target) / self.algorithm.update_every if self.is_last else tuple(y)
                 leaves = params
@@ -473,8 +531,13 @@ class TensorStage(StageWorker):
         target_slot = self.ring.acquire() if info.keeps_previous else live_slot
         out = self.ring.slot(target_slot)
         group = action.index - 1
+        if self.clip is not None:
+            self.clip.before_ties(self, info.index)
         if self.ties is not None:
             self.ties.before_update(action.index, self.poisoned_groups)
+        if self.clip is not None:
+            # Every group, skipped or not: with one process per stage the norms are gathered from every rank.
+            self.clip.apply(self, info.index)
         if group in self.poisoned_groups:
             if target_slot != live_slot:
                 out.copy_(w)  # skipped update: the new version carries the old weights unchanged
@@ -517,6 +580,28 @@ class TensorStage(StageWorker):
             scales.append((position, n, info.lr_scale))
         return scales
 
+    # -- evaluation (Pipeline.predict) -----------------------------------------------------------
+
+    def predict_forward(self, payload: Any) -> Any:
+        """Run this stage's module on ``payload`` (what :meth:`compute_forward` takes: the model's inputs at
+        stage 0, the previous stage's outputs after it) with the live weights, under ``torch.no_grad()``.
+        Returns the payload for the next stage, or at the last stage the model's output as its forward
+        returns it (no loss).
+
+        Evaluation only: no weight version is read through the version book, nothing is recorded in flight,
+        no time is counted, so the training schedule cannot tell that it ran. Buffers and the random state
+        are the caller's to protect (:meth:`Pipeline.predict` gives the forwards copies of the buffers and puts
+        the random state back)."""
+        values = from_payload(payload, len(self.boundary.inputs))
+        if self.stage > 0:
+            for value, wants_grad in zip(values, self.boundary.grad_inputs):
+                if wants_grad and isinstance(value, torch.Tensor) and value.is_floating_point():
+                    self._check_input(value)  # the dtype error training would give, not a matmul's
+        with torch.no_grad(), self._autocast():
+            # The newest version (what the next update starts from), whatever stale one a schedule would read.
+            y = self._forward_checked(self._views(self.slot_of(self.book.live)), values)
+        return y if self.is_last else as_payload(self._stage_outputs(y))
+
     # -- helpers ---------------------------------------------------------------------------------
 
     def seconds_per_action(self) -> dict[str, float]:
@@ -531,7 +616,7 @@ class TensorStage(StageWorker):
         self.recent_seconds[kind].add(seconds)
 
     def _check_input(self, x: torch.Tensor) -> None:
-        if x.is_floating_point() and x.dtype != self.layout.dtype and self.layout.numel:
+        if x.is_floating_point() and x.dtype not in (self.layout.dtype, self.autocast) and self.layout.numel:
             raise ValueError(
                 f"stage {self.stage - 1} sends activations of dtype {x.dtype} (shape {tuple(x.shape)}) but stage "
                 f"{self.stage} has {self.layout.dtype} weights; give both stages one dtype"
@@ -553,11 +638,11 @@ class TensorStage(StageWorker):
         mean, like plain training); records the undivided value and handles non-finite losses."""
         try:
             loss = self._loss_fn(y, target)
-        except RuntimeError as exc:
-            raise ValueError(
-                f"the loss function cannot take the last stage's output {_describe(y)} with the target "
-                f"{_describe(target)}: {exc}"
-            ) from exc
+        except Exception as exc:
+            # The loss function's own error, as itself (its type is what the caller may catch), with what it got.
+            exc.add_note(f"raised by loss_fn, given the last stage's output {_describe(y)} and the target "
+                         f"{_describe(target)}")
+            raise
         if loss.dim() != 0:
             raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)} (use reduction='mean')")
         self._unread_losses[k] = loss.detach()
@@ -669,3 +754,60 @@ def _describe(value: Any, names: Sequence[str] = ()) -> str:
 
 def _state_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _WeightDerived(TorchFunctionMode):
+    """Records, during one forward, which tensors are computed from the weights alone (a cast, a
+    parametrization, ``weight * mask``): outputs of torch functions that take a weight or such a tensor and no
+    value computed from the stage's inputs. Constants (buffers, numbers) do not count either way."""
+
+    def __init__(self, weights: Sequence[torch.Tensor], inputs: Sequence[Any]):
+        super().__init__()
+        self.weight_index = {id(w): i for i, w in enumerate(weights)}
+        self.data = {id(x) for x in inputs if isinstance(x, torch.Tensor)}
+        self.derived: dict[int, set[int]] = {}  # id of a weight-derived tensor -> the weights it comes from
+        self._keep: list[torch.Tensor] = []  # the tensors recorded, kept alive so that their ids stay theirs
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if any(id(t) in self.data for t in tensors):
+            self.data.update(id(t) for t in outputs)
+            self._keep += outputs
+            return out
+        sources: set[int] = set()
+        for t in tensors:
+            if id(t) in self.weight_index:
+                sources.add(self.weight_index[id(t)])
+            sources |= self.derived.get(id(t), set())
+        if sources:
+            for t in outputs:
+                self.derived[id(t)] = sources
+            self._keep += outputs
+        return out
+
+
+@contextmanager
+def buffer_copies(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Inside the block, every buffer of ``modules`` and their submodules is a copy (one per tensor, so a
+    buffer held in several places stays shared); the originals come back after it, untouched by what the block
+    did (BatchNorm updating its running statistics). Copies rather than restoring the values afterwards: a
+    graph in flight may have saved the buffers, and autograd refuses a backward through a tensor modified in
+    place since, even back to its old values."""
+    unique = {id(m): m for root in modules for m in root.modules()}
+    copies: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+    for m in unique.values():
+        for name, b in list(m._buffers.items()):
+            if b is None:
+                continue
+            if id(b) not in copies:
+                copies[id(b)] = b.detach().clone()
+            m._buffers[name] = copies[id(b)]
+            swapped.append((m, name, b))
+    try:
+        yield
+    finally:
+        for m, name, original in swapped:
+            m._buffers[name] = original

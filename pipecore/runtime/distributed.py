@@ -68,6 +68,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _C
+
 from ..schedule.ir import B, F, Kind
 from .worker import Message
 
@@ -92,6 +94,7 @@ _REVERSE = {F: B, B: F}  # the link that carries messages back from the same nei
 _TAG = {F: 10, B: 20}
 _LOSS_TAG = 30
 _SHARE_TAG = 40
+_PREDICT_TAG = 50  # Pipeline.predict's result, from the last rank to the others (between steps)
 
 
 def _padded(nbytes: int) -> int:
@@ -297,7 +300,8 @@ class DistributedTransport:
     def _post(self, buffer: torch.Tensor, dst: int, tag: int, kind: Kind | None = None) -> _Sent:
         group, peer = (self._world, dst) if kind is None else self._links[kind, dst]
         try:
-            return _Sent(group.send([buffer], peer, tag), buffer, dst)
+            with _C.RecordingOff():  # see _post_receive
+                return _Sent(group.send([buffer], peer, tag), buffer, dst)
         except RuntimeError as exc:
             raise self._send_failed(dst, exc) from exc
 
@@ -332,6 +336,13 @@ class DistributedTransport:
             dst = next(iter(self._loss_sends))
             self._complete(self._loss_sends[dst])
             del self._loss_sends[dst]
+
+    def complete_sends(self, kind: Kind) -> None:
+        """Complete every posted send on the outgoing link that carries ``kind`` (waiting, with the timeout,
+        until the neighbour has taken them), as if acknowledged: the acknowledgement count stays in step with
+        the neighbour's, so later acknowledgements complete only later sends. For messages no reply follows
+        (``Pipeline.predict``'s activations), whose buffers would otherwise wait for training's next one."""
+        self._acknowledge(kind, self._acknowledged[kind] + len(self._unacknowledged[kind]))
 
     def close(self, deliver: bool = True) -> None:
         """Release this rank's link groups (for gloo: their connections and threads); with ``deliver``, first
@@ -369,17 +380,28 @@ class DistributedTransport:
         self._send_object(obj, 0)
         return self._receive_object(0)
 
-    def _send_object(self, obj: Any, dst: int) -> None:
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        """``obj`` (picklable; tensors on the CPU) from rank ``src`` on every rank: ``src`` sends it to each
+        other rank, point-to-point over the default group like :meth:`share`. Every rank must call it; ``obj``
+        is read on ``src`` only."""
+        if self.rank == src:
+            for dst in range(self.num_stages):
+                if dst != src:
+                    self._send_object(obj, dst, _PREDICT_TAG)
+            return obj
+        return self._receive_object(src, _PREDICT_TAG, "the result of predict()")
+
+    def _send_object(self, obj: Any, dst: int, tag: int = _SHARE_TAG) -> None:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
         for tensor in (torch.tensor([data.numel()], dtype=torch.int64, device=self.device), data):
-            self._complete(self._post(tensor, dst, _SHARE_TAG))
+            self._complete(self._post(tensor, dst, tag))
 
-    def _receive_object(self, src: int) -> Any:
-        what = "its share of an exchange between all ranks"
+    def _receive_object(self, src: int, tag: int = _SHARE_TAG,
+                        what: str = "its share of an exchange between all ranks") -> Any:
         size = torch.empty(1, dtype=torch.int64, device=self.device)
-        self._wait(self._post_receive(size, src, _SHARE_TAG, what), what, src)
+        self._wait(self._post_receive(size, src, tag, what), what, src)
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        self._wait(self._post_receive(data, src, _SHARE_TAG, what), what, src)
+        self._wait(self._post_receive(data, src, tag, what), what, src)
         return pickle.loads(data.cpu().numpy().tobytes())
 
     # Mini-batch losses -----------------------------------------------------------------------------
@@ -433,7 +455,11 @@ class DistributedTransport:
     def _post_receive(self, buffer: torch.Tensor, src: int, tag: int, what: str, kind: Kind | None = None) -> Any:
         group, peer = (self._world, src) if kind is None else self._links[kind, src]
         try:
-            return group.recv([buffer], peer, tag)
+            # Outside any profiler recording: a receive kept posted between steps completes whenever the
+            # neighbour sends, maybe after the profiler stopped, and a profiler event ended then crashes torch
+            # 2.13's profiler results when they are freed. The stages' actions are recorded as ranges anyway.
+            with _C.RecordingOff():
+                return group.recv([buffer], peer, tag)
         except RuntimeError as exc:
             raise PeerError(f"rank {self.rank}: could not post the receive of {what} from rank {src} "
                             f"({_first_line(exc)}); rank {src} died or stopped answering") from exc

@@ -1,0 +1,238 @@
+"""Gradient clipping by norm: ``Pipeline(..., clip_grad_norm=max_norm)``.
+
+Synchronous algorithms (schedules that finish every mini-batch before the next begins: gpipe, 1f1b) clip by
+the **global** norm of one update group's gradient over all stages, as ``torch.nn.utils.clip_grad_norm_`` does
+on the whole model: every stage's update waits for every stage's last backward of its group (one process) or
+gathers the stages' squared norms (one process per stage). A tied weight, whose gradient is the owners' sum,
+counts once. Asynchronous algorithms update the stages at different times, so waiting for the other stages'
+gradients would stall the pipeline: each stage clips by the norm of its own gradient of the update group, and
+a tied weight (the same gradient on every owner) by its own norm, so that its copies stay identical.
+
+The squared norm of a stage is the sum of the squared norms of its pieces, in order: the ranges of its flat
+gradient between tied weights, then the tied weights it is the first owner of. Both ways of forming the total
+(reading every stage's buffer in one process, gathering the stages' sums over ranks) add the same numbers in
+stage order, so the results are bit-identical.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import torch
+
+from ..schedule.ir import Action, B, Kind, U
+from ..schedule.schedule import Schedule
+
+if TYPE_CHECKING:
+    from .stage import TensorStage
+
+#: torch.nn.utils.clip_grad_norm_'s guard against division by zero.
+EPS = 1e-6
+
+
+def check_max_norm(max_norm: Any) -> float | None:
+    """``clip_grad_norm`` as given to the pipeline: None, or a finite number > 0."""
+    if max_norm is None:
+        return None
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not math.isfinite(max_norm) \
+            or max_norm <= 0:
+        raise ValueError(f"clip_grad_norm must be a finite number > 0 (the largest gradient norm) or None, got "
+                         f"{max_norm!r}")
+    return float(max_norm)
+
+
+def flushes_every_minibatch(schedule: Schedule, n_microbatches: int, update_every: int) -> bool:
+    """Whether every stage finishes each mini-batch (its forwards, backwards and updates) before it starts the
+    next one's: then an update can wait for the other stages' gradients of its group without stalling.
+    ``schedule`` must span at least two mini-batches."""
+    for row in schedule.stages:
+        last_of_first, first_of_next = -1, len(row)
+        for position, action in enumerate(row):
+            if action.kind is U:  # U index i applies group i - 1
+                minibatch = (action.index - 1) * update_every // n_microbatches
+            else:
+                minibatch = min(action.microbatches) // n_microbatches
+                if max(action.microbatches) // n_microbatches != minibatch:
+                    return False
+            if minibatch == 0:
+                last_of_first = position
+            elif first_of_next == len(row):
+                first_of_next = position
+        if last_of_first > first_of_next:
+            return False
+    return True
+
+
+#: A span of a stage's flat gradient: ``(start, stop, tie name or None, owners of the tie or ())``.
+Piece = tuple[int, int, "str | None", tuple[int, ...]]
+
+
+def pieces(stage: "TensorStage") -> list[Piece]:
+    """The spans covering a stage's flat gradient in order: its tied weights, and the ranges between them."""
+    n = stage.grad.numel()
+    if stage.ties is None:
+        return [(0, n, None, ())]
+    base = stage.grad.storage_offset()
+    tied = sorted((v.storage_offset() - base, v.storage_offset() - base + v.numel(), name, stage.ties.owners[name])
+                  for name, v in stage.ties.views.items())
+    out: list[Piece] = []
+    position = 0
+    for start, stop, name, owners in tied:
+        if start > position:
+            out.append((position, start, None, ()))
+        out.append((start, stop, name, owners))
+        position = stop
+    if position < n:
+        out.append((position, n, None, ()))
+    return out
+
+
+def _squared(t: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
+
+
+def stage_squared_norm(stage: "TensorStage", tied_sum: Callable[[str], torch.Tensor]) -> float:
+    """The stage's share of the global squared norm: its untied ranges, then the tied weights it is the
+    first owner of (``tied_sum(name)``: the owners' summed gradient of that tied weight)."""
+    total = 0.0
+    spans = pieces(stage)
+    for start, stop, name, _ in spans:
+        if name is None:
+            total += _squared(stage.grad[start:stop])
+    for _, _, name, owners in spans:
+        if name is not None and owners[0] == stage.stage:
+            total += _squared(tied_sum(name))
+    return total
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s factor: ``max_norm / (norm + 1e-6)``, at most 1."""
+    return min(1.0, max_norm / (norm + EPS))
+
+
+class ClipDependencies:
+    """For a synchronous schedule in one process: each update also waits for the other stages' last
+    backward of its group (composed with any other dependencies, e.g. tied weights')."""
+
+    def __init__(self, num_stages: int, update_every: int,
+                 other: Callable[[Action], Sequence[tuple[int, Kind, int]]] | None = None):
+        self.num_stages, self.update_every, self.other = num_stages, update_every, other
+
+    def __call__(self, action: Action) -> list[tuple[int, Kind, int]]:
+        found = list(self.other(action)) if self.other is not None else []
+        if action.kind is U:
+            last = action.index * self.update_every - 1  # U index i applies group i - 1
+            found += [(t, B, last) for t in range(self.num_stages) if t != action.stage]
+        return found
+
+
+class GlobalNorm:
+    """The global gradient norm of each update group, for synchronous schedules."""
+
+    def before_ties(self, stage: "TensorStage", update: int) -> None:
+        """Called by every stage's update before it applies the tied gradients (its buffer still holds its
+        own gradient)."""
+
+    def after_ties(self, stage: "TensorStage", update: int) -> float:
+        """Called next, after the tied gradients are applied: the global norm of this update group."""
+        raise NotImplementedError
+
+
+class LocalGlobalNorm(GlobalNorm):
+    """Every stage in this process: the first stage to reach an update reads every stage's buffer (all of
+    them are complete, by :class:`ClipDependencies`, and untouched: every update starts here) and keeps the
+    norm for the others."""
+
+    def __init__(self, stages: Mapping[int, "TensorStage"]):
+        self.stages = stages
+        self._norms: dict[int, tuple[float, set[int]]] = {}
+        self._lock = threading.Lock()
+
+    def before_ties(self, stage: "TensorStage", update: int) -> None:
+        with self._lock:
+            if update not in self._norms:
+                self._norms[update] = (self._compute(), set())
+
+    def after_ties(self, stage: "TensorStage", update: int) -> float:
+        with self._lock:
+            norm, seen = self._norms[update]
+            seen.add(stage.stage)
+            if len(seen) == len(self.stages):
+                del self._norms[update]
+            return norm
+
+    def _compute(self) -> float:
+        total = 0.0
+        for s in sorted(self.stages):
+            st = self.stages[s]
+
+            def tied_sum(name: str, st: "TensorStage" = st) -> torch.Tensor:
+                # The owners' own gradients of this tied weight, added in stage order as the exchange adds them.
+                parts = [self.stages[o].ties.views[name] for o in st.ties.owners[name]]
+                out = torch.add(parts[0], parts[1].to(parts[0].device))
+                for part in parts[2:]:
+                    out.add_(part.to(out.device))
+                return out
+
+            total += stage_squared_norm(st, tied_sum)
+        return math.sqrt(total)
+
+
+class DistributedGlobalNorm(GlobalNorm):
+    """One process per stage: each rank gathers every rank's squared norm (after the tied gradients are
+    applied, when its tied weights hold the owners' sum) and adds them in stage order."""
+
+    def __init__(self, num_stages: int, timeout: float):
+        import datetime
+
+        import torch.distributed as dist
+
+        self._dist = dist
+        # A group of its own, so that the gathers never queue behind other collectives.
+        self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        self.num_stages = num_stages
+
+    def after_ties(self, stage: "TensorStage", update: int) -> float:
+        own = stage_squared_norm(stage, lambda name: stage.ties.views[name])  # tied views hold the sum now
+        parts = [torch.zeros(1, dtype=torch.float64) for _ in range(self.num_stages)]
+        self._dist.all_gather(parts, torch.tensor([own], dtype=torch.float64), group=self._group)
+        return math.sqrt(sum(float(p) for p in parts))
+
+    def close(self) -> None:
+        self._dist.destroy_process_group(self._group)
+
+
+class GradClip:
+    """One stage's clipping: the norm of each update group's gradient, and the gradient scaled down to
+    ``max_norm`` when it is larger. ``global_norm`` is None for asynchronous algorithms (per-stage norms)."""
+
+    def __init__(self, max_norm: float, global_norm: GlobalNorm | None):
+        self.max_norm = max_norm
+        self.global_norm = global_norm
+        self.last_norm: float | None = None
+
+    def before_ties(self, stage: "TensorStage", update: int) -> None:
+        if self.global_norm is not None:
+            self.global_norm.before_ties(stage, update)
+
+    def apply(self, stage: "TensorStage", update: int) -> None:
+        """Scale the stage's gradient buffer (after the tied gradients are applied)."""
+        grad = stage.grad
+        if self.global_norm is not None:
+            norm = self.global_norm.after_ties(stage, update)
+            self.last_norm = norm
+            coef = clip_coefficient(norm, self.max_norm)
+            if coef < 1.0:
+                grad.mul_(coef)
+            return
+        spans = pieces(stage)
+        untied = math.sqrt(sum(_squared(grad[a:b]) for a, b, name, _ in spans if name is None))
+        self.last_norm = untied
+        coef = clip_coefficient(untied, self.max_norm)
+        for a, b, name, _ in spans:
+            # A tied weight has the same gradient on every owner: clipped by its own norm, the copies stay equal.
+            c = coef if name is None else clip_coefficient(math.sqrt(_squared(grad[a:b])), self.max_norm)
+            if c < 1.0:
+                grad[a:b].mul_(c)

@@ -91,6 +91,19 @@ def cosine(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRSched
     return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=6)
 
 
+def lr_runs(world: int, algorithm: str, first: bool, last: bool, **kwargs):
+    """The ``lr`` mode's two runs: a torch scheduler stepped at each stage's updates; set_lr() between steps.
+    Returns the losses of both and the two pipelines."""
+    scheduled = make_pipeline(world, algorithm, lr_scheduler=cosine, **kwargs)
+    losses = train(scheduled, batches(STEPS), first, last)
+    fixed = make_pipeline(world, algorithm, **kwargs)
+    data = batches(STEPS)
+    losses += train(fixed, data[:2], first, last)
+    fixed.set_lr(0.03)
+    losses += train(fixed, data[2:], first, last)
+    return losses, scheduled, fixed
+
+
 def train(pipe: pipecore.Pipeline, data, first: bool, last: bool) -> list[float]:
     losses = [pipe.step(x if first else None, y if last else None) for x, y in data]
     pipe.flush()
@@ -143,15 +156,8 @@ def main() -> None:
         losses = train(pipe, gpt_batches(STEPS), first, last)
         torch.save({"losses": losses, "state": pipe.state_dict()}, os.path.join(out, f"clip-gpt-{rank}.pt"))
     elif mode == "lr":
-        # A torch scheduler stepped at each stage's updates, then set_lr() between steps.
         for algorithm in sys.argv[3].split(","):
-            pipe = make_pipeline(world, algorithm, timeout=60, lr_scheduler=cosine)
-            losses = train(pipe, batches(STEPS), first, last)
-            fixed = make_pipeline(world, algorithm, timeout=60)
-            data = batches(STEPS)
-            losses += train(fixed, data[:2], first, last)
-            fixed.set_lr(0.03)
-            losses += train(fixed, data[2:], first, last)
+            losses, pipe, fixed = lr_runs(world, algorithm, first, last, timeout=60)
             torch.save({"losses": losses, "state": pipe.state_dict(), "fixed": fixed.state_dict()},
                        os.path.join(out, f"lr-{algorithm}-{rank}.pt"))
     elif mode == "gpt":

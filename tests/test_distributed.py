@@ -120,13 +120,7 @@ def test_learning_rate_schedules_and_set_lr_are_bit_identical_across_processes(t
     _check_ok(launch(2, "lr", str(tmp_path), ",".join(algorithms)))
     with one_torch_thread():
         for algorithm in algorithms:
-            pipe = dist_run.make_pipeline(2, algorithm, lr_scheduler=dist_run.cosine)
-            losses = dist_run.train(pipe, dist_run.batches(dist_run.STEPS), True, True)
-            fixed = dist_run.make_pipeline(2, algorithm)
-            data = dist_run.batches(dist_run.STEPS)
-            losses += dist_run.train(fixed, data[:2], True, True)
-            fixed.set_lr(0.03)
-            losses += dist_run.train(fixed, data[2:], True, True)
+            losses, pipe, fixed = dist_run.lr_runs(2, algorithm, True, True)
             state, fixed_state = pipe.state_dict(), fixed.state_dict()
             for rank in range(2):
                 part = torch.load(tmp_path / f"lr-{algorithm}-{rank}.pt")

@@ -12,7 +12,9 @@ stage-0 forward of micro-batch ``n`` or later, so a pipeline can keep running ac
 Two ways to run the same actions: in turn on the calling thread, or (given ``threads``) each stage on its
 own worker thread, which waits for its next action's message in a mailbox (and, for tied weights, for the other
 owners' progress) without holding the GIL. Either way every stage executes the same actions in the same
-order, which is all its numerics depend on, so both give the same bits.
+order, which is all its numerics depend on, so both give the same bits. With threads, a run queues each
+stage's share as a job and may return before the jobs are done (``run(until=...)``); later runs queue behind
+them, and :meth:`Executor.settle` waits for all.
 """
 
 from __future__ import annotations

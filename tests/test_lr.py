@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch import nn
 
-import pipecore
 from pipecore import Pipeline, SGD
 
 M = 4

@@ -685,8 +685,6 @@ def _train(args: argparse.Namespace) -> int:
         options["clip_grad_norm"] = args.clip
         notes.append(f"gradients clipped to norm {args.clip:g}")
     if args.bf16:
-        import torch
-
         options["autocast"] = torch.bfloat16
         notes.append("forwards under bfloat16 autocast")
     if args.lr_schedule == "cosine":

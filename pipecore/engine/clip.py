@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
@@ -74,12 +75,9 @@ def pieces(stage: "TensorStage") -> list[Piece]:
     n = stage.grad.numel()
     if stage.ties is None:
         return [(0, n, None, ())]
-    base = stage.grad.storage_offset()
-    tied = sorted((v.storage_offset() - base, v.storage_offset() - base + v.numel(), name, stage.ties.owners[name])
-                  for name, v in stage.ties.views.items())
     out: list[Piece] = []
     position = 0
-    for start, stop, name, owners in tied:
+    for start, stop, name, owners in stage.ties.ranges(stage.grad):
         if start > position:
             out.append((position, start, None, ()))
         out.append((start, stop, name, owners))
@@ -128,16 +126,16 @@ class ClipDependencies:
         return found
 
 
-class GlobalNorm:
+class GlobalNorm(ABC):
     """The global gradient norm of each update group, for synchronous schedules."""
 
     def before_ties(self, stage: "TensorStage", update: int) -> None:
         """Called by every stage's update before it applies the tied gradients (its buffer still holds its
-        own gradient)."""
+        own gradient). Nothing to do unless the norm is read from the stages' own gradients."""
 
+    @abstractmethod
     def after_ties(self, stage: "TensorStage", update: int) -> float:
         """Called next, after the tied gradients are applied: the global norm of this update group."""
-        raise NotImplementedError
 
 
 class LocalGlobalNorm(GlobalNorm):

@@ -568,7 +568,7 @@ class TensorStage(StageWorker):
         if self.ties is None:
             return uniform_scale(n, info.lr_scale)
         scales, position = [], 0
-        for start, stop, owners in self.ties.ranges(self.grad):
+        for start, stop, _, owners in self.ties.ranges(self.grad):
             shared = min(self.algorithm.lr_scale(owner, info.index) for owner in owners)
             if shared == info.lr_scale:
                 continue

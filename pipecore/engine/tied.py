@@ -35,10 +35,11 @@ class StageTies:
         self._applied = 0      # groups consumed by updates, counted the same way
         self._base = 0         # self._applied when the schedule started
 
-    def ranges(self, buffer: torch.Tensor) -> list[tuple[int, int, tuple[int, ...]]]:
-        """``(start, stop, owners)`` of each tied weight inside the flat buffer its views slice (in order)."""
+    def ranges(self, buffer: torch.Tensor) -> list[tuple[int, int, str, tuple[int, ...]]]:
+        """``(start, stop, name, owners)`` of each tied weight inside the flat buffer its views slice (in
+        order)."""
         base = buffer.storage_offset()
-        spans = [(v.storage_offset() - base, v.storage_offset() - base + v.numel(), self.owners[name])
+        spans = [(v.storage_offset() - base, v.storage_offset() - base + v.numel(), name, self.owners[name])
                  for name, v in self.views.items()]
         return sorted(spans)
 

@@ -24,7 +24,7 @@ from functools import partial
 from typing import Any, Callable, Mapping, Sequence
 
 from .. import _C
-from ..schedule.ir import Action, B, F, Kind, U
+from ..schedule.ir import Action, B, F, Kind
 from ..schedule.progress import positions, runnable
 from ..schedule.schedule import Schedule, upstream
 from ..schedule.validate import ScheduleError

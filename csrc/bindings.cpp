@@ -36,6 +36,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("publish", &pipecore::WeightRing::publish, py::arg("i"), py::arg("version"))
       .def("advance", &pipecore::WeightRing::advance, py::arg("version"))
       .def("release", &pipecore::WeightRing::release, py::arg("i"))
+      .def("rewind", &pipecore::WeightRing::rewind, py::arg("version"))
       .def("pin", &pipecore::WeightRing::pin, py::arg("i"))
       .def("unpin", &pipecore::WeightRing::unpin, py::arg("i"))
       .def("__repr__", &pipecore::WeightRing::repr);

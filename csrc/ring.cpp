@@ -199,6 +199,25 @@ void WeightRing::release(int64_t i) {
   slots_[i].version = -1;
 }
 
+bool WeightRing::rewind(int64_t version) {
+  std::lock_guard<std::mutex> g(mu_);
+  TORCH_CHECK_VALUE(version >= 0, "WeightRing.rewind: version must be non-negative, got ", version);
+  for (int64_t i = 0; i < num_slots(); ++i) {
+    const Slot& s = slots_[i];
+    TORCH_CHECK(!s.acquired, "WeightRing.rewind: slot ", i, " is acquired and not yet published; release() it first");
+    TORCH_CHECK(s.version <= version || s.pins == 0, "WeightRing.rewind: slot ", i, " holds v", s.version,
+                ", newer than v", version, ", and is pinned (", describe(i), "); unpin it first");
+  }
+  int64_t found = -1;
+  for (int64_t i = 0; i < num_slots(); ++i) {
+    Slot& s = slots_[i];
+    if (s.version > version) s.version = -1;
+    if (s.version == version) found = i;
+  }
+  live_ = found;
+  return found >= 0;
+}
+
 void WeightRing::pin(int64_t i) {
   std::lock_guard<std::mutex> g(mu_);
   check_index("pin", i);

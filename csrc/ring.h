@@ -18,7 +18,7 @@ namespace pipecore {
 //     +----release-------+          stale with pin count 0 is free again <------+
 //
 // A free slot may still carry the version it last held (find() reports it) until acquire() reuses it.
-// advance(v) relabels an unpinned live slot that was updated in place.
+// advance(v) relabels an unpinned live slot that was updated in place; rewind(v) undoes updates back to v.
 class WeightRing {
  public:
   WeightRing(int64_t numel, int64_t num_slots, at::ScalarType dtype, at::Device device);
@@ -48,6 +48,10 @@ class WeightRing {
   // The live slot was updated in place (no reader holds the old values): it now holds `version`.
   void advance(int64_t version);
   void release(int64_t i);
+  // Undo updates: every slot holding a version newer than `version` forgets it (none may be pinned or
+  // acquired), and the slot still holding `version` becomes live again. Returns false, with no live slot,
+  // when no slot holds it any more: then publish() it into an acquired slot.
+  bool rewind(int64_t version);
   void pin(int64_t i);
   void unpin(int64_t i);
 

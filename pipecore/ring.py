@@ -203,6 +203,17 @@ class WeightRing:
         """
         self._ring.release(operator.index(i))
 
+    def rewind(self, version: int) -> bool:
+        """Undo updates back to ``version``: every slot holding a newer version forgets it, and the slot that
+        still holds ``version`` becomes live again (its pins stay). Returns False, leaving no live slot, when no
+        slot holds ``version`` any more (it was updated in place or its slot reused): then :meth:`acquire` a
+        slot, write the weights and :meth:`publish` it as ``version``.
+
+        Raises:
+            RuntimeError: a slot is acquired, or a newer version is pinned.
+        """
+        return self._ring.rewind(operator.index(version))
+
     def pin(self, i: int) -> None:
         """Count one more user of slot ``i`` (a micro-batch whose forward read it).
 

@@ -19,6 +19,18 @@ class VersionError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class BookMark:
+    """A version book's state at one moment, to go back to (:meth:`VersionBook.rewind`)."""
+
+    live: int
+    updates: int
+    held: frozenset[int]
+    pins: tuple[tuple[int, int], ...]
+    forward_reads: tuple[tuple[int, WeightRead], ...]
+    latest_tag: int | None
+
+
+@dataclass(frozen=True)
 class UpdateInfo:
     """The result of one update at a stage."""
 
@@ -123,6 +135,28 @@ class VersionBook:
         self.held.add(self.live)
         self._refresh()
         return UpdateInfo(self.live, previous in self.held, lr_scale, index)
+
+    def mark(self) -> BookMark:
+        """The state now, for :meth:`rewind`."""
+        return BookMark(self.live, self.updates, frozenset(self.held), tuple(self.pins.items()),
+                        tuple(self.forward_reads.items()), self.latest_tag)
+
+    def rewind(self, mark: BookMark) -> None:
+        """Go back to ``mark`` (an action that failed before it changed anything else is undone this way)."""
+        self.live, self.updates, self.latest_tag = mark.live, mark.updates, mark.latest_tag
+        self.held = set(mark.held)
+        self.pins = Counter(dict(mark.pins))
+        self.forward_reads = dict(mark.forward_reads)
+
+    def discard(self, first: int, live: int, updates: int, latest_tag: int | None) -> None:
+        """Forget micro-batches ``first`` and later (their forwards, and the updates after version ``live``),
+        keeping the earlier micro-batches in flight: live version ``live`` after ``updates`` updates."""
+        self.forward_reads = {k: r for k, r in self.forward_reads.items() if k < first}
+        self.pins = Counter(r.version for r in self.forward_reads.values()) if self.algorithm.pins_forward_weights \
+            else Counter()
+        self.live, self.updates, self.latest_tag = live, updates, latest_tag
+        self.held = {v for v in self.held if v <= live} | {live}
+        self._refresh()
 
     def in_flight(self) -> int:
         """Micro-batches forwarded here whose backward has not run yet."""

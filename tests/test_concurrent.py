@@ -208,8 +208,9 @@ def test_an_error_after_step_returned_is_raised_by_the_next_call():
     with pytest.raises(Injected, match="injected failure in backward") as info:
         pipe.state_dict()
     assert any("stage 0's worker thread, running 0B0" in note for note in info.value.__notes__), info.value.__notes__
-    with pytest.raises(RuntimeError, match="an earlier run stopped at an error"):
-        pipe.step(x, y)
+    # The failed mini-batch was undone (tests/test_recovery.py checks how): training goes on.
+    assert "mini-batch 0 since the last flush was dropped" in info.value.__notes__[-1]
+    assert pipe.in_flight == 0 and math.isfinite(pipe.step(x, y))
     closed(pipe)
     assert not pipe._threads.alive()
 
@@ -499,9 +500,8 @@ def test_a_stage_waiting_longer_than_the_timeout_raises_naming_both_stages():
                              partition=[2], leaf_modules=[Slow], timeout=0.3)
     with pytest.raises(TimeoutError, match="stage 1 waited 0.3 s for stage 0's activations of micro-batch 0"):
         pipe.step(*data(1)[0])
-    # The interrupted schedule cannot continue; the next step says so instead of waiting again.
-    with pytest.raises(RuntimeError, match="an earlier run stopped at an error .TimeoutError"):
-        pipe.step(*data(1)[0])
+    # The interrupted mini-batch was undone: the next step trains.
+    assert math.isfinite(pipe.step(*data(1)[0]))
     closed(pipe)
     assert not pipe._threads.alive()
 

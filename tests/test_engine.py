@@ -478,8 +478,9 @@ def test_batch_not_divisible():
 def test_shape_mismatch_between_stages_names_both():
     model = nn.Sequential(nn.Linear(5, 4), nn.Linear(7, 3)).double()
     pipe = Pipeline(model, 2, "gpipe", 2, loss_fn=nn.CrossEntropyLoss())
-    with pytest.raises(ValueError, match=r"stage 1 cannot take stage 0's output of shape \(2, 4\)"):
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as info:
         pipe.step(torch.randn(4, 5, dtype=torch.float64), torch.zeros(4, dtype=torch.long))
+    assert "raised by stage 1's forward, given stage 0's output of shape (2, 4)" in info.value.__notes__[0]
 
 
 def test_dtype_mismatch_between_stages_names_both():

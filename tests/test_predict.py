@@ -339,8 +339,9 @@ def test_bad_calls_say_what_was_wrong() -> None:
         pipe.predict([[1.0] * 6])
     with pytest.raises(ValueError, match="x holds no samples"):
         pipe.predict(probe(0))
-    with pytest.raises(ValueError, match="stage 0 cannot take the input micro-batch of shape \\(1, 5\\)"):
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as info:
         pipe.predict(torch.zeros(4, 5, dtype=torch.float64))
+    assert "raised by stage 0's forward, given the input micro-batch of shape (1, 5)" in info.value.__notes__[0]
     with pytest.raises(TypeError, match="broadcast must be True or False, got 'yes'"):
         pipe.predict(probe(4), broadcast="yes")  # type: ignore[arg-type]
     pipe.close()

@@ -451,3 +451,46 @@ class RingModel(RuleBasedStateMachine):
 
 TestRingStateMachine = RingModel.TestCase
 TestRingStateMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_rewind_makes_an_older_version_live_again_and_forgets_the_newer():
+    ring = WeightRing(4, 3)
+    first = ring.acquire()
+    ring.slot(first).fill_(1.0)
+    ring.publish(first, 0)
+    ring.pin(first)  # an in-flight micro-batch read v0
+    second = ring.acquire()
+    ring.slot(second).fill_(2.0)
+    ring.publish(second, 1)
+    ring.advance(2)  # updated in place: v1 is gone
+    assert ring.rewind(0) is True
+    assert (ring.live_slot, ring.live_version, ring.pin_count(first)) == (first, 0, 1)
+    assert ring.find(2) is None and ring.find(1) is None
+    assert torch.equal(ring.live, torch.ones(4))
+    ring.unpin(first)
+    assert ring.rewind(0) is True  # rewinding to the live version changes nothing
+
+
+def test_rewind_to_an_overwritten_version_leaves_no_live_slot_to_publish_into():
+    ring = WeightRing.from_flat(torch.zeros(4), 2, version=0)
+    ring.advance(1)
+    assert ring.rewind(0) is False and ring.live_slot is None and ring.find(1) is None
+    slot = ring.acquire()
+    ring.slot(slot).fill_(7.0)
+    ring.publish(slot, 0)
+    assert ring.live_version == 0 and torch.equal(ring.live, torch.full((4,), 7.0))
+
+
+def test_rewind_refuses_while_a_newer_version_is_pinned_or_a_slot_acquired():
+    ring = WeightRing.from_flat(torch.zeros(4), 3, version=0)
+    newer = ring.acquire()
+    ring.publish(newer, 1)
+    ring.pin(newer)
+    with pytest.raises(RuntimeError, match="slot .* holds v1, newer than v0, and is pinned"):
+        ring.rewind(0)
+    ring.unpin(newer)
+    ring.acquire()
+    with pytest.raises(RuntimeError, match="is acquired and not yet published"):
+        ring.rewind(0)
+    with pytest.raises(ValueError, match="must be non-negative"):
+        ring.rewind(-1)

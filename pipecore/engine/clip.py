@@ -137,6 +137,10 @@ class GlobalNorm(ABC):
     def after_ties(self, stage: "TensorStage", update: int) -> float:
         """Called next, after the tied gradients are applied: the global norm of this update group."""
 
+    def discard(self, first_update: int) -> None:
+        """Forget what is kept of updates ``first_update`` and later (counted like the stages' updates, from
+        construction; they were undone)."""
+
 
 class LocalGlobalNorm(GlobalNorm):
     """Every stage in this process: the first stage to reach an update reads every stage's buffer (all of
@@ -160,6 +164,11 @@ class LocalGlobalNorm(GlobalNorm):
             if len(seen) == len(self.stages):
                 del self._norms[update]
             return norm
+
+    def discard(self, first_update: int) -> None:
+        with self._lock:
+            for update in [u for u in self._norms if u >= first_update]:
+                del self._norms[update]
 
     def _compute(self) -> float:
         total = 0.0

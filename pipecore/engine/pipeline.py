@@ -18,9 +18,10 @@ from torch import nn
 
 from ..algorithms import get_algorithm
 from ..runtime.executor import Costs, Event, Executor
+from ..runtime.ties import LocalTiedGradients
 from ..runtime.threads import StageThreads
 from ..runtime.transport import LocalTransport, Transport
-from ..schedule.ir import Action, B, F, Kind
+from ..schedule.ir import Action, B, F, Kind, U
 from ..schedule.validate import validate
 from ..simulate import simulate
 from ..schedule.ties import TieSync, partners_of, smallest_delay
@@ -32,7 +33,8 @@ from .clip import (ClipDependencies, DistributedGlobalNorm, GlobalNorm, GradClip
 from .lr import LrSchedule
 from .optim import SGD, build_optimizer
 from .partition import stage_starts
-from .stage import TensorStage, buffer_copies
+from .stage import _GLOBAL_RANDOM, TensorStage, buffer_copies
+from .undo import Unrecoverable, UndoPoint, undo
 from .tied import StageTies
 
 _NONFINITE = ("raise", "skip")
@@ -61,7 +63,8 @@ class Pipeline:
         partition: None (balanced by parameter count, cutting only where a module starts) or where stages
             ``1..P-1`` start: compute-node indices of the captured graph (for an ``nn.Sequential``, layer
             indices) or module names such as ``"blocks.3"`` (see :meth:`describe`).
-        on_nonfinite: ``"raise"`` (default) or ``"skip"`` (drop the update a NaN/inf loss belongs to).
+        on_nonfinite: ``"raise"`` (default: :class:`NonFiniteLoss`, after the mini-batch is undone, see
+            :meth:`step`) or ``"skip"`` (drop the update a NaN/inf loss belongs to).
         timeout: seconds a stage waits for a neighbour's message before raising: a rank for another rank, or
             a stage thread for another stage's (``concurrent``).
         split_backward: compute each backward's input gradient first, send it, then compute the weight
@@ -219,6 +222,11 @@ class Pipeline:
         self._staleness = {s: _Tally() for s in self.stages}
         self._delays = {s: _Tally() for s in self.stages}
         self._closed = False
+        self._broken: BaseException | None = None  # the error after which the pipeline could not be taken back
+        self._recovering = False
+        # Per mini-batch not yet complete on every stage (oldest first): (mini-batch, random state at its step,
+        # the tie exchange's epoch then); the stages keep the matching UndoPoints.
+        self._undo_steps: list[tuple[int, Any, int]] = []
         self._restart()
 
     # -- running ---------------------------------------------------------------------------------
@@ -227,6 +235,8 @@ class Pipeline:
         """Begin a fresh schedule (at construction and after every flush)."""
         for st in self.stages.values():
             st.restart()
+            st.undo_points = []
+        self._undo_steps = []
         self._fed = 0  # mini-batches given since the schedule started
         self._minibatch_loss: dict[int, float] = {}
         self._horizon = 2
@@ -252,7 +262,7 @@ class Pipeline:
     def _tie_stages(self, timeout: float) -> TieSync:
         """Give every owner of a tied weight its share of the gradient exchange; the tied gradients are
         applied with the smallest delay that keeps the schedule running (0 for synchronous schedules)."""
-        from ..runtime.ties import DistributedTiedGradients, LocalTiedGradients
+        from ..runtime.ties import DistributedTiedGradients
 
         owners = {name: tuple(s for s, _ in held) for name, held in self.ties.items()}
         partners = partners_of(list(owners.values()))
@@ -299,6 +309,11 @@ class Pipeline:
         the first stage reads ``x`` and only the last reads ``y`` (others may pass None); every rank gets the
         mini-batch loss. Asynchronous algorithms leave later micro-batches' backwards in flight;
         :meth:`flush` drains them.
+
+        If it raises (a non-finite loss, an error in ``loss_fn`` or a module, ``KeyboardInterrupt``), the
+        failed mini-batch (and any given after it) is first undone on every stage and the earlier ones
+        complete, as :meth:`flush` would have done in its place; a note on the exception says which were
+        dropped, and training can continue (one process; see docs/training.md, "When a step fails").
         """
         self._check_open("step")
         m = self.n_microbatches
@@ -322,6 +337,8 @@ class Pipeline:
             for u, chunk in enumerate(y_chunks.chunks):
                 self._targets[first + u] = to_device(y_chunks.rebuild(chunk), device)
         minibatch = self._fed
+        self._guarded(self._executor.check)  # an error left by the previous step's remaining work (overlap_steps)
+        self._keep_undo_points(minibatch)
         self._fed += 1
         if self.rank is not None and not last_stage:
             self._transport.expect_loss()
@@ -333,7 +350,7 @@ class Pipeline:
         # not under a profiler, whose session must not end while stage threads still record into it.
         overlap = self.overlap_steps and not torch.autograd._profiler_enabled()
         until = (self.num_stages - 1, F, self._fed * m - 1) if overlap else None
-        self._executor.run(available=self._fed * m, until=until)
+        self._guarded(lambda: self._executor.run(available=self._fed * m, until=until))
         if not last_stage:
             return self._transport.receive_loss(minibatch)
         loss = self._minibatch_loss.pop(minibatch)
@@ -356,9 +373,10 @@ class Pipeline:
 
     def synchronize(self) -> None:
         """Wait until the stage threads have run all the work given so far (with ``overlap_steps``, a step's
-        remaining backwards and updates), and raise the first error they met. Afterwards the model's
-        parameters hold the live weights. Does nothing without ``overlap_steps``: every call returns settled."""
-        self._executor.settle()
+        remaining backwards and updates), and raise the first error they met (after taking the pipeline back
+        as a failed step does). Afterwards the model's parameters hold the live weights. Does nothing without
+        ``overlap_steps``: every call returns settled."""
+        self._guarded(self._executor.settle)
 
     def flush(self) -> None:
         """Run every in-flight backward and update; afterwards no micro-batch is in flight on any rank."""
@@ -366,6 +384,111 @@ class Pipeline:
         if self._fed == 0:
             return
         self.synchronize()  # the drain below changes the tied weights' sync, which stage threads read
+        self._guarded(self._drain)
+
+    # -- errors ----------------------------------------------------------------------------------
+
+    def _keep_undo_points(self, minibatch: int) -> None:
+        """Before a step gives ``minibatch``: what each stage needs to go back to if it fails (and forget what
+        was kept for the mini-batches complete on every stage, which no error can reach any more)."""
+        m, every = self.n_microbatches, self.algorithm.update_every
+        while self._undo_steps:
+            # Complete once every stage has applied the update of its last group (after all its backwards).
+            last_update = (self._undo_steps[0][0] + 1) * m // every
+            if any(st.book.live - st.book.base < last_update for st in self.stages.values()):
+                break
+            self._undo_steps.pop(0)
+        epoch = 0
+        if isinstance(self._tie_exchange, LocalTiedGradients):
+            oldest = self._undo_steps[0][2] if self._undo_steps else None
+            epoch = self._tie_exchange.new_epoch(forget_before=oldest)
+        cuda = sorted({st.device.index or 0 for st in self.stages.values() if st.device.type == "cuda"})
+        with _GLOBAL_RANDOM:  # not halfway through a recomputation's replay of a forward's random state
+            random = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in cuda], cuda)
+        self._undo_steps.append((minibatch, random, epoch))
+        kept = {j * m for j, _, _ in self._undo_steps}
+        for st in self.stages.values():
+            st.undo_points = [p for p in st.undo_points if p.first in kept] + [UndoPoint.at(st, minibatch * m)]
+
+    def _guarded(self, work: Callable[[], None]) -> None:
+        """Run executor work; if it fails, take the pipeline back before the newest mini-batch (see
+        :meth:`_recover`) and raise the error."""
+        try:
+            work()
+        except BaseException as exc:
+            if self._executor.failure is not None and self._broken is None and not self._recovering:
+                self._recover(exc)
+            raise
+
+    def _recover(self, exc: BaseException) -> None:
+        """After ``exc`` stopped a step or a flush: undo the mini-batch of the failed action (the newest one if
+        the failed actions left no trace; they run again) and every later one, on every stage, and complete the
+        earlier ones, as :meth:`flush` would have done in place of the failed mini-batch. If that is impossible,
+        the pipeline refuses to go on. Either way a note on ``exc`` says what happened."""
+        m, every = self.n_microbatches, self.algorithm.update_every
+
+        def minibatch(action: Action) -> int:
+            return ((action.index - 1) * every if action.kind is U else action.index) // m
+
+        newest = self._fed - 1
+        failed = min([minibatch(a) for a, clean in self._executor.failed_actions if not clean] + [newest])
+        first = failed * m
+        self._recovering = True
+        try:
+            if self.rank is not None:
+                raise Unrecoverable("with one process per stage a failed step is not undone yet")
+            step = next((entry for entry in self._undo_steps if entry[0] == failed), None)
+            undone_from: dict[int, int] = {}  # per stage, the first update undone
+            for st in self.stages.values():
+                point = next((p for p in st.undo_points if p.first == first), None)
+                if step is None or point is None:
+                    raise Unrecoverable(f"stage {st.stage} kept nothing to go back to before mini-batch {failed}")
+                if point.snapshot is not None:
+                    undone_from[st.stage] = point.snapshot.update
+                undo(st, point)
+
+            def kept(action: Action) -> bool:
+                return minibatch(action) < failed and not (
+                    action.kind is U and action.index >= undone_from.get(action.stage, action.index + 1))
+
+            if self._global_norm is not None:  # its norms are kept by the stages' update counts
+                self._global_norm.discard(min(st.book.updates for st in self.stages.values()))
+            if failed > 0:
+                self._executor.recover(self.algorithm.schedule(failed), keep=kept,
+                                       drop_message=lambda stage, kind, k: k >= first)
+            else:
+                self._transport.resume()
+                self._transport.drop(lambda stage, kind, k: True)
+            for table in (self._inputs, self._targets):
+                for k in [k for k in table if k >= first]:
+                    del table[k]
+            for j in [j for j in self._minibatch_loss if j >= failed]:
+                del self._minibatch_loss[j]
+            self._fed = failed
+            cpu, cuda_states, cuda = step[1]
+            torch.set_rng_state(cpu)
+            for d, state in zip(cuda, cuda_states):
+                torch.cuda.set_rng_state(state, d)
+            self._drain()
+        except BaseException as err:
+            self._broken = exc
+            self._executor.failure = exc
+            exc.add_note(f"pipecore could not take the pipeline back to before mini-batch {failed} since the last "
+                         f"flush ({type(err).__name__}: {err}); it cannot continue. Build a new Pipeline (and load a "
+                         "checkpoint)")
+        else:
+            dropped = f"mini-batch {failed}" if failed == newest else f"mini-batches {failed}..{newest}"
+            exc.add_note(f"pipecore took the pipeline back: {dropped} since the last flush "
+                         f"{'was' if failed == newest else 'were'} dropped (updates undone) and the earlier ones "
+                         "completed, as flush() would have done in place of the first dropped; training can continue")
+        finally:
+            self._recovering = False
+
+    def _drain(self) -> None:
+        """Run every in-flight backward and update, then begin a fresh schedule (the work of :meth:`flush`)."""
+        if self._fed == 0:
+            self._restart()
+            return
         drained = self.algorithm.schedule(self._fed)
         if self._tie_sync is not None:
             # The last update of each owner applies every tied gradient still pending.

@@ -38,6 +38,7 @@ from .clip import GradClip
 from .lr import LrSchedule
 from .optim import LrScales, StageOptimizer, uniform_scale
 from .split_backward import PendingWeightGradients, input_gradient, weight_gradients
+from .undo import StageSnapshot, UndoPoint
 
 
 # Stage threads share torch's global random generator. The recompute rule saves its state before a
@@ -174,6 +175,11 @@ class TensorStage(StageWorker):
         # Tied weights this stage shares with others (set by the pipeline); None when it shares none.
         self.ties: StageTies | None = None
         self._last_backward_count = 0
+        # The first and last micro-batch whose gradients the buffer holds (None: it is zero).
+        self.grad_span: tuple[int, int] | None = None
+        # Where the pipeline can take this stage back to, one per mini-batch not yet complete (see engine.undo);
+        # the pipeline replaces the list (stage threads read it), oldest first.
+        self.undo_points: list[UndoPoint] = []
         self._bind_module_to_live()
 
     # -- where and how the compute runs ----------------------------------------------------------
@@ -396,6 +402,7 @@ class TensorStage(StageWorker):
             weights = weights.clone()  # the scratch is reused; the backward needs these exact values
         inputs = self._stage_inputs(payload)
         target = self.target(k) if self.is_last else None
+        self.mutated = True  # the module may update buffers (BatchNorm) and draws random numbers
         if rule == "recompute":
             with _GLOBAL_RANDOM, torch.no_grad():
                 rng = self._random_state()
@@ -439,7 +446,7 @@ class TensorStage(StageWorker):
         self._last_backward_count = len(action.microbatches)
         outs = []
         for k, read, grad_out in zip(action.microbatches, reads, payloads):
-            rec = self.in_flight.pop(k)
+            rec = self.in_flight[k]  # taken out once the backward starts changing state (see _committed)
             if self.backward_rule == "recompute":
                 params = self._leaves(self.materialize(read))
                 inputs = tuple(x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.requires_grad
@@ -466,12 +473,14 @@ class TensorStage(StageWorker):
                 tensors, grads = [y for y, _ in pairs], [g for _, g in pairs]
             if not (leaves or wanted) or not tensors:  # nothing to differentiate, or no gradient arrived
                 self._unpack_target = None
+                self._committed(k)
                 outs.append(None if self.stage == 0 else as_payload((None,) * len(inputs)))
                 continue
             # Only the action's last micro-batch defers: an earlier one's derived weights (scratch) are
             # overwritten by the next micro-batch's read. Split backwards take one tensor in and one out.
             if (self.split_backward and len(wanted) == 1 and len(inputs) == 1 and len(tensors) == 1 and leaves
                     and k == action.microbatches[-1]):
+                self._committed(k)
                 try:
                     dx, pending = input_gradient(tensors[0], None if grads is None else grads[0], wanted[0], leaves)
                     self._deferred = (pending, self._unpack_target)
@@ -481,6 +490,7 @@ class TensorStage(StageWorker):
                 continue
             # Weight gradients accumulate into the leaves' .grad, the gradient buffer (see _leaves); a
             # parameter that takes no part gets nothing added.
+            self._committed(k)
             try:
                 torch.autograd.backward(tensors, grad_tensors=grads, inputs=leaves + wanted)
             finally:
@@ -492,6 +502,13 @@ class TensorStage(StageWorker):
                                         for x in inputs)))
         self._timed("B", t0)
         return outs
+
+    def _committed(self, k: int) -> None:
+        """Micro-batch ``k``'s backward starts adding to the gradient buffer: from here on, a failure cannot be
+        undone by putting the micro-batch back."""
+        self.mutated = True
+        del self.in_flight[k]
+        self.grad_span = (k, k) if self.grad_span is None else (min(self.grad_span[0], k), max(self.grad_span[1], k))
 
     def finish_backward(self) -> None:
         super().finish_backward()
@@ -518,6 +535,16 @@ class TensorStage(StageWorker):
             torch._foreach_add_(list(accumulators), list(new))  # one call instead of one per parameter
 
     def update(self, action: Action) -> ActionRecord:
+        every = self.algorithm.update_every
+        first = (action.index - 1) * every  # the first micro-batch of the group the update applies
+        # With tied gradients applied late, a flush ends with an update that applies every pending group, unlike
+        # the same update in a running schedule: undoing a mini-batch then undoes that update too (the one before
+        # the mini-batch's first), gradients included, so that the drain runs it as a flush would.
+        ahead = every if self.ties is not None and self.ties.sync.delay > 0 else 0
+        snapshot = None
+        for point in self.undo_points:
+            if point.snapshot is None and first + ahead >= point.first:
+                snapshot = point.snapshot = snapshot or StageSnapshot.of(self, action.index, with_grad=first < point.first)
         # The scheduled rate first: a schedule that raises leaves the version book untouched.
         if self.lr_schedule is not None:
             self._scheduled_lr = self.lr_schedule.lr(self.book.updates)
@@ -525,6 +552,7 @@ class TensorStage(StageWorker):
 
     def compute_update(self, action: Action, info: UpdateInfo) -> None:
         t0 = time.perf_counter()
+        self.mutated = True
         self.sync_ring()
         live_slot = self.ring.live_slot
         w = self.ring.slot(live_slot)
@@ -550,6 +578,7 @@ class TensorStage(StageWorker):
         else:
             self.ring.publish(target_slot, info.new_version)
         self.grad.zero_()
+        self.grad_span = None
         self.sync_ring()
         self._bind_module_to_live()
         self._timed("U", t0)
@@ -625,9 +654,11 @@ class TensorStage(StageWorker):
     def _forward_checked(self, params: Sequence[torch.Tensor], inputs: tuple[Any, ...]) -> Any:
         try:
             return self._run_module(params, inputs)
-        except RuntimeError as exc:
+        except Exception as exc:
+            # The module's own error, as itself (a shape mismatch or the user's code), with what it was given.
             source = f"stage {self.stage - 1}'s output" if self.stage > 0 else "the input micro-batch"
-            raise ValueError(f"stage {self.stage} cannot take {source} {_describe(inputs, self.boundary.inputs)}: {exc}") from exc
+            exc.add_note(f"raised by stage {self.stage}'s forward, given {source} {_describe(inputs, self.boundary.inputs)}")
+            raise
 
     def _loss_fn(self, y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         assert self.loss_fn is not None
@@ -698,6 +729,7 @@ class TensorStage(StageWorker):
         if velocity is not None:
             self.velocity.copy_(velocity)
         self.grad.zero_()
+        self.grad_span = None
         if self.ties is not None:
             self.ties.reset()
         self._bind_module_to_live()

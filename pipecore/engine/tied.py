@@ -53,6 +53,21 @@ class StageTies:
         """Forget the counts (after loading a checkpoint; nothing is pending then)."""
         self._backwarded = self._posted = self._applied = self._base = 0
 
+    def counts(self) -> tuple[int, int]:
+        """The groups posted and applied so far, for :meth:`undo`."""
+        return self._posted, self._applied
+
+    def undo(self, backwarded: int, applied: int | None) -> None:
+        """Go back to ``backwarded`` micro-batches backwarded since the schedule started and (if not None)
+        ``applied`` groups applied: the later posts are withdrawn and the later reductions given back."""
+        every = self.sync.update_every
+        posted = self._posted - self._backwarded // every + backwarded // every
+        if applied is not None and applied < self._applied:
+            self.exchange.unreduce(self.stage, range(applied, self._applied))
+            self._applied = applied
+        self.exchange.withdraw(self.stage, posted)
+        self._backwarded, self._posted = backwarded, posted
+
     def after_backward(self, microbatches: int) -> None:
         """Post this stage's tied gradients when the backward completed an update group."""
         before = self._backwarded // self.sync.update_every

@@ -107,8 +107,12 @@ class Executor:
         self.planned = [0] * P
         self._progress: Any = None  # per-stage cursors (stage threads): tied-weight updates and the caller wait on them
         self._failures: list[tuple[int, Action | None, BaseException]] = []  # appended by the stage threads
-        # The error that stopped a run: the action it interrupted is half done, so no run can follow.
+        # The error that stopped a run: the action it interrupted is half done, so no run can follow (until
+        # :meth:`recover`).
         self.failure: BaseException | None = None
+        # The actions that raised, each with whether it left no trace (it can run again): a stage thread's error
+        # stops the others between actions.
+        self.failed_actions: list[tuple[Action, bool]] = []
 
     def extend(self, schedule: Schedule) -> None:
         """Continue with a longer (or drained) schedule that agrees with everything executed so far.
@@ -181,6 +185,10 @@ class Executor:
             self.failure = exc
             raise
 
+    def check(self) -> None:
+        """Raise the error a stage thread met after the last run returned (``run(until=...)``), if any."""
+        self._check_failure()
+
     def _check_failure(self, settling: bool = False) -> None:
         if self.failure is not None:
             raise RuntimeError(
@@ -242,6 +250,8 @@ class Executor:
         except _C.Aborted:
             pass  # another stage failed first; its error is the one raised
         except BaseException as exc:  # noqa: B902 - re-raised on the calling thread by settle()
+            if action is not None and not any(a == action for a, _ in self.failed_actions):
+                self.failed_actions.append((action, True))  # it failed waiting, before it started
             failures.append((s, action, exc))
             self._stop_all(f"stage {s} failed")
 
@@ -269,18 +279,65 @@ class Executor:
             self._interrupted()
         self.settle()
 
+    def recover(self, schedule: Schedule, keep: Callable[[Action], bool],
+                drop_message: Callable[[int, Kind, int], bool]) -> None:
+        """After a failed run, go on with ``schedule`` as if only the executed actions that ``keep`` accepts had
+        run (the stages' state was taken back to match): those must be the start of each stage's new action
+        list. Messages for which ``drop_message(stage, kind, micro-batch)`` is true are thrown away; the others
+        stay for their consumers. The stage threads must have stopped (the failed run settled)."""
+        new_cursor = list(self.cursor)
+        for s in self.workers:
+            kept = [a for a in self.schedule.stages[s][:self.cursor[s]] if keep(a)]
+            row = schedule.stages[s]
+            if tuple(row[:len(kept)]) != tuple(kept):
+                raise ValueError(f"stage {s}: the actions kept ({kept[-4:]}...) do not start the new schedule's "
+                                 f"({list(row[:len(kept)])[-4:]}...)")
+            new_cursor[s] = len(kept)
+        self.cursor = new_cursor
+        self.planned = list(new_cursor)
+        self.schedule = schedule
+        self._index = positions(schedule)
+        self.transport.resume()
+        self.transport.drop(drop_message)
+        if self._progress is not None:
+            self._progress.reset()
+            for s in self.workers:
+                self._progress.set(s, self.cursor[s])
+        self.failure = None
+        self._failures.clear()
+        self.failed_actions.clear()
+
     def _execute(self, action: Action) -> None:
+        try:
+            self._execute_action(action)
+        except BaseException:
+            worker = self.workers[action.stage]
+            self.failed_actions.append((action, worker.failed_cleanly if worker.last_action == action else True))
+            raise
+
+    def _execute_action(self, action: Action) -> None:
         worker = self.workers[action.stage]
         s, last = action.stage, self.schedule.num_stages - 1
         transport = self.transport
         if action.kind is F:
             incoming = transport.receive(s, F, action.index) if s > 0 else Message(self.source(action.index))
             start = max(self.stage_free[s], incoming.ready_at)
-            out, record = worker.forward(action, incoming)
+            try:
+                out, record = worker.forward(action, incoming)
+            except BaseException:
+                if worker.failed_cleanly and s > 0:
+                    transport.send(s, F, action.index, incoming)  # the action can run again: give its input back
+                raise
         elif action.kind is B:
             incoming = [transport.receive(s, B, k) if s < last else Message() for k in action.microbatches]
             start = max([self.stage_free[s]] + [m.ready_at for m in incoming])
-            outs, record = worker.backward(action, incoming)
+            try:
+                outs, record = worker.backward(action, incoming)
+            except BaseException:
+                if worker.failed_cleanly and s < last:
+                    for k, m in zip(action.microbatches, incoming):
+                        transport.send(s, B, k, m)
+                raise
         else:
             start = self.stage_free[s]
             record = worker.update(action)

@@ -133,6 +133,10 @@ class LocalTiedGradients:
         self._last: dict[int, int] = {}
         # (tie, group) -> owner -> the CUDA event its copy is ready at (stages on their own streams).
         self._ready_at: dict[tuple[str, int], dict[int, Any]] = {}
+        # Groups every owner reduced, with the epoch they were reduced in (see new_epoch), kept so that an undone
+        # update can reduce them again.
+        self._retired: dict[tuple[str, int], tuple[int, dict[int, torch.Tensor]]] = {}
+        self._epoch = 0
         # Stages may run on their own threads.
         self._lock = threading.Lock()
 
@@ -183,9 +187,46 @@ class LocalTiedGradients:
             sums[name] = _sum_in_stage_order(_readable(posted, self._ready_at.get(key, {}), self.ties[name], stage))
             done.add(stage)
             if len(done) == len(self.ties[name]):  # every owner has its sum: nothing of this group is needed
-                del self._posted[key], self._reduced[key]
+                self._retired[key] = (self._epoch, self._posted.pop(key))
+                del self._reduced[key]
                 self._ready_at.pop(key, None)
         return sums
+
+    def new_epoch(self, forget_before: int | None) -> int:
+        """Start a new epoch (a pipeline starts one per step) and return its number; the groups every owner
+        reduced before epoch ``forget_before`` (None: all) are dropped, no :meth:`unreduce` will ask for them."""
+        with self._lock:
+            for key in [k for k, (epoch, _) in self._retired.items() if forget_before is None or epoch < forget_before]:
+                del self._retired[key]
+            self._epoch += 1
+            return self._epoch
+
+    def withdraw(self, stage: int, first_group: int) -> None:
+        """Take back ``stage``'s posts of group ``first_group`` and later (their backwards were undone)."""
+        with self._lock:
+            for key in [key for key in self._posted if key[1] >= first_group]:
+                self._posted[key].pop(stage, None)
+                self._ready_at.get(key, {}).pop(stage, None)
+                if not self._posted[key]:
+                    del self._posted[key]
+                    self._reduced.pop(key, None)
+                    self._ready_at.pop(key, None)
+            if self._last.get(stage, -1) >= first_group:
+                self._last[stage] = first_group - 1
+
+    def unreduce(self, stage: int, groups: range) -> None:
+        """``stage``'s updates that reduced ``groups`` were undone: they will reduce them again."""
+        with self._lock:
+            for name in _owned(self.ties, stage):
+                for group in groups:
+                    key = (name, group)
+                    if key in self._retired:
+                        self._posted[key] = self._retired.pop(key)[1]
+                        self._reduced[key] = set(self.ties[name])
+                    if key not in self._reduced or stage not in self._reduced[key]:
+                        raise RuntimeError(f"stage {stage} did not reduce update group {group} of tie {name!r}, or "
+                                           "the group was forgotten")
+                    self._reduced[key].discard(stage)
 
     def wait_sends(self) -> None:
         """Nothing to complete: posting stores the gradients."""
@@ -196,6 +237,7 @@ class LocalTiedGradients:
             self._posted.clear()
             self._reduced.clear()
             self._ready_at.clear()
+            self._retired.clear()
 
 
 def _readable(posted: Mapping[int, torch.Tensor], events: Mapping[int, Any], owners: Sequence[int],

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 from .. import _C
-from ..schedule.ir import F, Kind
+from ..schedule.ir import B, F, Kind
 from .worker import Message
 
 
@@ -28,6 +28,9 @@ class Transport(Protocol):
     def close(self, deliver: bool = True) -> None:
         """Release what the transport holds (a networked one: its connections), after delivering what was
         sent if ``deliver``."""
+
+    def drop(self, which: Callable[[int, Kind, int], bool]) -> None:
+        """Throw away the messages not yet received for which ``which(stage, kind, micro-batch)`` is true."""
 
 
 _STAGE_BITS = 20  # a mailbox key packs (micro-batch, stage, kind) into one integer
@@ -70,6 +73,12 @@ class LocalTransport:
     def resume(self) -> None:
         """Undo :meth:`abort` (the messages already delivered stay)."""
         self._mailbox.reset()
+
+    def drop(self, which: Callable[[int, Kind, int], bool]) -> None:
+        mask = (1 << _STAGE_BITS) - 1
+        for key in self._mailbox.keys():
+            if which((key >> 1) & mask, B if key & 1 else F, key >> (_STAGE_BITS + 1)):
+                self._mailbox.take(key, 0.0)
 
     def close(self, deliver: bool = True) -> None:
         self._mailbox.clear()

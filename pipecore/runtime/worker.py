@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from ..algorithms.base import Algorithm, WeightRead
 from ..schedule.ir import Action
-from ..versions import UpdateInfo, VersionBook
+from ..versions import BookMark, UpdateInfo, VersionBook
 
 
 @dataclass
@@ -48,6 +48,13 @@ class StageWorker:
         # Update groups (micro-batch // update_every, counted from the schedule's start) whose loss was
         # non-finite; their updates are skipped. Learned from the backward messages, so it works across ranks.
         self.poisoned_groups: set[int] = set()
+        # Set by a compute hook once the action has changed state it cannot give back (gradients added,
+        # weights written): an action that fails before that point is undone and can run again.
+        self.mutated = False
+        #: The last action started, and whether, if it raised, it left no trace (the version book is back
+        #: where it was, so it can run again).
+        self.last_action: Action | None = None
+        self.failed_cleanly = False
 
     # Hooks: the symbolic stage does no compute.
     def compute_forward(self, action: Action, read: WeightRead, payload: Any) -> Any:
@@ -86,9 +93,14 @@ class StageWorker:
     # The version logic, shared by every kind of stage.
     def forward(self, action: Action, message: Message) -> tuple[Message, ActionRecord]:
         live = self.book.live
-        read, tag = self.book.forward(action.index, message.tag)
-        with self.action_range(action, {action.index: read}):
-            payload = self.compute_forward(action, read, self.accept(message))
+        mark = self._begin(action)
+        try:
+            read, tag = self.book.forward(action.index, message.tag)
+            with self.action_range(action, {action.index: read}):
+                payload = self.compute_forward(action, read, self.accept(message))
+        except BaseException:
+            self._failed(mark)
+            raise
         return self.stamp(Message(payload, tag)), ActionRecord({action.index: read}, live=live)
 
     def backward(self, action: Action, messages: Sequence[Message]) -> tuple[list[Message], ActionRecord]:
@@ -97,14 +109,19 @@ class StageWorker:
         for k, m in zip(action.microbatches, messages):
             if m.poisoned:
                 self.poisoned_groups.add(k // every)
-        pairs = [self.book.backward(k) for k in action.microbatches]
-        reads = [p[0] for p in pairs]
-        forward_reads = [p[1] for p in pairs]
-        record = ActionRecord(
-            dict(zip(action.microbatches, reads)), dict(zip(action.microbatches, forward_reads)), live=live
-        )
-        with self.action_range(action, record.reads):
-            payloads = self.compute_backward(action, reads, forward_reads, [self.accept(m) for m in messages])
+        mark = self._begin(action)
+        try:
+            pairs = [self.book.backward(k) for k in action.microbatches]
+            reads = [p[0] for p in pairs]
+            forward_reads = [p[1] for p in pairs]
+            record = ActionRecord(
+                dict(zip(action.microbatches, reads)), dict(zip(action.microbatches, forward_reads)), live=live
+            )
+            with self.action_range(action, record.reads):
+                payloads = self.compute_backward(action, reads, forward_reads, [self.accept(m) for m in messages])
+        except BaseException:
+            self._failed(mark)
+            raise
         self.book.release_backward()
         outs = [self.stamp(Message(p, poisoned=k // every in self.poisoned_groups))
                 for k, p in zip(action.microbatches, payloads)]
@@ -121,13 +138,28 @@ class StageWorker:
 
     def update(self, action: Action) -> ActionRecord:
         live = self.book.live
-        info = self.book.update()
-        if info.new_version != self.book.base + action.index:
-            raise RuntimeError(
-                f"stage {self.stage}: update {action} (schedule started at v{self.book.base}) would produce "
-                f"version {info.new_version}; the schedule "
-                "and the stage disagree on the update count"
-            )
-        with self.action_range(action, {}):
-            self.compute_update(action, info)
+        mark = self._begin(action)
+        try:
+            info = self.book.update()
+            if info.new_version != self.book.base + action.index:
+                raise RuntimeError(
+                    f"stage {self.stage}: update {action} (schedule started at v{self.book.base}) would produce "
+                    f"version {info.new_version}; the schedule "
+                    "and the stage disagree on the update count"
+                )
+            with self.action_range(action, {}):
+                self.compute_update(action, info)
+        except BaseException:
+            self._failed(mark)
+            raise
         return ActionRecord(live=live, update=info)
+
+    def _begin(self, action: Action) -> BookMark:
+        self.last_action, self.mutated, self.failed_cleanly = action, False, False
+        return self.book.mark()
+
+    def _failed(self, mark: BookMark) -> None:
+        """An action raised: undo its bookkeeping if its compute had not changed anything yet."""
+        self.failed_cleanly = not self.mutated
+        if self.failed_cleanly:
+            self.book.rewind(mark)

@@ -1,0 +1,123 @@
+"""Taking a stage back to before the newest mini-batch, when a step fails (``Pipeline`` recovery).
+
+A failed action leaves its mini-batch half done: some stages ran its forwards, backwards, even its
+updates. The pipeline undoes that mini-batch and every later one, and completes the earlier ones still in
+flight, as ``flush()`` would have done in place of the failed mini-batch. At every step each stage gets an
+:class:`UndoPoint`: the first micro-batch of the new mini-batch, the version book's newest tag and copies of
+the module's buffers (its forwards update BatchNorm statistics); before the stage's first update of that
+mini-batch it also keeps a :class:`StageSnapshot` of its weights and optimizer state. The point is dropped
+once the mini-batch is complete on every stage. Earlier mini-batches' actions at a stage all come before the
+later one's updates (each stage runs its backwards and updates in micro-batch order), so going back to the
+snapshot undoes only the later mini-batches.
+
+The memory this costs: a copy of each stage's live weights and optimizer state per mini-batch that has
+updated the stage and is not complete everywhere (one or two: asynchronous schedules keep about one
+mini-batch in flight), and a copy of its buffers per step.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .stage import TensorStage
+
+
+class Unrecoverable(RuntimeError):
+    """A failed step cannot be undone; the pipeline cannot continue."""
+
+
+@dataclass
+class StageSnapshot:
+    """A stage's state before its first update of the mini-batch being undone."""
+
+    update: int  # the update it was taken before (its index in the schedule)
+    live: int
+    updates: int
+    weights: torch.Tensor
+    grad: torch.Tensor | None  # kept when the update it precedes belongs to an earlier mini-batch (see of)
+    grad_span: tuple[int, int] | None
+    optimizer: dict[str, Any]
+    lr: float
+    velocity: torch.Tensor | None
+    ties: tuple[int, int] | None  # the tied-gradient groups posted and applied
+
+    @classmethod
+    def of(cls, stage: "TensorStage", update: int, with_grad: bool) -> "StageSnapshot":
+        ties = stage.ties
+        return cls(
+            update, stage.book.live, stage.book.updates, stage.ring.live.clone(),
+            stage.grad.clone() if with_grad else None, stage.grad_span,
+            copy.deepcopy(stage.optimizer.state_dict()), stage.optimizer.lr,
+            None if stage.velocity is None else stage.velocity.clone(),
+            None if ties is None else ties.counts(),
+        )
+
+
+@dataclass
+class UndoPoint:
+    """Where a stage goes back to if the mini-batch starting at micro-batch ``first`` fails."""
+
+    first: int
+    latest_tag: int | None
+    buffers: list[tuple[torch.nn.Module, str, torch.Tensor]]  # module, buffer name, copy
+    snapshot: StageSnapshot | None = field(default=None)
+
+    @classmethod
+    def at(cls, stage: "TensorStage", first: int) -> "UndoPoint":
+        buffers = [(m, name, b.detach().clone()) for m in stage.module.modules()
+                   for name, b in m._buffers.items() if b is not None]
+        return cls(first, stage.book.latest_tag, buffers)
+
+
+def undo(stage: "TensorStage", point: UndoPoint) -> None:
+    """Take ``stage`` back to ``point``: forget the forwards, backwards and updates of micro-batch
+    ``point.first`` and later; earlier micro-batches stay in flight. The stage keeps no undo point after."""
+    first, snap = point.first, point.snapshot
+    span = stage.grad_span
+    if snap is None and span is not None and span[1] >= first and span[0] < first:
+        raise Unrecoverable(f"stage {stage.stage}: its gradient buffer holds micro-batches {span[0]}..{span[1]} of "
+                            f"an update group that straddles the failed mini-batch")
+    for k in [k for k in stage.in_flight if k >= first]:
+        del stage.in_flight[k]
+    for table in (stage.losses, stage._unread_losses):
+        for k in [k for k in table if k >= first]:
+            del table[k]
+    every = stage.algorithm.update_every
+    stage.poisoned_groups = {g for g in stage.poisoned_groups if g * every < first}
+    stage._deferred = None
+    live, updates = (stage.book.live, stage.book.updates) if snap is None else (snap.live, snap.updates)
+    stage.book.discard(first, live, updates, point.latest_tag)
+    stage.sync_ring()  # unpins the versions only the discarded micro-batches held
+    if snap is not None:
+        if not stage.ring.rewind(snap.live):
+            slot = stage.ring.acquire()
+            stage.ring.slot(slot).copy_(snap.weights)
+            stage.ring.publish(slot, snap.live)
+        stage.sync_ring()
+        stage.optimizer.load_state_dict(snap.optimizer)
+        stage.optimizer.set_lr(snap.lr)
+        if snap.velocity is not None:
+            stage.velocity.copy_(snap.velocity)
+    if stage.ties is not None:
+        # Every earlier micro-batch had its forward here; those not in flight any more had their backward.
+        stage.ties.undo(first - len(stage.in_flight), None if snap is None else snap.ties[1])
+    if snap is not None and snap.grad is not None:
+        stage.grad.copy_(snap.grad)
+        stage.grad_span = snap.grad_span
+    elif snap is not None or (span is not None and span[0] >= first):
+        stage.grad.zero_()
+        stage.grad_span = None
+    with torch.no_grad():
+        for module, name, saved in point.buffers:
+            buffer = module._buffers[name]
+            # Only those written since (BatchNorm's statistics; its kernel does not count as a write for
+            # autograd's version counter, so compare values): a graph in flight may have saved the others.
+            if not torch.equal(buffer, saved):
+                buffer.copy_(saved)
+    stage._bind_module_to_live()
+    stage.undo_points = []

@@ -104,6 +104,29 @@ def lr_runs(world: int, algorithm: str, first: bool, last: bool, **kwargs):
     return losses, scheduled, fixed
 
 
+RECOVER_ARM = 2
+RECOVER_CASES = [(algorithm, failing, kind) for algorithm in ("gpipe", "1f1b", "2bw", "pipedream", "i-timeprest")
+                 for failing in (0, 1) for kind in "FBU"]
+
+
+def fail_once(pipe: pipecore.Pipeline, kind: str) -> None:
+    """Make this rank's first action of ``kind`` for the newest mini-batch raise, once, after its compute."""
+    stage = next(iter(pipe.stages.values()))
+    name = {"F": "compute_forward", "B": "compute_backward", "U": "compute_update"}[kind]
+    original = getattr(stage, name)
+    every, m = pipe.algorithm.update_every, pipe.n_microbatches
+
+    def hook(action, *args):
+        first = (action.index - 1) * every if kind == "U" else action.index
+        out = original(action, *args)
+        if first >= (pipe._fed - 1) * m and getattr(stage, name) is hook:
+            setattr(stage, name, original)
+            raise RuntimeError(f"injected failure after {action}")
+        return out
+
+    setattr(stage, name, hook)
+
+
 def train(pipe: pipecore.Pipeline, data, first: bool, last: bool) -> list[float]:
     losses = [pipe.step(x if first else None, y if last else None) for x, y in data]
     pipe.flush()
@@ -193,7 +216,7 @@ def main() -> None:
     elif mode == "nonfinite":
         # A NaN loss in one micro-batch. With on_nonfinite="skip", every rank skips that update group: the
         # last rank sees the loss, the others learn it from the backward messages. With "raise", the last
-        # rank raises NonFiniteLoss and the others report it by name within the timeout.
+        # rank raises NonFiniteLoss and the others a PeerError that carries it.
         for algorithm in sys.argv[3].split(","):
             pipe = make_pipeline(world, algorithm, timeout=60, on_nonfinite="skip")
             losses = train(pipe, poisoned_batches(), first, last)
@@ -204,6 +227,59 @@ def main() -> None:
         except (pipecore.NonFiniteLoss, pipecore.PeerError) as exc:
             with open(os.path.join(out, f"raise-{rank}.txt"), "w") as f:
                 f.write(f"{type(exc).__name__}: {exc}")
+    elif mode == "cause":
+        # One rank's action raises (a forward or a backward, at its `at`-th call); every rank writes the error
+        # it raised. The others must name the cause, well before the (long) timeout.
+        failing, kind, at = int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+        pipe = make_pipeline(world, "pipedream", timeout=120)
+        if rank == failing:
+            stage = pipe.stages[rank]
+            name = "compute_forward" if kind == "F" else "compute_backward"
+            original, calls = getattr(stage, name), [0]
+
+            def failing_hook(action, *args):
+                calls[0] += 1
+                if calls[0] == at:
+                    raise RuntimeError(f"injected failure in {action}")
+                return original(action, *args)
+
+            setattr(stage, name, failing_hook)
+        try:
+            train(pipe, batches(STEPS), first, last)
+            message = "no error"
+        except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
+            message = f"{type(exc).__name__}: {exc}"
+        with open(os.path.join(out, f"cause-{rank}.txt"), "w") as f:
+            f.write(message)
+    elif mode == "recover":
+        # Every (algorithm, failing rank, action kind) of RECOVER_CASES: that rank's first action of the kind
+        # for the newest mini-batch given after RECOVER_ARM steps raises after its compute. Each rank trains
+        # on data[pipe.minibatches] until every batch is kept, so the undone mini-batches are given again.
+        for algorithm, failing, kind in RECOVER_CASES:
+            pipe = make_pipeline(world, algorithm, timeout=60)
+            data = batches(STEPS + 2)
+            losses: list = [None] * len(data)
+            failed_at, armed = None, False
+            while True:
+                while pipe.minibatches < len(data):
+                    i = pipe.minibatches
+                    if i == RECOVER_ARM and rank == failing and not armed:
+                        fail_once(pipe, kind)
+                        armed = True
+                    try:
+                        losses[i] = pipe.step(data[i][0] if first else None, data[i][1] if last else None)
+                    except (RuntimeError, pipecore.PeerError) as exc:
+                        assert "training can continue" in exc.__notes__[-1], exc.__notes__
+                        failed_at = pipe.minibatches  # the first undone: a flush took its place
+                try:
+                    pipe.flush()  # the failure may strike here too (the last updates of an asynchronous schedule)
+                    break
+                except (RuntimeError, pipecore.PeerError) as exc:
+                    assert "training can continue" in exc.__notes__[-1], exc.__notes__
+                    failed_at = pipe.minibatches
+            torch.save({"losses": losses, "state": pipe.state_dict(), "failed_at": failed_at},
+                       os.path.join(out, f"recover-{algorithm}-{failing}-{kind}-{rank}.pt"))
+            pipe.close()
     elif mode == "die":
         timeout, how = float(sys.argv[3]), sys.argv[4]
         pipe = make_pipeline(world, "pipedream", timeout=timeout)

@@ -330,7 +330,7 @@ def test_every_rank_gets_the_whole_model_and_can_resume_from_it(tmp_path):
 def test_a_nonfinite_loss_is_skipped_on_every_rank_or_raised_and_reported(tmp_path):
     """on_nonfinite="skip": every rank skips the update group of a NaN loss, so weights and losses equal the
     one-process run's bit for bit (rank 0 never sees the loss; it learns of it from the gradient messages).
-    on_nonfinite="raise": the last rank raises NonFiniteLoss, the other names it within the timeout."""
+    on_nonfinite="raise": the last rank raises NonFiniteLoss, the other a PeerError that gives it as the cause."""
     algorithms = ["gpipe", "pipedream", "2bw"]
     _check_ok(launch(2, "nonfinite", str(tmp_path), ",".join(algorithms)))
     threads = torch.get_num_threads()
@@ -353,7 +353,57 @@ def test_a_nonfinite_loss_is_skipped_on_every_rank_or_raised_and_reported(tmp_pa
     last = (tmp_path / "raise-1.txt").read_text()
     assert last.startswith("NonFiniteLoss: non-finite loss nan at stage 1"), last
     other = (tmp_path / "raise-0.txt").read_text()
-    assert other.startswith("PeerError: rank 0") and "rank 1" in other, other
+    assert other.startswith("PeerError: rank 0: rank 1 reports that NonFiniteLoss at stage 1 (rank 1)"), other
+
+
+@pytest.mark.parametrize("failing,kind,at", [(0, "F", 6), (1, "B", 5)])
+def test_every_rank_raises_with_the_cause_of_another_ranks_failure(tmp_path, failing, kind, at):
+    """Three ranks; one action of one rank raises. That rank raises its own error; the others, wherever they
+    wait (for an activation, a gradient or a loss), learn the cause from a failure notice passed along the
+    links, instead of waiting for their timeout (120 s here) to name a silent neighbour."""
+    _check_ok(launch(3, "cause", str(tmp_path), str(failing), kind, str(at)))
+    for rank in range(3):
+        text = (tmp_path / f"cause-{rank}.txt").read_text()
+        action = f"{failing}{kind}{at - 1}"
+        if rank == failing:
+            assert text == f"RuntimeError: injected failure in {action}", text
+        else:
+            assert text.startswith(f"PeerError: rank {rank}: rank ") and text.endswith(
+                f"reports that RuntimeError at stage {failing} (rank {failing}), action {action}: injected failure "
+                f"in {action}"), text
+
+
+def test_a_failed_step_is_taken_back_on_every_rank(tmp_path):
+    """Two ranks; for gpipe, 1f1b, 2bw, pipedream and i-timeprest, one action (F, B or U) of either rank fails
+    after its compute. Every rank undoes the same mini-batches and completes the earlier ones; the loop gives
+    the undone ones again (data[pipe.minibatches]). Losses and every rank's weights, versions and optimizer
+    state equal, bit for bit, a one-process run that called flush() in place of the first undone mini-batch."""
+    _check_ok(launch(2, "recover", str(tmp_path)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for algorithm, failing, kind in dist_run.RECOVER_CASES:
+            got = [torch.load(tmp_path / f"recover-{algorithm}-{failing}-{kind}-{rank}.pt", weights_only=False)
+                   for rank in range(2)]
+            where = f"{algorithm}, rank {failing} fails at {kind}"
+            failed_at = got[0]["failed_at"]
+            assert failed_at is not None and got[1]["failed_at"] == failed_at, where
+            pipe = dist_run.make_pipeline(2, algorithm)
+            data = dist_run.batches(dist_run.STEPS + 2)
+            losses = [pipe.step(x, y) for x, y in data[:failed_at]]
+            pipe.flush()
+            losses += [pipe.step(x, y) for x, y in data[failed_at:]]
+            pipe.flush()
+            state = pipe.state_dict()
+            for rank in range(2):
+                assert repr(got[rank]["losses"]) == repr(losses), f"{where}: losses on rank {rank}"
+                for key, value in got[rank]["state"].items():
+                    if key == "pipecore":
+                        assert_same(value["stages"][rank], state["pipecore"]["stages"][rank], where)
+                    else:
+                        assert torch.equal(value, state[key]), f"{where}: {key} on rank {rank}"
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_world_size_must_equal_num_stages(tmp_path):

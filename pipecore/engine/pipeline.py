@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..algorithms import get_algorithm
+from ..runtime.distributed import PeerError
 from ..runtime.executor import Costs, Event, Executor
 from ..runtime.ties import LocalTiedGradients
 from ..runtime.threads import StageThreads
@@ -34,7 +35,7 @@ from .lr import LrSchedule
 from .optim import SGD, build_optimizer
 from .partition import stage_starts
 from .stage import _GLOBAL_RANDOM, TensorStage, buffer_copies
-from .undo import Unrecoverable, UndoPoint, undo
+from .undo import Unrecoverable, UndoPoint, minibatches_in_flight, undo
 from .tied import StageTies
 
 _NONFINITE = ("raise", "skip")
@@ -223,10 +224,14 @@ class Pipeline:
         self._delays = {s: _Tally() for s in self.stages}
         self._closed = False
         self._broken: BaseException | None = None  # the error after which the pipeline could not be taken back
+        self._kept = 0  # see minibatches
+        self._shared_failure: list[dict[str, Any]] | None = None  # see _confirm_flush
         self._recovering = False
         # Per mini-batch not yet complete on every stage (oldest first): (mini-batch, random state at its step,
         # the tie exchange's epoch then); the stages keep the matching UndoPoints.
         self._undo_steps: list[tuple[int, Any, int]] = []
+        self._undo_depth = 0 if self.rank is None else minibatches_in_flight(self.algorithm, self._needs(
+            None if self._tie_sync is None else self._tie_sync.needs))
         self._restart()
 
     # -- running ---------------------------------------------------------------------------------
@@ -340,6 +345,7 @@ class Pipeline:
         self._guarded(self._executor.check)  # an error left by the previous step's remaining work (overlap_steps)
         self._keep_undo_points(minibatch)
         self._fed += 1
+        self._kept += 1
         if self.rank is not None and not last_stage:
             self._transport.expect_loss()
         if self._fed + 1 > self._horizon:
@@ -352,11 +358,19 @@ class Pipeline:
         until = (self.num_stages - 1, F, self._fed * m - 1) if overlap else None
         self._guarded(lambda: self._executor.run(available=self._fed * m, until=until))
         if not last_stage:
-            return self._transport.receive_loss(minibatch)
+            return self._receive_loss(minibatch)
         loss = self._minibatch_loss.pop(minibatch)
         if until is not None and not math.isfinite(loss) and self.on_nonfinite == "raise":
             self.synchronize()  # the stage reading it raises NonFiniteLoss: from this step, as without overlap
         return loss
+
+    @property
+    def minibatches(self) -> int:
+        """Mini-batches given by :meth:`step` since the pipeline was built, less those a failure undid (see
+        :meth:`step`). A loop that gives ``data[pipe.minibatches]`` at each step resumes where a failure struck,
+        giving the undone mini-batches again; with one process per stage it keeps every rank's data in step,
+        whichever call raised on each rank."""
+        return self._kept
 
     def set_lr(self, lr: float) -> None:
         """Use learning rate ``lr`` for every stage's updates from now on (each stage's next update; with
@@ -393,10 +407,16 @@ class Pipeline:
         was kept for the mini-batches complete on every stage, which no error can reach any more)."""
         m, every = self.n_microbatches, self.algorithm.update_every
         while self._undo_steps:
-            # Complete once every stage has applied the update of its last group (after all its backwards).
-            last_update = (self._undo_steps[0][0] + 1) * m // every
-            if any(st.book.live - st.book.base < last_update for st in self.stages.values()):
-                break
+            j = self._undo_steps[0][0]
+            if self.rank is not None:
+                # This rank cannot see the others' progress: keep the mini-batches that may still be in flight.
+                if j >= minibatch - self._undo_depth:
+                    break
+            else:
+                # Complete once every stage has applied the update of its last group (after all its backwards).
+                last_update = (j + 1) * m // every
+                if any(st.book.live - st.book.base < last_update for st in self.stages.values()):
+                    break
             self._undo_steps.pop(0)
         epoch = 0
         if isinstance(self._tie_exchange, LocalTiedGradients):
@@ -409,6 +429,16 @@ class Pipeline:
         kept = {j * m for j, _, _ in self._undo_steps}
         for st in self.stages.values():
             st.undo_points = [p for p in st.undo_points if p.first in kept] + [UndoPoint.at(st, minibatch * m)]
+
+    def _receive_loss(self, minibatch: int) -> float:
+        """The loss the last rank published; a failure it reports instead is taken back like one of this rank."""
+        try:
+            return self._transport.receive_loss(minibatch)
+        except PeerError as exc:
+            if exc.cause is not None and self._broken is None and not self._recovering:
+                self._executor.failure = exc
+                self._recover(exc)
+            raise
 
     def _guarded(self, work: Callable[[], None]) -> None:
         """Run executor work; if it fails, take the pipeline back before the newest mini-batch (see
@@ -432,11 +462,12 @@ class Pipeline:
 
         newest = self._fed - 1
         failed = min([minibatch(a) for a, clean in self._executor.failed_actions if not clean] + [newest])
-        first = failed * m
         self._recovering = True
         try:
+            counts = None
             if self.rank is not None:
-                raise Unrecoverable("with one process per stage a failed step is not undone yet")
+                failed, counts = self._agree_on_failure(exc, failed)
+            first = failed * m
             step = next((entry for entry in self._undo_steps if entry[0] == failed), None)
             undone_from: dict[int, int] = {}  # per stage, the first update undone
             for st in self.stages.values():
@@ -453,6 +484,8 @@ class Pipeline:
 
             if self._global_norm is not None:  # its norms are kept by the stages' update counts
                 self._global_norm.discard(min(st.book.updates for st in self.stages.values()))
+            if counts is not None:
+                self._transport.resync(counts, keep=lambda kind, k: k < first)
             if failed > 0:
                 self._executor.recover(self.algorithm.schedule(failed), keep=kept,
                                        drop_message=lambda stage, kind, k: k >= first)
@@ -464,6 +497,7 @@ class Pipeline:
                     del table[k]
             for j in [j for j in self._minibatch_loss if j >= failed]:
                 del self._minibatch_loss[j]
+            self._kept -= newest - failed + 1
             self._fed = failed
             cpu, cuda_states, cuda = step[1]
             torch.set_rng_state(cpu)
@@ -484,6 +518,46 @@ class Pipeline:
         finally:
             self._recovering = False
 
+    def _agree_on_failure(self, exc: BaseException, failed: int) -> tuple[int, list[dict[str, Any]]]:
+        """With one process per stage: report the failure to the other ranks, then agree with them (every rank
+        gets here, having raised) on the first mini-batch to undo, and learn what each rank has sent."""
+        shared, self._shared_failure = self._shared_failure, None
+        if shared is None:  # (else this rank learnt of the failure from the exchange that ends a flush: all know)
+            # Notices first: the counts shared next include them, so that every rank takes them off its links.
+            cause = self._report_failure(exc)
+            if isinstance(exc, PeerError) and exc.cause is None:
+                raise Unrecoverable("a rank died or stopped answering")
+            shared = self._transport.share({"failed": failed, "cause": cause, "sent": self._transport.sent_counts()})
+        if self._tie_exchange is not None or self._global_norm is not None:
+            raise Unrecoverable("with one process per stage, a pipeline with tied weights or global-norm clipping "
+                                "is not taken back yet")
+        return min(e["failed"] for e in shared if e["failed"] is not None), [e["sent"] for e in shared]
+
+    def _confirm_flush(self) -> None:
+        """With one process per stage, the end of a flush: the ranks tell each other whether they got there. A
+        rank may fail after the others have finished their share of the flush; then they take the pipeline back
+        with it (each learns here what failed, and takes the shared counts along)."""
+        shared = self._transport.share({"failed": None, "cause": None, "sent": self._transport.sent_counts()})
+        failures = [(r, e) for r, e in enumerate(shared) if e["failed"] is not None]
+        if failures:
+            r, entry = failures[0]
+            self._shared_failure = shared
+            exc = PeerError.reported(self.rank, r, entry["cause"])
+            self._executor.failure = exc
+            raise exc
+
+    def _report_failure(self, exc: BaseException) -> str:
+        """With one process per stage: tell the other ranks what stopped this one (or pass on what a neighbour
+        reported), so that each raises with the cause rather than waiting for its timeout."""
+        cause = getattr(exc, "cause", None)
+        if cause is None:
+            actions = [a for a, _ in self._executor.failed_actions if a.stage == self.rank]
+            where = f"stage {self.rank} (rank {self.rank})" + (f", action {actions[0]}" if actions else "")
+            detail = str(exc).splitlines()[0] if str(exc) else ""
+            cause = f"{type(exc).__name__} at {where}" + (f": {detail}" if detail else "")
+        self._transport.notify_failure(cause)
+        return cause
+
     def _drain(self) -> None:
         """Run every in-flight backward and update, then begin a fresh schedule (the work of :meth:`flush`)."""
         if self._fed == 0:
@@ -503,6 +577,7 @@ class Pipeline:
             self._transport.wait_sends()
             if self._tie_exchange is not None:
                 self._tie_exchange.wait_sends()
+            self._confirm_flush()
         self._restart()
 
     def close(self) -> None:

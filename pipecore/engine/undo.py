@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
+
+from ..algorithms.base import Algorithm
+from ..schedule.ir import Action, Kind, U
+from ..schedule.progress import positions, runnable
 
 if TYPE_CHECKING:
     from .stage import TensorStage
@@ -121,3 +125,24 @@ def undo(stage: "TensorStage", point: UndoPoint) -> None:
                 buffer.copy_(saved)
     stage._bind_module_to_live()
     stage.undo_points = []
+
+
+def minibatches_in_flight(algorithm: Algorithm, needs: Callable[[Action], Sequence[tuple[int, Kind, int]]] | None,
+                          steps: int = 3) -> int:
+    """How many mini-batches can be incomplete on some stage when a step begins (the steps after the warm-up
+    of ``algorithm``'s schedule): with one process per stage a rank cannot see the others' progress, so it
+    keeps that many undo points."""
+    m, every = algorithm.n_microbatches, algorithm.update_every
+    start = algorithm.warmup_minibatches + 1
+    schedule = algorithm.schedule(start + steps + 1)
+    index = positions(schedule)
+    deepest = 1
+    for f in range(start, start + steps):
+        done = runnable(schedule, [0] * schedule.num_stages, f * m, index, needs)
+        oldest = f
+        for row, position in zip(schedule.stages, done):
+            if position < len(row):
+                a = row[position]
+                oldest = min(oldest, ((a.index - 1) * every if a.kind is U else a.index) // m)
+        deepest = max(deepest, f - oldest)
+    return deepest

@@ -63,7 +63,7 @@ import pickle
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -94,6 +94,13 @@ _REVERSE = {F: B, B: F}  # the link that carries messages back from the same nei
 _TAG = {F: 10, B: 20}
 _LOSS_TAG = 30
 _SHARE_TAG = 40
+_FAILURE_TAG = 45  # the text of a failure notice, from the last rank to the ranks waiting for a loss
+# The announcement word of a failure notice, whose payload is the failure as UTF-8 text, and its micro-batch
+# word (an announcement before it carries the same: the receiver takes both whatever micro-batch it expects).
+_NOTICE = 2
+_NOTICE_MICROBATCH = -(1 << 62)
+# The micro-batch word of a loss message that reports a failure instead (its text follows on _FAILURE_TAG).
+_FAILED_LOSS = -2
 _PREDICT_TAG = 50  # Pipeline.predict's result, from the last rank to the others (between steps)
 
 
@@ -176,7 +183,16 @@ def _first_line(exc: BaseException) -> str:
 
 
 class PeerError(RuntimeError):
-    """A neighbouring rank died, stopped answering, or sent something this stage cannot take."""
+    """A neighbouring rank died, stopped answering, or sent something this stage cannot take; or another rank
+    stopped at an error, which ``cause`` then describes (``"NonFiniteLoss at stage 3 (rank 3), 3F5: ..."``)."""
+
+    cause: str | None = None
+
+    @classmethod
+    def reported(cls, rank: int, src: int, cause: str) -> "PeerError":
+        err = cls(f"rank {rank}: rank {src} reports that {cause}")
+        err.cause = cause
+        return err
 
 
 @dataclass
@@ -249,6 +265,11 @@ class DistributedTransport:
         self._received: dict[Kind, int] = {F: 0, B: 0}
         self._loss_sends: dict[int, _Sent] = {}
         self._loss_posted: tuple[torch.Tensor, Any] | None = None
+        self._notices: list[_Sent] = []  # failure notices posted to the ranks waiting for a loss
+        self._given_back: dict[tuple[Kind, int], Message] = {}  # messages received, returned by a failed action
+        self._losses_sent: dict[int, int] = {}  # last rank: loss messages (and failure notices) sent to each rank
+        self._losses_taken = 0  # other ranks: loss messages taken
+        self.failure_notified = False
         self.closed = False
         for kind, neighbour in self._links:  # the first message on each incoming link finds its receive posted
             if neighbour == self._peer(rank, kind):
@@ -263,9 +284,10 @@ class DistributedTransport:
 
     # Sending ---------------------------------------------------------------------------------------
 
-    def send(self, stage: int, kind: Kind, microbatch: int, message: Message) -> None:
+    def send(self, stage: int, kind: Kind, microbatch: int, message: Message, notice: bool = False) -> None:
         """Send ``message`` (payload ``None``, a tensor, or a tuple of tensors and ``None``) to ``stage``.
-        Raises :class:`TypeError` or :class:`ValueError` (an unsupported dtype) before sending anything."""
+        Raises :class:`TypeError` or :class:`ValueError` (an unsupported dtype) before sending anything.
+        With ``notice``, the message is a failure notice (see :meth:`notify_failure`)."""
         entries, words, data = _describe(message.payload, self.rank)
         description = len(words)
         size = data + 8 * (description + _HEADER)
@@ -293,7 +315,7 @@ class DistributedTransport:
                 buffer[offset + nbytes: end].zero_()
             offset = end
         words += header
-        words += (description, size, 0)
+        words += (description, size, _NOTICE if notice else 0)
         buffer[data:].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
         self._post_send(kind, buffer, stage)
 
@@ -364,6 +386,38 @@ class DistributedTransport:
                 for group in groups:
                     dist.destroy_process_group(group)
 
+    # Failures ------------------------------------------------------------------------------------------
+
+    def notify_failure(self, text: str) -> None:
+        """This rank stopped at an error (its own, or one a neighbour reported): tell the neighbours, with a
+        failure notice on each outgoing link (it takes the place of the next message they wait for, so a rank
+        waiting for this one learns the cause at once, and passes it on), and, from the last rank, every rank
+        that may be waiting for a mini-batch loss. Best effort, once: nothing here waits or raises."""
+        if self.failure_notified or self.closed:
+            return
+        self.failure_notified = True
+        data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).to(self.device)
+        for kind, neighbour in list(self._links):
+            if neighbour != self._peer(self.rank, kind):  # an outgoing link: this rank sends on it
+                try:
+                    self.send(neighbour, kind, _NOTICE_MICROBATCH, Message(data), notice=True)
+                except (PeerError, RuntimeError):
+                    pass  # that neighbour is gone
+        if self.rank == self.num_stages - 1:
+            failed = torch.tensor([_FAILED_LOSS, math.nan], dtype=torch.float64, device=self.device)
+            size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
+            for dst in range(self.num_stages - 1):
+                try:
+                    for tensor, tag in ((failed, _LOSS_TAG), (size, _FAILURE_TAG), (data, _FAILURE_TAG)):
+                        self._notices.append(self._post(tensor, dst, tag))
+                    self._losses_sent[dst] = self._losses_sent.get(dst, 0) + 1
+                except (PeerError, RuntimeError):
+                    pass
+
+    def _failure_reported(self, buffer: torch.Tensor, tail: list[int], src: int) -> PeerError:
+        """The error for a failure notice received from ``src``."""
+        return PeerError.reported(self.rank, src, bytes(_unpack(buffer, tail).cpu().numpy()).decode(errors="replace"))
+
     # Small objects from every rank -----------------------------------------------------------------
 
     def share(self, obj: Any) -> list[Any]:
@@ -420,6 +474,7 @@ class DistributedTransport:
             if previous is not None:
                 self._complete(previous)
             self._loss_sends[dst] = self._post(value, dst, _LOSS_TAG)
+            self._losses_sent[dst] = self._losses_sent.get(dst, 0) + 1
 
     def expect_loss(self) -> None:
         """Post the receive of the next mini-batch loss (ranks other than the last), ahead of time."""
@@ -429,15 +484,32 @@ class DistributedTransport:
 
     def receive_loss(self, minibatch: int) -> float:
         """The loss of ``minibatch`` that the last rank published."""
-        self.expect_loss()
-        assert self._loss_posted is not None
-        (buffer, work), self._loss_posted = self._loss_posted, None
-        self._wait(work, f"the loss of mini-batch {minibatch}", self.num_stages - 1)
-        got, loss = buffer.tolist()
-        if int(got) != minibatch:
+        last = self.num_stages - 1
+        got, loss, failure = self._take_loss(f"the loss of mini-batch {minibatch}")
+        if failure is not None:
+            raise PeerError.reported(self.rank, last, failure)
+        if got != minibatch:
             raise PeerError(f"rank {self.rank} expected the loss of mini-batch {minibatch} but rank "
                             f"{self.num_stages - 1} sent the loss of mini-batch {int(got)}: the ranks are out of step")
         return loss
+
+    def _take_loss(self, what: str) -> tuple[int, float, str | None]:
+        """The next loss message from the last rank: ``(mini-batch, loss, None)``, or for a failure notice
+        ``(-2, nan, its text)``."""
+        self.expect_loss()
+        assert self._loss_posted is not None
+        (buffer, work), self._loss_posted = self._loss_posted, None
+        last = self.num_stages - 1
+        self._wait(work, what, last)
+        self._losses_taken += 1
+        got, loss = buffer.tolist()
+        if int(got) != _FAILED_LOSS:
+            return int(got), loss, None
+        size = torch.empty(1, dtype=torch.int64, device=self.device)
+        self._wait(self._post_receive(size, last, _FAILURE_TAG, "a failure notice"), "a failure notice", last)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self._wait(self._post_receive(data, last, _FAILURE_TAG, "a failure notice"), "a failure notice", last)
+        return _FAILED_LOSS, math.nan, bytes(data.cpu().numpy()).decode(errors="replace")
 
     # Receiving -------------------------------------------------------------------------------------
 
@@ -467,9 +539,31 @@ class DistributedTransport:
     def ready(self, stage: int, kind: Kind, microbatch: int) -> bool:
         return True  # receive blocks (with a timeout) until the message is there
 
+    def give_back(self, stage: int, kind: Kind, microbatch: int, message: Message) -> None:
+        self._given_back[kind, microbatch] = message
+
     def receive(self, stage: int, kind: Kind, microbatch: int) -> Message:
+        if self._given_back:
+            returned = self._given_back.pop((kind, microbatch), None)
+            if returned is not None:
+                return returned
         src = self._peer(stage, kind)
         what = f"the {'activation' if kind is F else 'gradient'} of micro-batch {microbatch}"
+        buffer, tail, header = self._take(stage, kind, what)
+        if header[_ANNOUNCE] == _NOTICE:
+            raise self._failure_reported(buffer, tail, src)
+        if (header[_KIND], header[_MICROBATCH]) != (_KIND_CODE[kind], microbatch):
+            raise PeerError(
+                f"rank {self.rank} expected {what} from rank {src} but received kind {header[_KIND]} of micro-batch "
+                f"{header[_MICROBATCH]}: the ranks run different schedules (same algorithm, stages and "
+                "micro-batches everywhere?)"
+            )
+        return self._accept(stage, kind, buffer, tail, header, what)
+
+    def _take(self, stage: int, kind: Kind, what: str) -> tuple[torch.Tensor, list[int], list[int]]:
+        """The next message on the incoming link ``kind`` (after its announcement, if it has one): its buffer,
+        the words at its end and its header."""
+        src = self._peer(stage, kind)
         self._post_next(stage, kind)
         posted = self._posted.pop(kind)
         self._wait(posted.work, what, src)
@@ -477,35 +571,79 @@ class DistributedTransport:
         buffer = posted.buffer
         tail = _tail(buffer)
         header = tail[-_HEADER:]
-        if (header[_KIND], header[_MICROBATCH]) != (_KIND_CODE[kind], microbatch):
-            raise PeerError(
-                f"rank {self.rank} expected {what} from rank {src} but received kind {header[_KIND]} of micro-batch "
-                f"{header[_MICROBATCH]}: the ranks run different schedules (same algorithm, stages and "
-                "micro-batches everywhere?)"
-            )
-        if header[_ANNOUNCE]:  # the posted buffer held the announcement; the message follows at its size
+        if header[_ANNOUNCE] == 1:  # the posted buffer held the announcement; the message follows at its size
             size = header[_SIZE]
             if size < _HEADER_BYTES or size % 8:
                 raise PeerError(f"rank {self.rank}: rank {src} announced a message of {size} bytes for {what}")
+            announced = (header[_KIND], header[_MICROBATCH])
             buffer, work = self._irecv(size, stage, kind)
             self._wait(work, what, src)
             self._received[kind] += 1
             self._recv_size[kind] = size
             tail = _tail(buffer)
             header = tail[-_HEADER:]
-        if (header[_ANNOUNCE] or header[_SIZE] != buffer.numel()
-                or (header[_KIND], header[_MICROBATCH]) != (_KIND_CODE[kind], microbatch)):
+            if header[_ANNOUNCE] == 1 or header[_SIZE] != buffer.numel() or (header[_KIND], header[_MICROBATCH]) != announced:
+                raise PeerError(f"rank {self.rank}: the message from rank {src} for {what} does not match the buffer "
+                                f"({buffer.numel()} bytes) or the announcement before it: the ranks are out of step")
+        elif header[_SIZE] != buffer.numel():
             raise PeerError(f"rank {self.rank}: the message from rank {src} for {what} does not match the buffer "
-                            f"({buffer.numel()} bytes) or the announcement before it: the ranks are out of step")
+                            f"({buffer.numel()} bytes): the ranks are out of step")
+        return buffer, tail, header
+
+    def _accept(self, stage: int, kind: Kind, buffer: torch.Tensor, tail: list[int], header: list[int],
+                what: str) -> Message:
+        """A taken message as the stage's input: its payload unpacked; the link's next receive posted."""
         try:
             payload = _unpack(buffer, tail)
         except (IndexError, ValueError, RuntimeError) as exc:
-            raise PeerError(f"rank {self.rank}: the message from rank {src} for {what} is malformed "
-                            f"({_first_line(exc)})") from exc
+            raise PeerError(f"rank {self.rank}: the message from rank {self._peer(stage, kind)} for {what} is "
+                            f"malformed ({_first_line(exc)})") from exc
         self._post_next(stage, kind)  # the link's next message: later in this step, or in the next one
         self._acknowledge(_REVERSE[kind], header[_ACK])
         tag = header[_VERSION_TAG]
         return Message(payload, None if tag < 0 else tag, poisoned=bool(header[_POISONED]))
+
+    # Going on after a failure ------------------------------------------------------------------------
+
+    def sent_counts(self) -> dict[str, Any]:
+        """What this rank has sent so far: messages per outgoing link (announcements and notices included)
+        and losses per rank; the ranks that receive them take as many in :meth:`resync`."""
+        links = {str(kind): self._acknowledged[kind] + len(self._unacknowledged[kind])
+                 for kind, neighbour in self._links if neighbour != self._peer(self.rank, kind)}
+        return {"links": links, "losses": dict(self._losses_sent)}
+
+    def resync(self, counts: list[dict[str, Any]], keep: Callable[[Kind, int], bool]) -> None:
+        """After a failure, with every rank's :meth:`sent_counts` (in rank order): take every message still
+        on this rank's incoming links and every loss still sent to it. Those ``keep(kind, micro-batch)``
+        accepts wait for their action (the drain after the failure); notices and the rest are dropped. The
+        links are then in step again: each side agrees on what was sent, taken and acknowledged."""
+        self.failure_notified = False  # a later failure is reported again
+        for kind in (F, B):
+            src = self._peer(self.rank, kind)
+            if not 0 <= src < self.num_stages:
+                continue
+            total = counts[src]["links"][str(kind)]
+            while self._received[kind] < total:
+                buffer, tail, header = self._take(self.rank, kind, "a message sent before the failure")
+                if header[_ANNOUNCE] == _NOTICE:
+                    self._post_next(self.rank, kind)
+                    self._acknowledge(_REVERSE[kind], header[_ACK])
+                    continue
+                k = header[_MICROBATCH]
+                message = self._accept(self.rank, kind, buffer, tail, header, "a message sent before the failure")
+                if keep(kind, k):
+                    self._given_back[kind, k] = message
+        last = self.num_stages - 1
+        if self.rank != last:
+            while self._losses_taken < counts[last]["losses"].get(self.rank, 0):
+                self._take_loss("a loss sent before the failure")
+
+    def resume(self) -> None:
+        """Nothing to undo: a failure stops no link (see :meth:`resync`)."""
+
+    def drop(self, which: Callable[[int, Kind, int], bool]) -> None:
+        for kind, k in [key for key in self._given_back if which(self.rank, key[0], key[1])]:
+            del self._given_back[kind, k]
 
     def _wait(self, work: Any, what: str, peer: int) -> None:
         """Wait for a posted receive."""

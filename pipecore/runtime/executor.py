@@ -285,7 +285,9 @@ class Executor:
         run (the stages' state was taken back to match): those must be the start of each stage's new action
         list. Messages for which ``drop_message(stage, kind, micro-batch)`` is true are thrown away; the others
         stay for their consumers. The stage threads must have stopped (the failed run settled)."""
-        new_cursor = list(self.cursor)
+        # Stages of other processes start the new schedule from the beginning: the dependency closure then
+        # lets them run as far as they can, as it always assumes for them.
+        new_cursor = [0] * schedule.num_stages
         for s in self.workers:
             kept = [a for a in self.schedule.stages[s][:self.cursor[s]] if keep(a)]
             row = schedule.stages[s]
@@ -326,7 +328,7 @@ class Executor:
                 out, record = worker.forward(action, incoming)
             except BaseException:
                 if worker.failed_cleanly and s > 0:
-                    transport.send(s, F, action.index, incoming)  # the action can run again: give its input back
+                    transport.give_back(s, F, action.index, incoming)  # the action can run again: give its input back
                 raise
         elif action.kind is B:
             incoming = [transport.receive(s, B, k) if s < last else Message() for k in action.microbatches]
@@ -336,7 +338,7 @@ class Executor:
             except BaseException:
                 if worker.failed_cleanly and s < last:
                     for k, m in zip(action.microbatches, incoming):
-                        transport.send(s, B, k, m)
+                        transport.give_back(s, B, k, m)
                 raise
         else:
             start = self.stage_free[s]

@@ -32,6 +32,9 @@ class Transport(Protocol):
     def drop(self, which: Callable[[int, Kind, int], bool]) -> None:
         """Throw away the messages not yet received for which ``which(stage, kind, micro-batch)`` is true."""
 
+    def give_back(self, stage: int, kind: Kind, microbatch: int, message: Message) -> None:
+        """Return a received message, for the action that took it to run again (it failed before using it)."""
+
 
 _STAGE_BITS = 20  # a mailbox key packs (micro-batch, stage, kind) into one integer
 
@@ -73,6 +76,9 @@ class LocalTransport:
     def resume(self) -> None:
         """Undo :meth:`abort` (the messages already delivered stay)."""
         self._mailbox.reset()
+
+    def give_back(self, stage: int, kind: Kind, microbatch: int, message: Message) -> None:
+        self.send(stage, kind, microbatch, message)
 
     def drop(self, which: Callable[[int, Kind, int], bool]) -> None:
         mask = (1 << _STAGE_BITS) - 1

@@ -1,0 +1,14 @@
+"""Planning stages for time and memory: per-node costs of the captured graph, a memory model per stage and
+algorithm, and partitioners (DawnPiper's memory-aware binary partitioning among them)."""
+
+from .costs import GraphCosts
+from .memory import Sizing, StageFit, StageMemory, StageModel, fit_stage, stage_memory, stage_time
+from .partitioners import OBJECTIVES, InfeasibleMemoryLimit, Partition, partition, smallest_memory_limit
+from .planner import Plan, plan_costs
+from .profiler import profile
+
+__all__ = [
+    "GraphCosts", "InfeasibleMemoryLimit", "OBJECTIVES", "Partition", "Plan", "Sizing", "StageFit", "StageMemory",
+    "StageModel", "fit_stage", "partition", "plan_costs", "profile", "smallest_memory_limit", "stage_memory",
+    "stage_time",
+]

@@ -1,0 +1,87 @@
+"""What the planner knows about each compute node of a captured graph (see :class:`GraphCosts`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class GraphCosts:
+    """Measured (or synthetic) costs of the compute nodes of a captured graph, in graph order.
+
+    Time and activation figures are for one micro-batch of ``microbatch_size`` samples; activation bytes are
+    taken to grow in proportion to the samples (:meth:`at_microbatch_size`). Parameter and optimizer-state
+    bytes do not depend on the batch.
+
+    Attributes:
+        names: the compute nodes' names (``CapturedModel.nodes``).
+        forward_s: seconds of each node's forward.
+        backward_s: seconds of each node's backward (input and weight gradients).
+        output_bytes: bytes of each node's output.
+        saved_bytes: bytes autograd keeps for the node's backward, parameters excluded (what recomputing the
+            node would free).
+        param_bytes: bytes of the parameters the node reads first (a parameter counts once, at its first
+            reader; a tied parameter held by several stages is charged again to every later stage that holds
+            it by the memory model, not here).
+        optimizer_bytes: bytes of optimizer state for those parameters (e.g. 2x parameters for Adam).
+        crossing_bytes: entry ``c - 1`` for ``c`` in ``1..N-1``: bytes of the values that cross a cut placed
+            before node ``c`` (produced before it and used at or after it), which the stage before sends and
+            the stage after receives.
+        microbatch_size: samples per micro-batch the figures were taken at.
+        device: where they were measured (``"cpu"``, ``"cuda:0"``, or ``"synthetic"``).
+        input_bytes: bytes of the graph's own inputs (what the first stage receives per micro-batch); 0 when
+            not measured.
+    """
+
+    names: tuple[str, ...]
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+    output_bytes: tuple[int, ...]
+    saved_bytes: tuple[int, ...]
+    param_bytes: tuple[int, ...]
+    optimizer_bytes: tuple[int, ...]
+    crossing_bytes: tuple[int, ...]
+    microbatch_size: int = 1
+    device: str = "synthetic"
+    input_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        if n == 0:
+            raise ValueError("GraphCosts needs at least one node")
+        for field in ("forward_s", "backward_s", "output_bytes", "saved_bytes", "param_bytes", "optimizer_bytes"):
+            values = getattr(self, field)
+            if len(values) != n:
+                raise ValueError(f"GraphCosts.{field} has {len(values)} entries for {n} nodes")
+            if any(v < 0 for v in values):
+                raise ValueError(f"GraphCosts.{field} holds a negative entry: {list(values)}")
+        if len(self.crossing_bytes) != n - 1:
+            raise ValueError(f"GraphCosts.crossing_bytes has {len(self.crossing_bytes)} entries; {n} nodes have "
+                             f"{n - 1} cut positions")
+        if not isinstance(self.microbatch_size, int) or self.microbatch_size < 1:
+            raise ValueError(f"GraphCosts.microbatch_size must be a positive int, got {self.microbatch_size!r}")
+        if any(v < 0 for v in self.crossing_bytes):
+            raise ValueError(f"GraphCosts.crossing_bytes holds a negative entry: {list(self.crossing_bytes)}")
+        if self.input_bytes < 0:
+            raise ValueError(f"GraphCosts.input_bytes must be >= 0, got {self.input_bytes}")
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def at_microbatch_size(self, samples: int) -> "GraphCosts":
+        """The same graph at ``samples`` per micro-batch: activation bytes (inputs, outputs, saved, crossing) and
+        times scaled in proportion (a first-order model: per-sample work and memory); parameters and optimizer
+        state unchanged."""
+        if not isinstance(samples, int) or samples < 1:
+            raise ValueError(f"samples must be a positive int, got {samples!r}")
+        r = samples / self.microbatch_size
+
+        def scaled(values: Sequence[int]) -> tuple[int, ...]:
+            return tuple(int(round(v * r)) for v in values)
+
+        return GraphCosts(
+            self.names, tuple(t * r for t in self.forward_s), tuple(t * r for t in self.backward_s),
+            scaled(self.output_bytes), scaled(self.saved_bytes), self.param_bytes, self.optimizer_bytes,
+            scaled(self.crossing_bytes), samples, self.device, int(round(self.input_bytes * r)),
+        )

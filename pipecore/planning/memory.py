@@ -1,0 +1,378 @@
+"""The stage cost model: predicted peak memory and time of a stage, and what to recompute to fit a limit.
+
+A stage covers the compute nodes ``[start, end)`` of a :class:`~pipecore.planning.costs.GraphCosts`. What it
+holds depends on the algorithm through four per-stage figures that the simulator measures (:class:`Sizing`):
+weight versions, whether derived weights need a scratch buffer, whether a velocity buffer is kept, and the
+peak number of micro-batches in flight. :class:`StageMemory` lists the terms; :class:`StageModel` evaluates
+many ranges of one graph quickly and chooses recomputed segments (:meth:`StageModel.fit`).
+
+Which terms come from where:
+
+* weights x versions, gradient buffer, scratch, velocity, optimizer state: what ``TensorStage`` allocates
+  (ring of ``versions`` slots, flat gradient buffer, scratch for derived weights, PipeMare's velocity);
+  the velocity is assumed to have the weights' dtype (it is float32 under bf16 weights).
+* activations x in-flight micro-batches: DawnPiper's ``(P - s) * |A_s|`` term, with the in-flight count
+  taken from the simulator rather than the formula, so that it holds for every schedule.
+* recomputed segments, the recomputation transient, boundary buffers: inferred (DawnPiper's paper was not
+  available); see :meth:`StageModel.memory`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..algorithms import Algorithm, get_algorithm
+from ..simulate import simulate
+from .costs import GraphCosts
+
+Segment = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What an algorithm makes each stage hold, as measured by the simulator.
+
+    Attributes:
+        algorithm: the algorithm's name.
+        num_stages, n_microbatches: the pipeline shape the figures are for.
+        versions: weight versions each stage's ring holds (``Trace.weight_versions``).
+        derived: whether the stage computes derived weights into a scratch buffer (``Trace.derived_weights``).
+        velocity: whether the stage keeps a weight-sized velocity buffer (PipeMare's discrepancy correction).
+        in_flight: peak micro-batches whose forward ran at the stage and whose backward has not
+            (``Trace.peak_activations``): how many activation sets and boundary buffers it holds.
+        recompute_all: the algorithm's backward rule recomputes every forward in its backward
+            (``backward_rule="recompute"``): stages then keep only their inputs, and recomputed segments do
+            not apply.
+    """
+
+    algorithm: str
+    num_stages: int
+    n_microbatches: int
+    versions: tuple[int, ...]
+    derived: tuple[bool, ...]
+    velocity: tuple[bool, ...]
+    in_flight: tuple[int, ...]
+    recompute_all: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_stages < 1 or self.n_microbatches < 1:
+            raise ValueError(f"Sizing needs num_stages >= 1 and n_microbatches >= 1, got {self.num_stages} and "
+                             f"{self.n_microbatches}")
+        for name in ("versions", "derived", "velocity", "in_flight"):
+            values = getattr(self, name)
+            if len(values) != self.num_stages:
+                raise ValueError(f"Sizing.{name} has {len(values)} entries for {self.num_stages} stages")
+        if any(v < 1 for v in self.versions) or any(k < 0 for k in self.in_flight):
+            raise ValueError(f"Sizing needs versions >= 1 and in_flight >= 0, got {self.versions} and {self.in_flight}")
+
+    @classmethod
+    def of(cls, algorithm: str | Algorithm, num_stages: int | None = None, n_microbatches: int | None = None,
+           **options: Any) -> "Sizing":
+        """Simulate ``algorithm`` (a name with ``num_stages``, ``n_microbatches`` and options, or a configured
+        :class:`~pipecore.algorithms.Algorithm`) for as many mini-batches as the runtime does when it sizes
+        its weight rings, and read the per-stage figures off the trace."""
+        if isinstance(algorithm, str):
+            if num_stages is None or n_microbatches is None:
+                raise ValueError("Sizing.of(name, ...) needs num_stages and n_microbatches")
+            algorithm = get_algorithm(algorithm, num_stages, n_microbatches, **options)
+        elif options or num_stages not in (None, algorithm.num_stages) or \
+                n_microbatches not in (None, algorithm.n_microbatches):
+            raise ValueError("pass the shape and options when naming the algorithm, not with a configured Algorithm")
+        p = algorithm.num_stages
+        trace = simulate(algorithm, p, algorithm.n_microbatches, n_minibatches=algorithm.warmup_minibatches)
+        return cls(
+            algorithm.name, p, algorithm.n_microbatches,
+            tuple(trace.weight_versions(s) for s in range(p)),
+            tuple(trace.derived_weights(s) for s in range(p)),
+            tuple(algorithm.velocity_decay(s) is not None for s in range(p)),
+            tuple(trace.peak_activations(s) for s in range(p)),
+            algorithm.backward_rule == "recompute",
+        )
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Predicted peak bytes of one stage, term by term (see :meth:`StageModel.memory`)."""
+
+    weights: int          # the ring: parameter bytes x versions held
+    gradients: int        # the flat gradient buffer: 1 x parameter bytes
+    scratch: int          # derived weights (prediction, interpolation, correction): 1 x parameter bytes
+    velocity: int         # PipeMare's weight velocity: 1 x parameter bytes
+    optimizer: int        # optimizer state of the stage's parameters
+    activations: int      # saved-for-backward bytes kept per in-flight micro-batch, x in-flight
+    recomputation: int    # transient: the largest recomputed segment's saved bytes, during one backward
+    boundary: int         # received inputs and sent outputs of the in-flight micro-batches
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.gradients + self.scratch + self.velocity + self.optimizer + self.activations
+                + self.recomputation + self.boundary)
+
+
+@dataclass(frozen=True)
+class StageFit:
+    """A stage with the recomputation chosen for a memory limit (:meth:`StageModel.fit`)."""
+
+    start: int
+    end: int
+    stage: int
+    recomputed: tuple[Segment, ...]
+    time: float
+    memory: StageMemory
+    fits: bool
+
+
+class StageModel:
+    """The cost model of one graph under one :class:`Sizing`, for many stage ranges.
+
+    Range sums come from prefix sums, so a range costs O(1) however long; the recomputation path of a
+    range is computed once and kept.
+    """
+
+    def __init__(self, costs: GraphCosts, sizing: Sizing):
+        self.costs = costs
+        self.sizing = sizing
+        self.num_nodes = n = len(costs)
+
+        def prefix(values: Sequence[float]) -> list:
+            out = [0]
+            for v in values:
+                out.append(out[-1] + v)
+            return out
+
+        self._compute = prefix([f + b for f, b in zip(costs.forward_s, costs.backward_s)])
+        self._forward = prefix(costs.forward_s)
+        self._saved = prefix(costs.saved_bytes)
+        self._params = prefix(costs.param_bytes)
+        self._optimizer = prefix(costs.optimizer_bytes)
+        # Bytes crossing into position c: the graph's inputs at 0, the crossing values inside, nothing at n.
+        self._crossing = [costs.input_bytes, *costs.crossing_bytes, 0]
+        assert len(self._crossing) == n + 1
+        self._paths: dict[tuple[int, int, int], _Path] = {}
+
+    # -- range sums ----------------------------------------------------------------------------------
+
+    def forward(self, start: int, end: int) -> float:
+        """Forward seconds of nodes ``[start, end)``: the extra time of recomputing them."""
+        return self._forward[end] - self._forward[start]
+
+    def saved(self, start: int, end: int) -> int:
+        return self._saved[end] - self._saved[start]
+
+    def params(self, start: int, end: int) -> int:
+        return self._params[end] - self._params[start]
+
+    def optimizer(self, start: int, end: int) -> int:
+        return self._optimizer[end] - self._optimizer[start]
+
+    def crossing(self, position: int) -> int:
+        """Bytes crossing a cut placed before node ``position`` (the graph's inputs at 0, nothing at the end)."""
+        return self._crossing[position]
+
+    # -- the model -----------------------------------------------------------------------------------
+
+    def check_range(self, start: int, end: int, stage: int) -> None:
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= self.num_nodes):
+            raise ValueError(f"a stage covers nodes [start, end) with 0 <= start < end <= {self.num_nodes}, "
+                             f"got [{start}, {end})")
+        if not (isinstance(stage, int) and 0 <= stage < self.sizing.num_stages):
+            raise ValueError(f"stage must lie in 0..{self.sizing.num_stages - 1}, got {stage}")
+
+    def check_segments(self, start: int, end: int, recomputed: Sequence[Segment]) -> tuple[Segment, ...]:
+        segments = tuple(sorted((int(i), int(j)) for i, j in recomputed))
+        if segments and self.sizing.recompute_all:
+            raise ValueError(f"{self.sizing.algorithm} recomputes every forward in its backward "
+                             "(backward_rule='recompute'); recomputed segments do not apply")
+        previous = start
+        for i, j in segments:
+            if not (previous <= i < j <= end):
+                raise ValueError(f"recomputed segments must be non-empty, non-overlapping ranges [i, j) inside the "
+                                 f"stage's nodes [{start}, {end}), got {list(recomputed)}")
+            previous = j
+        return segments
+
+    def time(self, start: int, end: int, recomputed: Sequence[Segment] = ()) -> float:
+        """Predicted seconds of one micro-batch's forward and backward at the stage: the nodes' forward and
+        backward times plus the forward time of every recomputed segment (a whole extra forward under
+        ``backward_rule="recompute"``). Communication is taken to overlap with compute (DawnPiper's
+        objective, as reported second-hand)."""
+        extra = self.forward(start, end) if self.sizing.recompute_all else 0.0
+        return self._compute[end] - self._compute[start] + extra + sum(self.forward(i, j) for i, j in recomputed)
+
+    def memory(self, start: int, end: int, stage: int, recomputed: Sequence[Segment] = ()) -> StageMemory:
+        """Predicted peak bytes of stage ``stage`` covering nodes ``[start, end)``.
+
+        With ``W`` the parameter bytes of the nodes, ``k`` the in-flight micro-batches of the stage and
+        ``S`` the saved bytes of nodes:
+
+        * weights ``versions * W``, gradients ``W``, scratch ``W`` if derived weights, velocity ``W`` for
+          PipeMare, optimizer state as given;
+        * activations ``k * (S(stage) - sum S(segment) + sum input(segment))``: a recomputed segment
+          ``[i, j)`` keeps only its input, the bytes crossing position ``i``, per micro-batch in flight
+          (inferred). A segment that starts where the stage starts keeps nothing more: its input is the
+          stage's received input, already counted as a boundary buffer (inferred);
+        * recomputation ``max S(segment)``: during one backward the segments are recomputed one after the
+          other, each freed after its backward, so the largest one sets the transient peak (inferred; the
+          whole stage under ``backward_rule="recompute"``);
+        * boundary ``k * (crossing(start) + crossing(end))``: each in-flight micro-batch's received input
+          and sent output stay alive until its backward (inferred; the first stage's input is
+          ``GraphCosts.input_bytes``, the last stage sends nothing that is kept).
+
+        First-order: values counted in a node's saved bytes and in a crossing (a stage input the first node
+        saves) are counted twice, and transient buffers of one forward or backward are not counted.
+        """
+        self.check_range(start, end, stage)
+        segments = self.check_segments(start, end, recomputed)
+        z = self.sizing
+        w = self.params(start, end)
+        k = z.in_flight[stage]
+        if z.recompute_all:
+            kept, transient = 0, self.saved(start, end)
+        else:
+            kept = self.saved(start, end)
+            transient = 0
+            for i, j in segments:
+                kept -= self.saved(i, j) - (self.crossing(i) if i > start else 0)
+                transient = max(transient, self.saved(i, j))
+        return StageMemory(
+            weights=z.versions[stage] * w,
+            gradients=w,
+            scratch=w if z.derived[stage] else 0,
+            velocity=w if z.velocity[stage] else 0,
+            optimizer=self.optimizer(start, end),
+            activations=k * kept,
+            recomputation=transient,
+            boundary=k * (self.crossing(start) + self.crossing(end)),
+        )
+
+    def recomputation_path(self, start: int, end: int, stage: int) -> list[tuple[tuple[Segment, ...], StageMemory]]:
+        """The recomputation choices in the order the cost model makes them, each with the memory after it
+        (the first entry: nothing recomputed).
+
+        Granularity: any contiguous run of nodes ``[i, j)`` inside the stage that overlaps no segment chosen
+        before is a candidate (a run keeps one input however many nodes it spans, so runs free far more than
+        single nodes). Each step takes the candidate freeing the most bytes per second of extra forward
+        (zero-time runs first; at equal rates more bytes, then the shorter, then the earlier run), counting
+        the input it keeps and the growth of the transient; the path ends when no candidate frees anything.
+        Memory strictly falls along the path, and the path does not depend on the limit: fitting a limit
+        takes the shortest prefix that fits it. A step costs O(L^2) (vectorised) for a stage of L nodes.
+        """
+        path = self._path(start, end, stage)
+        while path.extend():
+            pass
+        return path.steps
+
+    def _path(self, start: int, end: int, stage: int) -> "_Path":
+        self.check_range(start, end, stage)
+        key = (start, end, stage)
+        if key not in self._paths:
+            self._paths[key] = _Path(self, start, end, stage)
+        return self._paths[key]
+
+    def floor(self, start: int, end: int, stage: int) -> int:
+        """A lower bound of the stage's memory under any recomputation: every term but the activations and
+        the transient."""
+        m = self.memory(start, end, stage)
+        return m.total - m.activations - m.recomputation
+
+    def fit(self, start: int, end: int, stage: int, memory_limit: float | None = None,
+            recompute: bool = True) -> StageFit:
+        """The stage with the fewest recomputation steps of :meth:`recomputation_path` that bring it under
+        ``memory_limit`` (none without a limit, or with ``recompute=False``). When none does, ``fits`` is
+        False and the stage is returned without recomputation."""
+        memory = self.memory(start, end, stage)
+        if memory_limit is None or memory.total <= memory_limit or not recompute or \
+                self.floor(start, end, stage) > memory_limit:
+            fits = memory_limit is None or memory.total <= memory_limit
+            return StageFit(start, end, stage, (), self.time(start, end), memory, fits)
+        path = self._path(start, end, stage)
+        index = 0
+        while path.steps[index][1].total > memory_limit:
+            index += 1
+            if index == len(path.steps) and not path.extend():
+                return StageFit(start, end, stage, (), self.time(start, end), memory, False)
+        segments, memory = path.steps[index]
+        return StageFit(start, end, stage, segments, self.time(start, end, segments), memory, True)
+
+    def smallest_memory(self, start: int, end: int, stage: int, recompute: bool = True) -> int:
+        """The least peak bytes the stage reaches: with every recomputation step, or with none."""
+        if not recompute:
+            return self.memory(start, end, stage).total
+        return self.recomputation_path(start, end, stage)[-1][1].total
+
+
+class _Path:
+    """The recomputation path of one stage (:meth:`StageModel.recomputation_path`), extended on demand."""
+
+    def __init__(self, model: StageModel, start: int, end: int, stage: int):
+        self.model, self.start, self.end, self.stage = model, start, end, stage
+        self.steps: list[tuple[tuple[Segment, ...], StageMemory]] = [((), model.memory(start, end, stage))]
+        self.k = model.sizing.in_flight[stage]
+        self.done = model.sizing.recompute_all or self.k == 0 or model.saved(start, end) == 0
+        self._arrays: tuple[np.ndarray, ...] | None = None
+        self._chosen: list[Segment] = []
+        self._transient = 0
+
+    def _candidates(self) -> tuple[np.ndarray, ...]:
+        # Every run [i, j) of the stage, as arrays: first node, end, saved bytes, input kept, forward seconds.
+        m, a, b = self.model, self.start, self.end
+        first, stop = np.triu_indices(b - a + 1, k=1)
+        first, stop = first + a, stop + a
+        saved_prefix = np.array(m._saved[a:b + 1], dtype=np.int64)
+        forward_prefix = np.array(m._forward[a:b + 1], dtype=np.float64)
+        saved = saved_prefix[stop - a] - saved_prefix[first - a]
+        keeps = np.array([0, *m._crossing[a + 1:b]], dtype=np.int64)[first - a]
+        seconds = forward_prefix[stop - a] - forward_prefix[first - a]
+        return first, stop, saved, keeps, seconds, np.ones(len(first), dtype=bool)
+
+    def extend(self) -> bool:
+        """Take one more step; False when the path has ended."""
+        if self.done:
+            return False
+        if self._arrays is None:
+            self._arrays = self._candidates()
+        first, stop, saved, keeps, seconds, free = self._arrays
+        freed = self.k * (saved - keeps) - np.maximum(0, saved - self._transient)
+        open_ = free & (freed > 0)
+        if not open_.any():
+            self.done = True
+            return False
+        with np.errstate(divide="ignore"):
+            rate = np.where(seconds > 0, freed / np.where(seconds > 0, seconds, 1.0), np.inf)
+        # Most bytes per second; then more bytes; then the shorter run; then the earlier one.
+        open_ &= rate == rate[open_].max()
+        open_ &= freed == freed[open_].max()
+        length = stop - first
+        open_ &= length == length[open_].min()
+        pick = int(np.flatnonzero(open_)[0])
+        i, j = int(first[pick]), int(stop[pick])
+        free &= (stop <= i) | (first >= j)
+        self._transient = max(self._transient, int(saved[pick]))
+        self._chosen.append((i, j))
+        segments = tuple(sorted(self._chosen))
+        self.steps.append((segments, self.model.memory(self.start, self.end, self.stage, segments)))
+        return True
+
+
+def stage_memory(costs: GraphCosts, start: int, end: int, stage: int, sizing: Sizing,
+                 recomputed: Sequence[Segment] = ()) -> StageMemory:
+    """Predicted peak bytes of stage ``stage`` covering nodes ``[start, end)`` with the node ranges in
+    ``recomputed`` recomputed in the backward (see :meth:`StageModel.memory` for the terms)."""
+    return StageModel(costs, sizing).memory(start, end, stage, recomputed)
+
+
+def stage_time(costs: GraphCosts, start: int, end: int, sizing: Sizing, recomputed: Sequence[Segment] = ()) -> float:
+    """Predicted forward + backward seconds of a stage covering ``[start, end)`` (see :meth:`StageModel.time`)."""
+    model = StageModel(costs, sizing)
+    model.check_range(start, end, 0)
+    return model.time(start, end, model.check_segments(start, end, recomputed))
+
+
+def fit_stage(costs: GraphCosts, start: int, end: int, stage: int, sizing: Sizing,
+              memory_limit: float | None = None) -> StageFit:
+    """The recomputation the cost model chooses to bring a stage under ``memory_limit`` (see
+    :meth:`StageModel.recomputation_path`)."""
+    return StageModel(costs, sizing).fit(start, end, stage, memory_limit)

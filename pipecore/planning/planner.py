@@ -1,0 +1,158 @@
+"""Plans: a partition of a graph for an algorithm, batch and memory limit, with its predicted costs."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from ..algorithms import Algorithm
+from .costs import GraphCosts
+from .memory import Segment, Sizing, StageMemory, StageModel
+from .partitioners import format_bytes, partition
+
+# Doubling the micro-batch past this many samples means memory does not grow with the batch.
+_MAX_SAMPLES = 1 << 40
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where to cut a graph, what to recompute, and what each stage is predicted to cost.
+
+    Attributes:
+        starts: node indices where stages ``1..P-1`` start.
+        recomputed: per stage, the node ranges ``(i, j)`` recomputed in its backward.
+        stage_time: per stage, predicted forward + backward seconds of one micro-batch.
+        stage_memory: per stage, predicted peak bytes.
+        objective: ``"parameters"``, ``"time"`` or ``"memory"``.
+        algorithm: the algorithm's name.
+        num_stages, n_microbatches, batch_size: the pipeline shape and the mini-batch (samples).
+        memory_limit: the per-stage limit in bytes the plan was made for, or None.
+        costs: the graph costs the plan was made from, per micro-batch of ``costs.microbatch_size`` samples.
+        sizing: what the algorithm makes each stage hold (from the simulator).
+    """
+
+    starts: tuple[int, ...]
+    recomputed: tuple[tuple[Segment, ...], ...]
+    stage_time: tuple[float, ...]
+    stage_memory: tuple[int, ...]
+    objective: str
+    algorithm: str
+    num_stages: int
+    n_microbatches: int
+    batch_size: int
+    memory_limit: float | None
+    costs: GraphCosts
+    sizing: Sizing
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.batch_size // self.n_microbatches
+
+    def bounds(self) -> list[tuple[int, int]]:
+        """Each stage's node range ``[start, end)``."""
+        edges = [0, *self.starts, len(self.costs)]
+        return list(zip(edges, edges[1:]))
+
+    def memory_breakdown(self, batch_size: int | None = None) -> list[StageMemory]:
+        """Each stage's predicted peak term by term, at ``batch_size`` (default: the plan's batch)."""
+        batch = self.batch_size if batch_size is None else _check_batch(batch_size, self.n_microbatches)
+        model = StageModel(self.costs.at_microbatch_size(batch // self.n_microbatches), self.sizing)
+        return [model.memory(a, b, s, self.recomputed[s]) for s, (a, b) in enumerate(self.bounds())]
+
+    def max_batch_size(self) -> int:
+        """The largest mini-batch, a multiple of ``n_microbatches``, whose predicted per-stage peaks with this
+        plan's cuts and recomputation stay within ``memory_limit`` (binary search over samples per
+        micro-batch; predicted memory grows with them)."""
+        if self.memory_limit is None:
+            raise ValueError("max_batch_size needs a plan made with a memory_limit")
+        limit = self.memory_limit
+
+        def peak(samples: int) -> int:
+            return max(m.total for m in self.memory_breakdown(samples * self.n_microbatches))
+
+        if peak(1) > limit:
+            raise ValueError(f"no batch fits memory_limit={limit:.0f} bytes ({format_bytes(limit)}) with this plan: one "
+                             f"sample per micro-batch already needs {peak(1)} bytes ({format_bytes(peak(1))}) on a stage")
+        fits, too_big = 1, 2
+        while peak(too_big) <= limit:
+            fits, too_big = too_big, 2 * too_big
+            if too_big > _MAX_SAMPLES:
+                raise ValueError("the predicted memory does not grow with the batch (no activation bytes): "
+                                 "every batch size fits")
+        while too_big - fits > 1:
+            middle = (fits + too_big) // 2
+            if peak(middle) <= limit:
+                fits = middle
+            else:
+                too_big = middle
+        return fits * self.n_microbatches
+
+    def table(self) -> str:
+        """A text table: per stage its nodes, predicted time, predicted memory (of the limit), recomputation."""
+        lines = [
+            f"{self.algorithm}, {self.num_stages} stage{'s' if self.num_stages != 1 else ''}, batch {self.batch_size} "
+            f"= {self.n_microbatches} x {self.microbatch_size} samples, objective {self.objective}"
+            + (f", limit {format_bytes(self.memory_limit)} per stage" if self.memory_limit is not None else ""),
+        ]
+        rows = [("stage", "nodes", "time (ms)", "memory" + (" / limit" if self.memory_limit is not None else ""),
+                 "recomputed")]
+        for s, (a, b) in enumerate(self.bounds()):
+            names = self.costs.names
+            nodes = f"{a}-{b - 1} ({names[a]}{'..' + names[b - 1] if b - a > 1 else ''})"
+            memory = format_bytes(self.stage_memory[s])
+            if self.memory_limit is not None:
+                memory += f" / {format_bytes(self.memory_limit)} ({self.stage_memory[s] / self.memory_limit:.0%})"
+            recomputed = " ".join(f"[{i}, {j})" for i, j in self.recomputed[s]) or "-"
+            rows.append((str(s), nodes, f"{self.stage_time[s] * 1e3:.3f}", memory, recomputed))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        for r in rows:
+            lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+        return "\n".join(lines)
+
+
+def plan_costs(
+    costs: GraphCosts,
+    num_stages: int,
+    algorithm: str | Algorithm,
+    batch_size: int,
+    n_microbatches: int,
+    memory_limit: float | None = None,
+    objective: str = "memory",
+    allowed_cuts: Iterable[int] | None = None,
+    **algorithm_options: Any,
+) -> Plan:
+    """Plan ``num_stages`` stages of ``costs`` for ``algorithm`` at ``batch_size`` samples per mini-batch in
+    ``n_microbatches`` micro-batches, each stage within ``memory_limit`` bytes when given.
+
+    ``costs`` are per micro-batch of ``costs.microbatch_size`` samples; they are rescaled to
+    ``batch_size // n_microbatches`` (:meth:`GraphCosts.at_microbatch_size`). ``objective`` and
+    ``allowed_cuts`` are those of :func:`~pipecore.planning.partitioners.partition`; ``algorithm_options`` configure
+    a named algorithm.
+    """
+    if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1:
+        raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
+    _check_batch(batch_size, n_microbatches)
+    if isinstance(algorithm, Algorithm):
+        if (algorithm.num_stages, algorithm.n_microbatches) != (num_stages, n_microbatches):
+            raise ValueError(f"the algorithm is configured for {algorithm.num_stages} stages and "
+                             f"{algorithm.n_microbatches} micro-batches, the plan asks for {num_stages} and "
+                             f"{n_microbatches}")
+        sizing = Sizing.of(algorithm, **algorithm_options)
+    else:
+        sizing = Sizing.of(algorithm, num_stages, n_microbatches, **algorithm_options)
+    scaled = costs.at_microbatch_size(batch_size // n_microbatches)
+    result = partition(scaled, num_stages, objective, sizing, memory_limit, allowed_cuts)
+    return Plan(result.starts, result.recomputed, result.stage_time, result.stage_memory, objective, sizing.algorithm,
+                num_stages, n_microbatches, batch_size, memory_limit, costs, sizing)
+
+
+def _check_batch(batch_size: int, n_microbatches: int) -> int:
+    if not isinstance(batch_size, numbers.Integral) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if batch_size % n_microbatches:
+        lower = batch_size - batch_size % n_microbatches
+        nearest = f"{lower} or {lower + n_microbatches}" if lower else f"{n_microbatches}"
+        raise ValueError(f"batch_size={batch_size} is not divisible by n_microbatches={n_microbatches}; "
+                         f"use a multiple of {n_microbatches} (e.g. {nearest})")
+    return int(batch_size)

@@ -1,0 +1,166 @@
+"""The stage memory model and the recomputation cost model, against hand-computed numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipecore.planning import GraphCosts, Sizing, StageModel, fit_stage, stage_memory, stage_time
+
+# Four nodes; the tests cut them into stage 0 = nodes [0, 3) and stage 1 = node [3, 4).
+#   stage 0: parameters 1000 + 0 + 2000 = 3000, optimizer 6000, saved 100 + 200 + 300 = 600,
+#            boundary per micro-batch: graph input 5 + crossing at 3 (35) = 40
+#   stage 1: parameters 3000, optimizer 6000, saved 400, boundary per micro-batch: crossing at 3 (35) + 0
+COSTS = GraphCosts(
+    names=("a", "b", "c", "d"),
+    forward_s=(2.0, 1.0, 1.0, 4.0),
+    backward_s=(2.0, 4.0, 6.0, 8.0),
+    output_bytes=(10, 20, 30, 40),
+    saved_bytes=(100, 200, 300, 400),
+    param_bytes=(1000, 0, 2000, 3000),
+    optimizer_bytes=(2000, 0, 4000, 6000),
+    crossing_bytes=(15, 25, 35),
+    input_bytes=5,
+)
+STAGES = ((0, 3), (3, 4))
+
+
+def sizing(name: str, **options) -> Sizing:
+    return Sizing.of(name, 2, 2, **options)
+
+
+@pytest.mark.parametrize("name, versions, in_flight", [
+    ("gpipe", (1, 1), (2, 2)),
+    ("1f1b", (1, 1), (2, 1)),
+    ("pipedream", (2, 1), (2, 1)),
+    ("2bw", (2, 2), (2, 1)),
+])
+def test_sizing_reads_versions_and_in_flight_off_the_simulator(name, versions, in_flight):
+    z = sizing(name)
+    assert (z.algorithm, z.num_stages, z.n_microbatches) == (name, 2, 2)
+    assert z.versions == versions and z.in_flight == in_flight
+    assert z.derived == (False, False) and z.velocity == (False, False) and not z.recompute_all
+
+
+def test_sizing_of_pipemare_has_scratch_and_velocity():
+    z = sizing("pipemare")
+    assert z.versions == (1, 1) and z.in_flight == (2, 1)
+    assert z.derived == (True, False) and z.velocity == (True, True)
+    assert sizing("pipemare", backward_rule="recompute").recompute_all
+
+
+@pytest.mark.parametrize("name, expected", [
+    # weights x versions + gradients + optimizer + saved x in-flight + boundary x in-flight
+    ("gpipe", (3000 + 3000 + 6000 + 2 * 600 + 2 * 40, 3000 + 3000 + 6000 + 2 * 400 + 2 * 35)),
+    ("1f1b", (3000 + 3000 + 6000 + 2 * 600 + 2 * 40, 3000 + 3000 + 6000 + 400 + 35)),
+    ("pipedream", (2 * 3000 + 3000 + 6000 + 2 * 600 + 2 * 40, 3000 + 3000 + 6000 + 400 + 35)),
+    ("2bw", (2 * 3000 + 3000 + 6000 + 2 * 600 + 2 * 40, 2 * 3000 + 3000 + 6000 + 400 + 35)),
+    # PipeMare: + scratch (stage 0 only) + velocity
+    ("pipemare", (3000 + 3000 + 3000 + 3000 + 6000 + 2 * 600 + 2 * 40, 3000 + 3000 + 3000 + 6000 + 400 + 35)),
+])
+def test_stage_memory_by_hand(name, expected):
+    z = sizing(name)
+    got = tuple(stage_memory(COSTS, a, b, s, z).total for s, (a, b) in enumerate(STAGES))
+    assert got == expected
+    assert got == {"gpipe": (13280, 12870), "1f1b": (13280, 12435), "pipedream": (16280, 12435),
+                   "2bw": (16280, 15435), "pipemare": (19280, 15435)}[name]
+
+
+def test_stage_memory_terms_by_hand():
+    m = stage_memory(COSTS, 0, 3, 0, sizing("pipemare"))
+    assert (m.weights, m.gradients, m.scratch, m.velocity, m.optimizer) == (3000, 3000, 3000, 3000, 6000)
+    assert (m.activations, m.recomputation, m.boundary) == (1200, 0, 80)
+    last = stage_memory(COSTS, 3, 4, 1, sizing("pipedream"))
+    assert (last.weights, last.scratch, last.velocity, last.activations, last.boundary) == (3000, 0, 0, 400, 35)
+
+
+@pytest.mark.parametrize("segments, activations, recomputation", [
+    # [1, 3) keeps its input (crossing at 1: 15) instead of 200 + 300: kept 600 - 500 + 15 = 115 per micro-batch
+    (((1, 3),), 2 * 115, 500),
+    # a segment at the stage's start keeps nothing more than the stage input: kept 600 - 300 = 300
+    (((0, 2),), 2 * 300, 300),
+    # two segments keep their inputs (0 and crossing at 2: 25); the larger one sets the transient
+    (((0, 1), (2, 3)), 2 * (600 - 100 - 300 + 25), 300),
+])
+@pytest.mark.parametrize("name", ["gpipe", "pipedream"])
+def test_stage_memory_with_recomputed_segments_by_hand(name, segments, activations, recomputation):
+    z = sizing(name)
+    base = stage_memory(COSTS, 0, 3, 0, z)
+    m = stage_memory(COSTS, 0, 3, 0, z, segments)
+    assert (m.activations, m.recomputation) == (activations, recomputation)
+    assert m.total == base.total - base.activations + activations + recomputation
+    assert m.weights == base.weights and m.boundary == base.boundary == 80
+
+
+def test_stage_time_adds_the_recomputed_forward():
+    z = sizing("pipedream")
+    assert stage_time(COSTS, 0, 3, z) == pytest.approx(2 + 1 + 1 + 2 + 4 + 6)
+    assert stage_time(COSTS, 0, 3, z, ((1, 3),)) == pytest.approx(16 + 1 + 1)
+    assert stage_time(COSTS, 0, 4, z, ((0, 1), (3, 4))) == pytest.approx(28 + 2 + 4)
+
+
+def test_recompute_backward_rule_keeps_only_stage_inputs():
+    z = sizing("pipemare", backward_rule="recompute")
+    m = stage_memory(COSTS, 0, 3, 0, z)
+    # no saved bytes per micro-batch; the whole stage's saved bytes once, during its recomputation
+    assert (m.activations, m.recomputation) == (0, 600)
+    assert m.total == 4 * 3000 + 6000 + 600 + 80
+    assert stage_time(COSTS, 0, 3, z) == pytest.approx(16 + 4)
+    with pytest.raises(ValueError, match="recomputes every forward"):
+        stage_memory(COSTS, 0, 3, 0, z, ((1, 3),))
+
+
+def test_recomputation_path_by_hand():
+    """Stage 0 under pipedream (2 in flight). Bytes freed per second of extra forward, first step:
+    [2,3): 2*(300-25) - 300 = 250 in 1 s; [1,3): 2*(500-15) - 500 = 470 in 2 s (235/s); [1,2): 170/s; ...
+    then, with a transient of 300 already paid: [1,2): 2*(200-15) = 370/s; [0,2) 200/s; then [0,1)."""
+    model = StageModel(COSTS, sizing("pipedream"))
+    path = model.recomputation_path(0, 3, 0)
+    assert [segments for segments, _ in path] == [(), ((2, 3),), ((1, 2), (2, 3)), ((0, 1), (1, 2), (2, 3))]
+    assert [m.total for _, m in path] == [16280, 16030, 15660, 15460]
+    assert model.smallest_memory(0, 3, 0) == 15460
+
+    fit = fit_stage(COSTS, 0, 3, 0, sizing("pipedream"), memory_limit=16000)
+    assert fit.fits and fit.recomputed == ((1, 2), (2, 3)) and fit.memory.total == 15660
+    assert fit.time == pytest.approx(16 + 1 + 1)
+    assert model.fit(0, 3, 0, 16030).recomputed == ((2, 3),)
+    assert model.fit(0, 3, 0, 16280).recomputed == ()           # fits as it is: nothing recomputed
+    assert model.fit(0, 3, 0, None).recomputed == ()
+    for limit in (15459, 15000):                                 # below what every step reaches
+        fit = model.fit(0, 3, 0, limit)
+        assert not fit.fits and fit.recomputed == () and fit.time == pytest.approx(16)
+
+
+def test_recomputation_never_helps_with_one_micro_batch_in_flight():
+    # The last stage under 1F1B holds one micro-batch: recomputing frees its saved bytes but needs them again.
+    model = StageModel(COSTS, sizing("1f1b"))
+    assert model.recomputation_path(3, 4, 1) == [((), model.memory(3, 4, 1))]
+    assert not model.fit(3, 4, 1, 12000).fits
+
+
+def test_activation_terms_scale_with_the_micro_batch():
+    z = sizing("gpipe")
+    one, four = stage_memory(COSTS, 0, 3, 0, z), stage_memory(COSTS.at_microbatch_size(4), 0, 3, 0, z)
+    assert (four.activations, four.boundary) == (4 * one.activations, 4 * one.boundary)
+    assert (four.weights, four.optimizer) == (one.weights, one.optimizer)
+    assert COSTS.at_microbatch_size(4).input_bytes == 20
+
+
+@pytest.mark.parametrize("args, match", [
+    ((2, 2, 0, ()), r"0 <= start < end <= 4"),
+    ((0, 5, 0, ()), r"0 <= start < end <= 4"),
+    ((0, 3, 2, ()), r"stage must lie in 0..1"),
+    ((0, 3, 0, ((1, 4),)), r"inside the stage's nodes \[0, 3\)"),
+    ((0, 3, 0, ((0, 2), (1, 3))), r"non-overlapping"),
+    ((0, 3, 0, ((2, 2),)), r"non-empty"),
+])
+def test_bad_stage_arguments(args, match):
+    start, end, stage, segments = args
+    with pytest.raises(ValueError, match=match):
+        stage_memory(COSTS, start, end, stage, sizing("gpipe"), segments)
+
+
+def test_bad_sizing():
+    with pytest.raises(ValueError, match="versions has 1 entries for 2 stages"):
+        Sizing("x", 2, 2, (1,), (False, False), (False, False), (1, 1))
+    with pytest.raises(ValueError, match="needs num_stages and n_microbatches"):
+        Sizing.of("gpipe")

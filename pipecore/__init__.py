@@ -11,10 +11,11 @@ from .runtime.distributed import PeerError
 from . import checkpoint
 from .schedule import Action, Schedule, ScheduleError, validate
 from .simulate import simulate
+from .planning import Plan, plan, profile
 from .trace import Trace
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AdamW", "CaptureError", "checkpoint", "NonFiniteLoss", "PeerError", "Pipeline", "SGD", "Action", "Schedule", "ScheduleError", "Trace", "algorithm_names", "get_algorithm", "simulate", "validate",
+    "AdamW", "CaptureError", "checkpoint", "Plan", "plan", "profile", "NonFiniteLoss", "PeerError", "Pipeline", "SGD", "Action", "Schedule", "ScheduleError", "Trace", "algorithm_names", "get_algorithm", "simulate", "validate",
 ]

@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import Sequence
 
 COMMANDS: dict[str, str] = {
+    "plan": "pipecore.cli.plan",
     "simulate": "pipecore.cli.simulate",
     "train": "pipecore.cli.train",
 }

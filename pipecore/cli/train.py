@@ -153,6 +153,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "float32)")
     parser.add_argument("--optimizer", choices=("sgd", "adamw"),
                         help="sgd (momentum 0.9) or adamw (default sgd for mlp and resnet, adamw for gpt)")
+    add_model_arguments(parser)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the split, the weights and the shuffling or sampling (default 0)")
+    parser.add_argument("-o", "--option", type=algorithm_option, action="append", default=[], metavar="KEY=VALUE",
+                        help="algorithm option, repeatable (e.g. warmup_steps=200, update_every=2)")
+    parser.add_argument("--threads", type=positive_int, default=1, metavar="T",
+                        help="torch threads (default 1: these models' matrices are too small to gain from more, "
+                             "and spare threads slow it down when the cores are busy)")
+    parser.add_argument("--plot", metavar="PNG",
+                        help="plot loss and test accuracy (gpt: held-out perplexity) per epoch to a PNG file")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that size ``--model`` (shared with ``pipecore plan``)."""
     mlp = parser.add_argument_group("mlp")
     mlp.add_argument("--hidden", type=positive_int, metavar="H",
                      help="width of the hidden layers (default 128)")
@@ -177,15 +191,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gpt.add_argument("--eval-windows", type=positive_int, metavar="N",
                      help="held-out loss and perplexity are measured on at most N non-overlapping windows of "
                           "the held-out text, spread evenly over it, to keep evaluation fast (default 64)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the split, the weights and the shuffling or sampling (default 0)")
-    parser.add_argument("-o", "--option", type=algorithm_option, action="append", default=[], metavar="KEY=VALUE",
-                        help="algorithm option, repeatable (e.g. warmup_steps=200, update_every=2)")
-    parser.add_argument("--threads", type=positive_int, default=1, metavar="T",
-                        help="torch threads (default 1: these models' matrices are too small to gain from more, "
-                             "and spare threads slow it down when the cores are busy)")
-    parser.add_argument("--plot", metavar="PNG",
-                        help="plot loss and test accuracy (gpt: held-out perplexity) per epoch to a PNG file")
     parser.add_argument("--save", metavar="PATH", help="save a checkpoint at the end (pipeline state, epoch, args)")
     parser.add_argument("--resume", metavar="PATH", help="continue from a --save checkpoint")
     parser.add_argument("--no-progress", action="store_true",

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Sequence
 from torch import nn
 
 if TYPE_CHECKING:
+    from ..planning import Plan
     from .graph import CapturedModel
 
 
@@ -37,8 +38,11 @@ def balanced_by_parameters(sizes: Sequence[int], num_stages: int) -> list[int]:
     return sorted(splits)[1:]
 
 
-def stage_starts(captured: "CapturedModel", num_stages: int, partition: Sequence[int | str] | None) -> list[int]:
+def stage_starts(captured: "CapturedModel", num_stages: int, partition: "Sequence[int | str] | Plan | None"
+                 ) -> list[int]:
     """Validated compute-node indices where stages ``1..P-1`` start.
+
+    ``partition`` may be a :class:`~pipecore.planning.Plan` (``pipecore.plan``): its cuts.
 
     ``partition`` lists cut points (node indices or module names). By default the graph is cut only where a
     module starts (a child of the model, or an item of a ``ModuleList``/``Sequential`` it holds: for the
@@ -48,6 +52,8 @@ def stage_starts(captured: "CapturedModel", num_stages: int, partition: Sequence
     n = len(captured.nodes)
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if _is_plan(partition):
+        return _plan_starts(partition, num_stages, n)
     if partition is None:
         units = module_units(captured)
         if num_stages > len(units):
@@ -100,3 +106,24 @@ def module_units(captured: "CapturedModel") -> list[tuple[int, int]]:
             seen_module = True
         previous = current
     return list(zip(starts, starts[1:] + [len(captured.nodes)]))
+
+
+def _is_plan(partition: object) -> bool:
+    from ..planning import Plan
+
+    return isinstance(partition, Plan)
+
+
+def _plan_starts(plan: "Plan", num_stages: int, nodes: int) -> list[int]:
+    """The cuts of a :class:`~pipecore.planning.Plan`, checked against this pipeline's graph and stages."""
+    if plan.num_stages != num_stages:
+        raise ValueError(f"the plan cuts {plan.num_stages} stages but the pipeline has num_stages={num_stages}")
+    if len(plan.costs) != nodes:
+        raise ValueError(f"the plan was made for a graph of {len(plan.costs)} nodes, this model captures {nodes}: "
+                         "plan the same model (and leaf_modules) as the pipeline trains")
+    if any(plan.recomputed):
+        segments = {s: list(r) for s, r in enumerate(plan.recomputed) if r}
+        raise ValueError(f"the plan recomputes node segments {segments} (stage: [start, end) ranges); the pipeline "
+                         "does not recompute segments of a stage yet. Plan without recomputation (objective='time', "
+                         "or a larger memory_limit), or recompute whole stages with backward_rule='recompute'")
+    return list(plan.starts)

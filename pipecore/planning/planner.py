@@ -111,6 +111,36 @@ class Plan:
         return "\n".join(lines)
 
 
+    def plot(self, path: str) -> None:
+        """Draw the plan to a PNG: per stage, the predicted peak memory split into its terms (with the limit as a
+        line) and the predicted time of one micro-batch's forward and backward (recomputation included)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        breakdown = self.memory_breakdown()
+        terms = [t for t in ("weights", "gradients", "scratch", "velocity", "optimizer", "activations",
+                             "recomputation", "boundary") if any(getattr(m, t) for m in breakdown)]
+        stages = list(range(self.num_stages))
+        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+        bottom = [0.0] * self.num_stages
+        for term in terms:
+            values = [getattr(m, term) / 2 ** 20 for m in breakdown]
+            left.bar(stages, values, bottom=bottom, label=term)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        if self.memory_limit is not None:
+            left.axhline(self.memory_limit / 2 ** 20, color="black", linestyle="--", label="limit")
+        left.set(xlabel="stage", ylabel="predicted peak (MiB)", xticks=stages, title="memory")
+        left.legend(fontsize="small")
+        right.bar(stages, [t * 1e3 for t in self.stage_time], color="tab:gray")
+        right.set(xlabel="stage", ylabel="forward + backward of a micro-batch (ms)", xticks=stages, title="time")
+        fig.suptitle(f"{self.algorithm}, {self.num_stages} stages, batch {self.batch_size}, objective {self.objective}")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
+
 def plan_costs(
     costs: GraphCosts,
     num_stages: int,

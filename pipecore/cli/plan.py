@@ -1,0 +1,90 @@
+"""``pipecore plan``: profile one of the built-in models and cut it into stages for time and memory.
+
+Profiles the model of ``pipecore train --model ...`` (same flags, same defaults) on one micro-batch of its
+data, then plans ``--stages`` stages for ``--algorithm`` with :func:`pipecore.plan` and prints the table
+(stage, nodes, predicted time, predicted memory of the limit, recomputed segments); ``--png`` draws it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ._args import algorithm_option, positive_int
+
+HELP = "profile a built-in model and plan its stages for time and memory (DawnPiper)"
+DESCRIPTION = """\
+Profile a built-in model (the one `pipecore train --model ...` trains, with the same size flags) and plan
+its stages: where to cut, what to recompute, and each stage's predicted time and peak memory.
+
+objectives:
+  memory      DawnPiper's binary partitioning: the fastest cut whose stages each fit --memory-limit,
+              recomputing the segments that free the most bytes per second of extra forward (default)
+  time        PipeDream's planner: the slowest stage as fast as possible (no recomputation)
+  parameters  balanced parameter bytes (the pipeline's default partition)
+
+examples:
+  pipecore plan --model gpt --stages 4 --algorithm pipedream --memory-limit 2GiB
+  pipecore plan --model gpt --layers 8 --stages 4 -a 2bw --memory-limit 40MiB --objective time
+  pipecore plan --model resnet --stages 2 --memory-limit 4MiB --png plan.png
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .train import MODELS, add_model_arguments
+
+    parser.add_argument("--model", choices=MODELS, default="mlp", help="the model to plan (default mlp)")
+    parser.add_argument("-a", "--algorithm", default="pipedream", metavar="NAME",
+                        help="algorithm name or alias (default pipedream)")
+    parser.add_argument("-p", "--stages", type=positive_int, default=4, metavar="P", help="pipeline stages (default 4)")
+    parser.add_argument("-m", "--microbatches", type=positive_int, default=4, metavar="M",
+                        help="micro-batches per mini-batch (default 4)")
+    parser.add_argument("-b", "--batch-size", type=positive_int, metavar="N",
+                        help="mini-batch size, divisible by --microbatches (default: pipecore train's for the model)")
+    parser.add_argument("--memory-limit", metavar="BYTES",
+                        help="memory per stage: bytes or a size with a unit, e.g. 2GiB, 512MiB, 1.5GB (needed by "
+                             "--objective memory)")
+    parser.add_argument("--objective", choices=("memory", "time", "parameters"), default="memory",
+                        help="what the partition optimises (default memory)")
+    parser.add_argument("--cuts", choices=("modules", "nodes"), default="modules",
+                        help="cut only where a module starts (default, as the pipeline's own partition) or anywhere")
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"),
+                        help="its state counts in the memory (default: pipecore train's for the model)")
+    add_model_arguments(parser)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
+    parser.add_argument("-o", "--option", type=algorithm_option, action="append", default=[], metavar="KEY=VALUE",
+                        help="algorithm option, repeatable (e.g. slack=1)")
+    parser.add_argument("--png", metavar="PATH", help="draw the plan (memory terms per stage, time) to a PNG file")
+    parser.add_argument("--progress", action="store_true", help="show a progress bar while profiling")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..engine import SGD, AdamW
+    from ..planning import parse_bytes, plan
+    from .train import _DigitsTask, _TextTask, _resolve_defaults
+
+    if args.objective == "memory" and args.memory_limit is None:
+        raise ValueError("--objective memory needs --memory-limit (e.g. --memory-limit 2GiB)")
+    limit = None if args.memory_limit is None else parse_bytes(args.memory_limit)
+    for name, value in (("epochs", None), ("steps_per_epoch", None), ("eval_windows", None)):
+        setattr(args, name, getattr(args, name, value))
+    _resolve_defaults(args)
+    if args.batch_size % args.microbatches:
+        raise ValueError(f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}")
+    torch.manual_seed(args.seed)
+    task = _TextTask(args) if args.model == "gpt" else _DigitsTask(args)
+    model = task.build()
+    x, _ = next(iter(task.batches(0)))
+    example = x[: args.batch_size // args.microbatches]
+    optimizer = AdamW(lr=1e-3) if args.optimizer == "adamw" else SGD(lr=0.05, momentum=0.9)
+    print(f"{task.name(model)}; profiling {len(example)} samples per micro-batch")
+    result = plan(model, example, args.stages, args.algorithm, args.batch_size, args.microbatches, limit,
+                  args.objective, optimizer=optimizer, cuts=args.cuts, progress=args.progress, **dict(args.option))
+    print(result.table())
+    if limit is not None:
+        print(f"largest mini-batch within the limit with these cuts: {result.max_batch_size()}")
+    if args.png:
+        result.plot(args.png)
+        print(f"plan drawn to {args.png}")
+    return 0

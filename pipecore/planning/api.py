@@ -1,0 +1,86 @@
+"""``pipecore.plan``: profile a model, then cut it into stages for time and memory (see docs/planning.md)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Sequence
+
+from torch import nn
+
+from .planner import Plan, plan_costs
+from .profiler import profile
+
+_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
+          "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
+_CUTS = ("modules", "nodes")
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Bytes from an int or a string with a unit: ``"2GiB"``, ``"512 MiB"``, ``"1.5GB"``, ``"4096"``."""
+    if isinstance(value, bool):
+        raise TypeError(f"a memory size is a number of bytes or a string such as '2GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        number = float(value)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+        unit = match.group(2).upper() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(f"cannot read {value!r} as a memory size: give bytes, or a number with one of the units "
+                             "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. '2GiB')")
+        number = float(match.group(1)) * _UNITS[unit]
+    if number <= 0:
+        raise ValueError(f"a memory limit must be positive, got {value!r}")
+    return int(number)
+
+
+def plan(
+    model: nn.Module,
+    example_input: Any,
+    num_stages: int,
+    algorithm: str = "pipedream",
+    batch_size: int | None = None,
+    n_microbatches: int = 4,
+    memory_limit: int | str | None = None,
+    objective: str = "memory",
+    *,
+    optimizer: Any = None,
+    leaf_modules: Sequence[type | str] = (),
+    cuts: str = "modules",
+    progress: bool = False,
+    **algorithm_options: Any,
+) -> Plan:
+    """Where to cut ``model`` into ``num_stages`` stages for ``algorithm``, from measured per-node costs.
+
+    Profiles every node of the captured graph on ``example_input`` (:func:`pipecore.profile`, on the device
+    the model is on), scales the activation figures to micro-batches of ``batch_size // n_microbatches``
+    samples (default ``batch_size``: the example's samples times ``n_microbatches``), and partitions:
+
+    * ``objective="memory"`` (DawnPiper): the fastest partition whose stages each fit ``memory_limit``
+      bytes (an int, or a string such as ``"2GiB"``), recomputing the segments with the most bytes freed
+      per second of extra forward where a stage would not fit;
+    * ``"time"`` (PipeDream's planner): the slowest stage as fast as possible, no recomputation;
+    * ``"parameters"``: balanced parameter bytes (the pipeline's default).
+
+    ``cuts="modules"`` (default) cuts only where a module starts, as the pipeline's default partition does
+    (a module's internal values, shape arithmetic included, stay in one stage); ``"nodes"`` anywhere.
+    ``optimizer`` is the pipeline's (its state counts: SGD with momentum one weight-sized buffer, AdamW two).
+
+    Returns a :class:`~pipecore.planning.Plan`: ``starts`` (pass the plan as ``Pipeline(...,
+    partition=plan)``), ``recomputed``, ``stage_time``, ``stage_memory`` (predicted peak bytes per stage),
+    ``max_batch_size()``, ``table()`` and ``plot(path)``. A limit no partition meets raises
+    :class:`~pipecore.planning.InfeasibleMemoryLimit`, which names the smallest limit that works.
+    """
+    from ..engine.graph import CapturedModel
+    from ..engine.partition import module_units
+
+    if cuts not in _CUTS:
+        raise ValueError(f"cuts must be one of {_CUTS}, got {cuts!r}")
+    limit = None if memory_limit is None else parse_bytes(memory_limit)
+    costs = profile(model, example_input, leaf_modules=leaf_modules, optimizer=optimizer, progress=progress)
+    if batch_size is None:
+        batch_size = costs.microbatch_size * n_microbatches
+    allowed = None
+    if cuts == "modules":
+        allowed = [a for a, _ in module_units(CapturedModel(model, leaf_modules, example_input))][1:]
+    return plan_costs(costs, num_stages, algorithm, batch_size, n_microbatches, memory_limit=limit,
+                      objective=objective, allowed_cuts=allowed, **algorithm_options)

@@ -1,0 +1,118 @@
+"""``pipecore.plan`` and ``pipecore plan``: profile a model, plan its stages, train with the plan."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import pipecore
+from pipecore.cli import main
+from pipecore.engine.graph import CapturedModel
+from pipecore.engine.partition import module_units
+from pipecore.models import GPT
+from pipecore.planning import InfeasibleMemoryLimit, parse_bytes
+
+
+def gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_embd=32)
+
+
+def tokens(n: int) -> torch.Tensor:
+    return torch.randint(0, 32, (n, 16), generator=torch.Generator().manual_seed(n))
+
+
+def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("2GiB", 2 * 2 ** 30), ("512 MiB", 512 * 2 ** 20), ("1.5GB", 1_500_000_000), ("4096", 4096), (4096, 4096),
+    ("3kb", 3000), ("10B", 10),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text,error", [
+    ("2 parsecs", "cannot read '2 parsecs' as a memory size"), ("", "cannot read"), ("0", "must be positive"),
+    (-5, "must be positive"),
+])
+def test_parse_bytes_refuses(text, error):
+    with pytest.raises(ValueError, match=error):
+        parse_bytes(text)
+
+
+def test_a_time_plan_cuts_where_modules_start_and_trains():
+    model = gpt()
+    plan = pipecore.plan(model, tokens(4), 4, "pipedream", batch_size=16, n_microbatches=4, objective="time")
+    units = {a for a, _ in module_units(CapturedModel(model, (), tokens(4)))}
+    assert len(plan.starts) == 3 and set(plan.starts) <= units
+    assert len(plan.stage_time) == len(plan.stage_memory) == 4 and all(b > 0 for b in plan.stage_memory)
+    pipe = pipecore.Pipeline(model, 4, "pipedream", 4, loss_fn=lm_loss, partition=plan)
+    starts = [pipe.captured.nodes.index(next(n for n in pipe.captured.nodes if n.name == g.nodes[0]))
+              for g in pipe.stage_graphs[1:]]
+    assert starts == list(plan.starts)
+    loss = pipe.step(tokens(16), tokens(16))
+    assert loss == loss  # finite: the plan's stages train
+
+
+def test_a_tight_limit_is_met_by_recomputing_and_the_pipeline_says_it_cannot_apply_that_yet():
+    model = gpt()
+    with pytest.raises(InfeasibleMemoryLimit) as info:  # the smallest limit some cut meets without recomputing
+        pipecore.plan(model, tokens(4), 4, "pipedream", batch_size=16, n_microbatches=4, memory_limit=1,
+                      objective="time")
+    tight = info.value.smallest_limit - 1
+    plan = pipecore.plan(model, tokens(4), 4, "pipedream", batch_size=16, n_microbatches=4, memory_limit=tight)
+    assert any(plan.recomputed) and max(plan.stage_memory) <= tight
+    with pytest.raises(InfeasibleMemoryLimit, match="the smallest per-stage limit that works is"):
+        pipecore.plan(model, tokens(4), 4, "pipedream", batch_size=16, n_microbatches=4, memory_limit=tight,
+                      objective="time")
+    with pytest.raises(ValueError, match="does not recompute segments of a stage yet"):
+        pipecore.Pipeline(model, 4, "pipedream", 4, loss_fn=lm_loss, partition=plan)
+
+
+def test_a_plan_must_fit_the_pipeline():
+    model = gpt()
+    plan = pipecore.plan(model, tokens(4), 4, "1f1b", batch_size=16, n_microbatches=4, objective="parameters")
+    with pytest.raises(ValueError, match="the plan cuts 4 stages but the pipeline has num_stages=3"):
+        pipecore.Pipeline(model, 3, "1f1b", 4, loss_fn=lm_loss, partition=plan)
+    other = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    with pytest.raises(ValueError, match="the plan was made for a graph of .* nodes, this model captures"):
+        pipecore.Pipeline(other, 4, "1f1b", 4, loss_fn=lm_loss, partition=plan)
+    with pytest.raises(ValueError, match="cuts must be one of"):
+        pipecore.plan(model, tokens(4), 4, cuts="layers")
+    with pytest.raises(ValueError, match="a memory limit must be positive"):
+        pipecore.plan(model, tokens(4), 4, memory_limit=0)
+
+
+def test_plot_draws_a_png(tmp_path: Path):
+    plan = pipecore.plan(gpt(), tokens(4), 2, "2bw", batch_size=8, n_microbatches=2, memory_limit="64MiB")
+    plan.plot(str(tmp_path / "plan.png"))
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_prints_the_table_and_draws(capsys, tmp_path: Path):
+    png = tmp_path / "plan.png"
+    code = main(["plan", "--model", "gpt", "--layers", "2", "--embd", "32", "--heads", "2", "--block-size", "16",
+                 "--stages", "2", "--algorithm", "pipedream", "--memory-limit", "1GiB", "--png", str(png)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "pipedream, 2 stages, batch 32 = 4 x 8 samples, objective memory, limit 1.00 GiB per stage" in out
+    assert out.count("/ 1.00 GiB") == 2 and "largest mini-batch within the limit" in out
+    assert png.exists()
+
+
+@pytest.mark.parametrize("argv,error", [
+    (["--memory-limit", "1KiB"], "the smallest per-stage limit that works is"),
+    ([], "--objective memory needs --memory-limit"),
+    (["--memory-limit", "lots"], "cannot read 'lots' as a memory size"),
+    (["--objective", "time", "--batch-size", "30"], "--batch-size 30 is not divisible by --microbatches 4"),
+])
+def test_cli_errors(capsys, argv, error):
+    code = main(["plan", "--model", "mlp", "--stages", "2", *argv])
+    assert code == 2
+    assert error in capsys.readouterr().err

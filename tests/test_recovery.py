@@ -275,3 +275,18 @@ def test_checkpoints_work_after_a_failed_step():
     other = pipecore.Pipeline(mlp(seed=5), 3, "pipedream", 4, loss_fn=nn.CrossEntropyLoss())
     other.load_state_dict(state)
     assert_same(pipe.step(*batches[2]), other.step(*batches[2]))
+
+
+def test_recover_false_keeps_no_copies_and_stops_at_an_error():
+    pipe = pipecore.Pipeline(mlp(), 3, "pipedream", 4, loss_fn=nn.CrossEntropyLoss(), recover=False)
+    batches = data(4)
+    pipe.step(*batches[0])
+    assert all(not st.undo_points for st in pipe.stages.values())
+    Fault(2, "F").arm(pipe)
+    with pytest.raises(Injected) as info:
+        pipe.step(*batches[1])
+    assert "recover=False" in info.value.__notes__[-1] and "cannot continue" in info.value.__notes__[-1]
+    with pytest.raises(RuntimeError, match="an earlier run stopped at an error"):
+        pipe.step(*batches[2])
+    with pytest.raises(TypeError, match="recover must be True or False"):
+        pipecore.Pipeline(mlp(), 3, "pipedream", 4, loss_fn=nn.CrossEntropyLoss(), recover=1)

@@ -35,7 +35,7 @@ from .lr import LrSchedule
 from .optim import SGD, build_optimizer
 from .partition import stage_starts
 from .stage import _GLOBAL_RANDOM, TensorStage, buffer_copies
-from .undo import Unrecoverable, UndoPoint, minibatches_in_flight, undo
+from .undo import Unrecoverable, UndoPoint, minibatches_in_flight, release, undo
 from .tied import StageTies
 
 _NONFINITE = ("raise", "skip")
@@ -103,6 +103,9 @@ class Pipeline:
             dtype. Activations that cross a cut may then be in either dtype. The ``swap`` backward rule
             becomes ``recompute`` under autocast (its weight casts are copies a swap cannot replace).
             Default None.
+        recover: take a failed step back (see :meth:`step`). It costs, per step and stage, a copy of the live
+            weights and the optimizer state (before the stage's first update of the step) and of the buffers.
+            False skips the copies; a failed step then leaves the pipeline unusable. Default True.
         **options: algorithm options (``backward_rule``, ``update_every``, ``lam``, ``alpha``, ...).
 
     Each micro-batch loss is divided by the number of micro-batches one update accumulates (``m`` for the
@@ -130,12 +133,16 @@ class Pipeline:
         lr_scheduler: Callable[..., Any] | None = None,
         clip_grad_norm: float | None = None,
         autocast: torch.dtype | None = None,
+        recover: bool = True,
         **options: Any,
     ):
         if concurrent is not None and not isinstance(concurrent, bool):
             raise TypeError(f"concurrent must be True, False or None (the default), got {concurrent!r}")
         if not isinstance(overlap_steps, bool):
             raise TypeError(f"overlap_steps must be True or False, got {overlap_steps!r}")
+        if not isinstance(recover, bool):
+            raise TypeError(f"recover must be True or False, got {recover!r}")
+        self.recover = recover
         if on_nonfinite not in _NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {_NONFINITE}, got {on_nonfinite!r}")
         if loss_fn is None:
@@ -240,6 +247,7 @@ class Pipeline:
         """Begin a fresh schedule (at construction and after every flush)."""
         for st in self.stages.values():
             st.restart()
+            release(st, st.undo_points)
             st.undo_points = []
         self._undo_steps = []
         self._fed = 0  # mini-batches given since the schedule started
@@ -405,6 +413,8 @@ class Pipeline:
     def _keep_undo_points(self, minibatch: int) -> None:
         """Before a step gives ``minibatch``: what each stage needs to go back to if it fails (and forget what
         was kept for the mini-batches complete on every stage, which no error can reach any more)."""
+        if not self.recover:
+            return
         m, every = self.n_microbatches, self.algorithm.update_every
         while self._undo_steps:
             j = self._undo_steps[0][0]
@@ -428,7 +438,9 @@ class Pipeline:
         self._undo_steps.append((minibatch, random, epoch))
         kept = {j * m for j, _, _ in self._undo_steps}
         for st in self.stages.values():
-            st.undo_points = [p for p in st.undo_points if p.first in kept] + [UndoPoint.at(st, minibatch * m)]
+            points = [p for p in st.undo_points if p.first in kept]
+            release(st, [p for p in st.undo_points if p.first not in kept], points)
+            st.undo_points = points + [UndoPoint.at(st, minibatch * m)]
 
     def _receive_loss(self, minibatch: int) -> float:
         """The loss the last rank published; a failure it reports instead is taken back like one of this rank."""
@@ -464,6 +476,10 @@ class Pipeline:
         failed = min([minibatch(a) for a, clean in self._executor.failed_actions if not clean] + [newest])
         self._recovering = True
         try:
+            if not self.recover:
+                if self.rank is not None:
+                    self._report_failure(exc)  # the other ranks still learn the cause
+                raise Unrecoverable("the pipeline was built with recover=False")
             counts = None
             if self.rank is not None:
                 failed, counts = self._agree_on_failure(exc, failed)

@@ -180,6 +180,7 @@ class TensorStage(StageWorker):
         # Where the pipeline can take this stage back to, one per mini-batch not yet complete (see engine.undo);
         # the pipeline replaces the list (stage threads read it), oldest first.
         self.undo_points: list[UndoPoint] = []
+        self.snapshot_pool: list[StageSnapshot] = []  # snapshots no point needs any more, reused (engine.undo)
         self._bind_module_to_live()
 
     # -- where and how the compute runs ----------------------------------------------------------

@@ -52,14 +52,47 @@ class StageSnapshot:
 
     @classmethod
     def of(cls, stage: "TensorStage", update: int, with_grad: bool) -> "StageSnapshot":
+        """The stage's state now, copied into the buffers of a snapshot it no longer needs if it has one (a
+        step's copies then cost no allocation: fresh pages of a large tensor cost more than the copy)."""
+        spare = stage.snapshot_pool.pop() if stage.snapshot_pool else None
         ties = stage.ties
         return cls(
-            update, stage.book.live, stage.book.updates, stage.ring.live.clone(),
-            stage.grad.clone() if with_grad else None, stage.grad_span,
-            copy.deepcopy(stage.optimizer.state_dict()), stage.optimizer.lr,
-            None if stage.velocity is None else stage.velocity.clone(),
+            update, stage.book.live, stage.book.updates, _copy(stage.ring.live, spare and spare.weights),
+            _copy(stage.grad, spare and spare.grad) if with_grad else None, stage.grad_span,
+            _copy_state(stage.optimizer.state_dict(), spare and spare.optimizer), stage.optimizer.lr,
+            None if stage.velocity is None else _copy(stage.velocity, spare and spare.velocity),
             None if ties is None else ties.counts(),
         )
+
+
+def release(stage: "TensorStage", points: Sequence["UndoPoint"], kept: Sequence["UndoPoint"] = ()) -> None:
+    """Give the snapshots of ``points`` that none of ``kept`` shares back to ``stage``, for reuse."""
+    keep = {id(p.snapshot) for p in kept}
+    for snapshot in {id(p.snapshot): p.snapshot for p in points if p.snapshot is not None}.values():
+        if id(snapshot) not in keep and len(stage.snapshot_pool) < _POOL:
+            stage.snapshot_pool.append(snapshot)
+
+
+_POOL = 2  # spare snapshots a stage keeps (one mini-batch in flight, or two)
+
+
+def _copy(source: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+    if into is not None and (into.shape, into.dtype, into.device) == (source.shape, source.dtype, source.device):
+        return into.copy_(source)
+    return source.clone()
+
+
+def _copy_state(source: Any, into: Any) -> Any:
+    """A copy of an optimizer's state (nested dicts and lists of tensors and plain values), into ``into``'s
+    tensors where they match."""
+    if isinstance(source, torch.Tensor):
+        return _copy(source, into if isinstance(into, torch.Tensor) else None)
+    if isinstance(source, dict):
+        return {k: _copy_state(v, into.get(k) if isinstance(into, dict) else None) for k, v in source.items()}
+    if isinstance(source, (list, tuple)):
+        parts = into if isinstance(into, (list, tuple)) and len(into) == len(source) else [None] * len(source)
+        return type(source)(_copy_state(v, i) for v, i in zip(source, parts))
+    return copy.deepcopy(source)
 
 
 @dataclass
@@ -124,6 +157,7 @@ def undo(stage: "TensorStage", point: UndoPoint) -> None:
             if not torch.equal(buffer, saved):
                 buffer.copy_(saved)
     stage._bind_module_to_live()
+    release(stage, stage.undo_points)
     stage.undo_points = []
 
 

@@ -53,6 +53,7 @@ from torch import nn
 from ..engine.graph import CapturedModel
 from ..engine.inputs import as_model_inputs
 from ..engine.optim import SGD, AdamW
+from ..engine.stage import buffer_copies
 from .costs import GraphCosts
 
 __all__ = ["profile"]
@@ -107,7 +108,7 @@ def profile(model: nn.Module, example_input: Any, *, leaf_modules: Sequence[type
     charged = _charge_parameters(captured)
     param_bytes = [sum(p.numel() * p.element_size() for p in ps) for ps in charged]
     cuda = [device.index] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda), _buffer_copies([model, captured.gm]), _on_device(device):
+    with torch.random.fork_rng(devices=cuda), buffer_copies([model, captured.gm]), _on_device(device):
         state = _optimizer_state(optimizer, [p for ps in charged for p in ps], device)
         optimizer_bytes = [sum(state[id(p)] for p in ps) for ps in charged]
         measured = _Profiler(captured, device, warmup, repeats).run(values, progress)
@@ -279,7 +280,7 @@ class _Profiler:
         self.gm = captured.gm
         self.device = device
         self.warmup, self.repeats = warmup, repeats
-        # Inside _buffer_copies: the buffers here are the copies, which is what nodes read.
+        # Inside buffer_copies: the buffers here are the copies, which is what nodes read.
         model = captured.model
         frozen = [*model.parameters(), *model.buffers(), *self.gm.parameters(), *self.gm.buffers()]
         self.frozen_ids = {id(t) for t in frozen}
@@ -568,28 +569,6 @@ def _on_device(device: torch.device) -> Iterator[None]:
             yield
     else:
         yield
-
-
-@contextlib.contextmanager
-def _buffer_copies(modules: Sequence[nn.Module]) -> Iterator[None]:
-    """Inside the block, every buffer of ``modules`` is a copy (one per tensor, so a buffer held in several
-    places stays shared); afterwards the originals are back, untouched (not even their version counters,
-    which autograd checks), whatever the block wrote to the copies."""
-    copies: dict[int, torch.Tensor] = {}
-    swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
-    for m in {id(m): m for root in modules for m in root.modules()}.values():
-        for name, b in list(m._buffers.items()):
-            if b is None:
-                continue
-            if id(b) not in copies:
-                copies[id(b)] = b.detach().clone()
-            m._buffers[name] = copies[id(b)]
-            swapped.append((m, name, b))
-    try:
-        yield
-    finally:
-        for m, name, original in swapped:
-            m._buffers[name] = original
 
 
 class _Progress:

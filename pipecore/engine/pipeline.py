@@ -32,6 +32,7 @@ from .inputs import Batch, as_model_inputs, as_payload, split_batch, to_device
 from .clip import (ClipDependencies, DistributedGlobalNorm, GlobalNorm, GradClip, LocalGlobalNorm, check_max_norm,
                    flushes_every_minibatch)
 from .lr import LrSchedule
+from .memory import peak_bytes
 from .optim import SGD, build_optimizer
 from .partition import stage_starts
 from .stage import _GLOBAL_RANDOM, TensorStage, buffer_copies
@@ -860,8 +861,10 @@ class Pipeline:
         collective with one process per stage): layers, versions held, bytes of weight versions (and of the
         scratch buffer for derived weights and PipeMare's velocity, each one weight-sized), staleness
         seen (``staleness``: live minus read version; ``delay``: updates between a forward's read and its
-        backward), the learning rate of the stage's next update (``lr``, before per-stage scaling), and the
-        median seconds of the stage's recent actions of each kind."""
+        backward), the learning rate of the stage's next update (``lr``, before per-stage scaling), the peak
+        memory measured while training (``peak_bytes``: on CUDA the allocator's peak of the stage's device, on
+        the CPU the stage's account of what it allocates and what its micro-batches in flight keep; see
+        ``pipecore.engine.memory``), and the median seconds of the stage's recent actions of each kind."""
         if all_stages:
             return sorted((st for part in self._gather(self.stats()) for st in part), key=lambda st: st["stage"])
         self.synchronize()
@@ -881,6 +884,7 @@ class Pipeline:
                 "live_version": st.book.live,
                 "lr": st.next_lr(),
                 "grad_norm": None if st.clip is None else st.clip.last_norm,
+                "peak_bytes": peak_bytes(st),
                 "staleness_mean": stale.mean,
                 "staleness_max": stale.max,
                 "delay_mean": delay.mean,

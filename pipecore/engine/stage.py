@@ -38,6 +38,7 @@ from .clip import GradClip
 from .lr import LrSchedule
 from .optim import LrScales, StageOptimizer, uniform_scale
 from .split_backward import PendingWeightGradients, input_gradient, weight_gradients
+from .memory import MemoryAccount
 from .undo import StageSnapshot, UndoPoint
 
 
@@ -146,6 +147,7 @@ class TensorStage(StageWorker):
         self._stable_storages = {self.ring.buffer.untyped_storage().data_ptr()}
         if self.scratch is not None:
             self._stable_storages.add(self.scratch.untyped_storage().data_ptr())
+        self.memory = MemoryAccount(self._stable_storages)  # the weights' storages count as allocated once
         index = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
         named = dict(module.named_parameters())
         self._module_params = [named[name] for name in self.layout.names]  # in the flat layout's order
@@ -291,6 +293,7 @@ class TensorStage(StageWorker):
     # -- saved-tensor hooks: weights are saved as references ------------------------------------
 
     def _pack(self, t: torch.Tensor) -> Any:
+        self.memory.note(t)
         flat = self._packing
         if flat is not None and t.device == flat.device and t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
             offset = t.storage_offset() - flat.storage_offset()
@@ -404,38 +407,41 @@ class TensorStage(StageWorker):
         inputs = self._stage_inputs(payload)
         target = self.target(k) if self.is_last else None
         self.mutated = True  # the module may update buffers (BatchNorm) and draws random numbers
-        if rule == "recompute":
-            with _GLOBAL_RANDOM, torch.no_grad():
-                rng = self._random_state()
-                with self._autocast():
-                    y = self._forward_checked(self._views(weights), inputs)
-                    if self.is_last:
-                        self._loss(k, y, target)
-                if not self.is_last:
-                    y = self._stage_outputs(y)
-            record = _InFlight(inputs, None, None, None, rng, target)
-        else:
-            leaves = self._leaves(weights)
-            if rule == "swap":
-                # Saved weights become references, resolved to the backward's weights when it runs.
-                self._packing = weights
-                tracker = self._weight_tracker = None if self._swap_checked else _WeightDerived(leaves, inputs)
-                try:
-                    with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
-                            (tracker if tracker is not None else nullcontext()):
+        with self.memory.counting((*inputs, target)) as kept:
+            if rule == "recompute":
+                with _GLOBAL_RANDOM, torch.no_grad():
+                    rng = self._random_state()
+                    with self._autocast():
+                        y = self._forward_checked(self._views(weights), inputs)
+                        if self.is_last:
+                            self._loss(k, y, target)
+                    if not self.is_last:
+                        y = self._stage_outputs(y)
+                record = _InFlight(inputs, None, None, None, rng, target)
+            else:
+                leaves = self._leaves(weights)
+                if rule == "swap":
+                    # Saved weights become references, resolved to the backward's weights when it runs.
+                    self._packing = weights
+                    tracker = self._weight_tracker = None if self._swap_checked else _WeightDerived(leaves, inputs)
+                    try:
+                        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
+                                (tracker if tracker is not None else nullcontext()):
+                            y = self._forward_checked(leaves, inputs)
+                            loss = self._loss(k, y, target) if self.is_last else None
+                    finally:
+                        self._packing = self._weight_tracker = None
+                    self._swap_checked = True
+                else:
+                    # stash: the graph keeps the forward's own weights, which stay pinned until the backward.
+                    with self._autocast(), torch.autograd.graph.saved_tensors_hooks(self.memory.pack, _same):
                         y = self._forward_checked(leaves, inputs)
                         loss = self._loss(k, y, target) if self.is_last else None
-                finally:
-                    self._packing = self._weight_tracker = None
-                self._swap_checked = True
-            else:
-                # stash: the graph keeps the forward's own weights, which stay pinned until the backward.
-                with self._autocast():
-                    y = self._forward_checked(leaves, inputs)
-                    loss = self._loss(k, y, target) if self.is_last else None
-            if not self.is_last:
-                y = self._stage_outputs(y)
-            record = _InFlight(inputs, leaves, loss if self.is_last else y, weights if rule == "stash" else None, None)
+                if not self.is_last:
+                    y = self._stage_outputs(y)
+                stashed = weights if rule == "stash" else None
+                record = _InFlight(inputs, leaves, loss if self.is_last else y, stashed, None)
+        self.memory.forwarded(k, kept, () if self.is_last else y)
         self.in_flight[k] = record
         self.sync_ring()
         self._timed("F", t0)
@@ -455,10 +461,13 @@ class TensorStage(StageWorker):
                 cuda = [self.device] if self.device.type == "cuda" else []
                 # The forward's random state (dropout masks) and buffers: the recomputation must draw the
                 # same masks, and BatchNorm must not count the micro-batch in its running statistics twice.
-                with _GLOBAL_RANDOM, torch.random.fork_rng(devices=cuda), buffer_copies([self.module]), self._autocast():
+                with _GLOBAL_RANDOM, torch.random.fork_rng(devices=cuda), buffer_copies([self.module]), \
+                        self._autocast(), self.memory.counting() as recomputed, \
+                        torch.autograd.graph.saved_tensors_hooks(self.memory.pack, _same):
                     self._set_random_state(rec.rng_state)
                     y = self._run_module(params, inputs)
                     output = self._loss_fn(y, rec.target) / self.algorithm.update_every if self.is_last else tuple(y)
+                self.memory.transient(sum(recomputed.values()))
                 leaves = params
             else:
                 leaves, output, inputs = rec.leaves, rec.outputs, rec.inputs
@@ -509,6 +518,7 @@ class TensorStage(StageWorker):
         undone by putting the micro-batch back."""
         self.mutated = True
         del self.in_flight[k]
+        self.memory.backwarded(k)
         self.grad_span = (k, k) if self.grad_span is None else (min(self.grad_span[0], k), max(self.grad_span[1], k))
 
     def finish_backward(self) -> None:
@@ -722,6 +732,7 @@ class TensorStage(StageWorker):
         self._leaf_cache.clear()
         self._stable_storages = {self.ring.buffer.untyped_storage().data_ptr()} | (
             {self.scratch.untyped_storage().data_ptr()} if self.scratch is not None else set())
+        self.memory.excluded = self._stable_storages
         self.pinned_versions = set()
         self.book.load(version, updates)
         self.optimizer.load_state_dict(optimizer_state)
@@ -769,6 +780,10 @@ def _tensors(payload: Any) -> list[torch.Tensor]:
     if isinstance(payload, tuple):
         return [t for t in payload if isinstance(t, torch.Tensor)]
     return []
+
+
+def _same(t: Any) -> Any:
+    return t
 
 
 def _describe(value: Any, names: Sequence[str] = ()) -> str:

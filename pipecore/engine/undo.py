@@ -121,6 +121,7 @@ def undo(stage: "TensorStage", point: UndoPoint) -> None:
                             f"an update group that straddles the failed mini-batch")
     for k in [k for k in stage.in_flight if k >= first]:
         del stage.in_flight[k]
+    stage.memory.forget(first)
     for table in (stage.losses, stage._unread_losses):
         for k in [k for k in table if k >= first]:
             del table[k]

@@ -32,6 +32,11 @@ class GraphCosts:
         device: where they were measured (``"cpu"``, ``"cuda:0"``, or ``"synthetic"``).
         input_bytes: bytes of the graph's own inputs (what the first stage receives per micro-batch); 0 when
             not measured.
+        crossing_saved_before, crossing_saved_after: entry ``c`` for ``c`` in ``0..N-1`` (position 0: the
+            graph's inputs): bytes of the values crossing a cut before node ``c`` that a node saves for its
+            backward, first before ``c`` (the sending stage keeps the value anyway, so the bytes it sends cost
+            it nothing more) or first at or after ``c`` (likewise for the receiving stage). Empty when not
+            measured (taken as zeros).
     """
 
     names: tuple[str, ...]
@@ -45,6 +50,8 @@ class GraphCosts:
     microbatch_size: int = 1
     device: str = "synthetic"
     input_bytes: int = 0
+    crossing_saved_before: tuple[int, ...] = ()
+    crossing_saved_after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -65,6 +72,13 @@ class GraphCosts:
             raise ValueError(f"GraphCosts.crossing_bytes holds a negative entry: {list(self.crossing_bytes)}")
         if self.input_bytes < 0:
             raise ValueError(f"GraphCosts.input_bytes must be >= 0, got {self.input_bytes}")
+        for field in ("crossing_saved_before", "crossing_saved_after"):
+            values = getattr(self, field)
+            if values and len(values) != n:
+                raise ValueError(f"GraphCosts.{field} has {len(values)} entries; it has one per cut position "
+                                 f"0..{n - 1} ({n}), or none")
+            if any(v < 0 for v in values):
+                raise ValueError(f"GraphCosts.{field} holds a negative entry: {list(values)}")
 
     def __len__(self) -> int:
         return len(self.names)
@@ -84,4 +98,5 @@ class GraphCosts:
             self.names, tuple(t * r for t in self.forward_s), tuple(t * r for t in self.backward_s),
             scaled(self.output_bytes), scaled(self.saved_bytes), self.param_bytes, self.optimizer_bytes,
             scaled(self.crossing_bytes), samples, self.device, int(round(self.input_bytes * r)),
+            scaled(self.crossing_saved_before), scaled(self.crossing_saved_after),
         )

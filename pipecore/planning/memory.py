@@ -151,6 +151,9 @@ class StageModel:
         # Bytes crossing into position c: the graph's inputs at 0, the crossing values inside, nothing at n.
         self._crossing = [costs.input_bytes, *costs.crossing_bytes, 0]
         assert len(self._crossing) == n + 1
+        # What of a crossing a stage keeps anyway, because one of its nodes saves it (see GraphCosts).
+        self._sent_saved = [*(costs.crossing_saved_before or [0] * n), 0]
+        self._received_saved = [*(costs.crossing_saved_after or [0] * n), 0]
         self._paths: dict[tuple[int, int, int], _Path] = {}
 
     # -- range sums ----------------------------------------------------------------------------------
@@ -219,10 +222,12 @@ class StageModel:
           whole stage under ``backward_rule="recompute"``);
         * boundary ``k * (crossing(start) + crossing(end))``: each in-flight micro-batch's received input
           and sent output stay alive until its backward (inferred; the first stage's input is
-          ``GraphCosts.input_bytes``, the last stage sends nothing that is kept).
+          ``GraphCosts.input_bytes``, the last stage sends nothing that is kept), less what the stage's nodes
+          save of them (``GraphCosts.crossing_saved_after`` at the start, ``crossing_saved_before`` at the end),
+          which is one tensor counted in the activations.
 
-        First-order: values counted in a node's saved bytes and in a crossing (a stage input the first node
-        saves) are counted twice, and transient buffers of one forward or backward are not counted.
+        First-order: a value saved before the stage and crossing it to a later one is taken as saved in this
+        stage, and transient buffers of one forward or backward are not counted.
         """
         self.check_range(start, end, stage)
         segments = self.check_segments(start, end, recomputed)
@@ -245,7 +250,9 @@ class StageModel:
             optimizer=self.optimizer(start, end),
             activations=k * kept,
             recomputation=transient,
-            boundary=k * (self.crossing(start) + self.crossing(end)),
+            # Under recomputation of the whole stage its forward saves nothing: both crossings are kept apart.
+            boundary=k * (self.crossing(start) + self.crossing(end)) if z.recompute_all else
+            k * (self.crossing(start) - self._received_saved[start] + self.crossing(end) - self._sent_saved[end]),
         )
 
     def recomputation_path(self, start: int, end: int, stage: int) -> list[tuple[tuple[Segment, ...], StageMemory]]:

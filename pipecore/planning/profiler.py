@@ -16,7 +16,9 @@ Each node is then measured in isolation:
   on CUDA with CUDA events, synchronising only before and after each node's runs.
 * saved bytes: the storages autograd saves for the node's backward during one extra forward, seen through
   ``torch.autograd.graph.saved_tensors_hooks``; each storage counts once and whole (a saved view keeps all of
-  the tensor it views alive), and storages of parameters and buffers are left out.
+  the tensor it views alive), and storages of parameters and buffers are left out. A value saved by several
+  nodes (a convolution's output that BatchNorm saves, or a ReLU's output the next Linear saves) is one tensor
+  in training: it is charged once, to the first node that saves it.
 * output bytes: the bytes of every tensor in the node's output structure (their own elements, not the
   storage they view); crossing bytes: the bytes of the values produced before a cut (the model's inputs
   included) and used at or after it (the graph's output included), as :meth:`CapturedModel.split` decides
@@ -24,8 +26,9 @@ Each node is then measured in isolation:
 
 Limits. Isolated nodes do not see what happens across nodes: kernels fused across node boundaries, caches
 warmed by the previous node, overlap of one node's work with the next's, and autograd's cost of
-accumulating a gradient that several users of one value send back. A tensor saved by two nodes (a value read
-by two nodes that both save it) is counted at each. Tensors kept on ``ctx`` other than through
+accumulating a gradient that several users of one value send back. A node that writes its input in place
+runs on a copy, so a value it saves is not matched with the input it would share in training (it is charged
+again). Tensors kept on ``ctx`` other than through
 ``save_for_backward`` are not seen. Values whose shapes depend on data see the example input's values only.
 A node that modifies an input in place runs on clones of its inputs (copied outside the timed region).
 A node none of whose outputs needs a gradient has a backward time of 0. Nodes run in the parameters' dtype,
@@ -111,9 +114,11 @@ def profile(model: nn.Module, example_input: Any, *, leaf_modules: Sequence[type
     with torch.random.fork_rng(devices=cuda), buffer_copies([model, captured.gm]), _on_device(device):
         state = _optimizer_state(optimizer, [p for ps in charged for p in ps], device)
         optimizer_bytes = [sum(state[id(p)] for p in ps) for ps in charged]
-        measured = _Profiler(captured, device, warmup, repeats).run(values, progress)
+        profiler = _Profiler(captured, device, warmup, repeats)
+        measured = profiler.run(values, progress)
 
     n = len(captured.nodes)
+    before, after = _crossing_saved(captured, measured.value_bytes, profiler.first_saver)
     return GraphCosts(
         names=tuple(node.name for node in captured.nodes),
         forward_s=tuple(m.forward_s for m in measured.nodes),
@@ -126,6 +131,8 @@ def profile(model: nn.Module, example_input: Any, *, leaf_modules: Sequence[type
         microbatch_size=microbatch,
         device=str(device),
         input_bytes=sum(measured.value_bytes[p] for p in captured.placeholders if p.users),
+        crossing_saved_before=tuple(before[:n]),
+        crossing_saved_after=tuple(after[:n]),
     )
 
 
@@ -287,6 +294,13 @@ class _Profiler:
         self.frozen_storages = {_storage_key(t) for t in frozen}
         self.params = {id(p) for p in (*model.parameters(), *self.gm.parameters())}
         self.trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+        # Storages of the graph's values already charged as saved, and the storages themselves (held, so that
+        # their addresses cannot be reused by later values: a training forward keeps them all too).
+        self.charged: set[Any] = set()
+        self.charged_storages: list[Any] = []
+        self.producer: dict[Any, fx.Node] = {}  # storage key -> the placeholder or node whose value it holds
+        self.first_saver: dict[fx.Node, int] = {}  # value -> index of the first compute node that saves it
+        self.index = {node: i for i, node in enumerate(captured.nodes)}
 
     def run(self, inputs: dict[str, torch.Tensor], progress: bool) -> _Measured:
         graph_nodes = list(self.gm.graph.nodes)
@@ -300,6 +314,7 @@ class _Profiler:
                     if node.users:
                         env[node] = inputs[str(node.target)]
                         out.value_bytes[node] = _value_bytes(env[node])
+                        self.producer.update((key, node) for key, _ in _storages(list(_tensors(env[node]))))
                 elif node.op == "get_attr":
                     env[node] = _fetch_attr(self.gm, str(node.target))
                 elif node.op == "output":
@@ -344,7 +359,7 @@ class _Profiler:
             watched = {id(t): (t, t._version, t.clone()) for t in _tensors((args, kwargs))
                        if id(t) not in self.frozen_ids}
             try:
-                saved = self._saved_bytes(fn, args, kwargs, clone=False)
+                saved, counted = self._saved_bytes(fn, args, kwargs, clone=False)
             except RuntimeError as exc:
                 if "in-place" not in str(exc) and "inplace" not in str(exc):
                     raise
@@ -356,7 +371,7 @@ class _Profiler:
                         clone = True
             del watched
         if clone:
-            saved = self._saved_bytes(fn, args, kwargs, clone=True)
+            saved, counted = self._saved_bytes(fn, args, kwargs, clone=True)
 
         mark, seconds = _clock(self.device)
         own_params = [p for p in self._node_parameters(node, args) if p.requires_grad]
@@ -387,7 +402,29 @@ class _Profiler:
         forward_s = statistics.median(seconds(s, e) for s, e in forward_marks)
         backward_s = statistics.median(seconds(s, e) for s, e in backward_marks) if backward_marks else 0.0
         value = _map_tensors(result, lambda t: t.detach().requires_grad_(t.requires_grad))
-        return _NodeCost(forward_s, backward_s, _value_bytes(value), saved), value
+        for key, _ in _storages(list(_tensors(value))):
+            self.producer.setdefault(key, node)  # (a view of an input keeps the input's producer)
+        return _NodeCost(forward_s, backward_s, _value_bytes(value), self._charge(node, saved, counted, value)), value
+
+    def _charge(self, node: fx.Node, saved: dict[Any, tuple[int, Any]], counted: Any, value: Any) -> int:
+        """The bytes of ``saved`` not charged to an earlier node. A value saved by several nodes (a
+        convolution's output that BatchNorm saves as its input and a ReLU saves again) is kept once in
+        training, so it is charged once, to the first. The counting run made its own output tensors: its
+        storages stand for those of ``value``, which later nodes receive."""
+        outputs = [key for key, _ in _storages(list(_tensors(counted)))]
+        real = dict(zip(outputs, ((key, t) for (key, _), t in zip(_storages(list(_tensors(value))),
+                                                                   _tensors(value)))))
+        total = 0
+        for key, (nbytes, tensor) in saved.items():
+            key, tensor = real.get(key, (key, tensor))
+            if key not in self.charged:
+                self.charged.add(key)
+                self.charged_storages.append(tensor.untyped_storage())
+                total += nbytes
+                producer = self.producer.get(key)
+                if producer is not None:
+                    self.first_saver.setdefault(producer, self.index[node])
+        return total
 
     def _node_parameters(self, node: fx.Node, args: Any) -> list[torch.Tensor]:
         """The parameters a node reads: its module's, and parameters among its arguments."""
@@ -421,21 +458,21 @@ class _Profiler:
         a, k = _map_tensors((args, kwargs), prepare)
         return a, k, leaves
 
-    def _saved_bytes(self, fn: Callable[..., Any], args: Any, kwargs: Any, clone: bool) -> int:
-        """Bytes of the storages autograd saves during one forward of the node, parameters' and buffers'
-        excluded, each storage once."""
+    def _saved_bytes(self, fn: Callable[..., Any], args: Any, kwargs: Any, clone: bool) -> tuple[dict[Any, Any], Any]:
+        """The storages autograd saves during one forward of the node (key -> bytes and a tensor on it),
+        parameters' and buffers' excluded, each once; and that forward's result."""
         a, k, _ = self._prepare(args, kwargs, clone)
-        saved: dict[Any, int] = {}
+        saved: dict[Any, tuple[int, torch.Tensor]] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             for key, nbytes in _storages([t]):
                 if key not in self.frozen_storages:
-                    saved[key] = nbytes
+                    saved[key] = (nbytes, t)
             return t
 
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            fn(*a, **k)
-        return sum(saved.values())
+            counted = fn(*a, **k)
+        return saved, counted
 
 
 def _may_write_inputs(node: fx.Node, fn: Callable[..., Any]) -> bool:
@@ -453,12 +490,36 @@ def _fetch_attr(root: nn.Module, qualname: str) -> Any:
     return value
 
 
-def _crossing_bytes(captured: CapturedModel, value_bytes: dict[fx.Node, int]) -> list[int]:
-    """Entry ``c`` for ``c`` in ``0..N``: bytes of the values produced before node ``c`` (inputs at -1) and
-    used at node ``c`` or later (the output at ``N``); parameters and buffers (``get_attr``) never cross."""
+def _crossing_saved(captured: CapturedModel, value_bytes: dict[fx.Node, int], first_saver: dict[fx.Node, int]
+                    ) -> tuple[list[int], list[int]]:
+    """Per cut position ``c`` in ``0..N``, the bytes of the values crossing it that a node saves: first before
+    ``c`` (the stage that sends the value keeps it anyway) and first at or after ``c`` (the stage that receives
+    it keeps it anyway)."""
     n = len(captured.nodes)
     position = {node: i for i, node in enumerate(captured.nodes)}
     position.update({p: -1 for p in captured.placeholders})
+    last = _last_uses(captured, position)
+    before, after = [0] * (n + 2), [0] * (n + 2)
+    for value, end in last.items():
+        saver, nbytes = first_saver.get(value), value_bytes.get(value, 0)
+        start = position[value] + 1
+        if saver is None or start > end:
+            continue
+        # Cuts start..saver see the saver after them; cuts saver+1..end see it before.
+        after[start] += nbytes
+        after[min(saver, end) + 1] -= nbytes
+        if saver + 1 <= end:
+            before[saver + 1] += nbytes
+            before[end + 1] -= nbytes
+    for c in range(1, n + 2):
+        before[c] += before[c - 1]
+        after[c] += after[c - 1]
+    return before[: n + 1], after[: n + 1]
+
+
+def _last_uses(captured: CapturedModel, position: dict[fx.Node, int]) -> dict[fx.Node, int]:
+    """Per value, the position of its last user (``N`` for the graph's output)."""
+    n = len(captured.nodes)
     last: dict[fx.Node, int] = {}
     for node in captured.gm.graph.nodes:
         if node.op in ("placeholder", "get_attr"):
@@ -467,6 +528,16 @@ def _crossing_bytes(captured: CapturedModel, value_bytes: dict[fx.Node, int]) ->
         for arg in node.all_input_nodes:
             if arg.op != "get_attr":
                 last[arg] = max(last.get(arg, -1), at)
+    return last
+
+
+def _crossing_bytes(captured: CapturedModel, value_bytes: dict[fx.Node, int]) -> list[int]:
+    """Entry ``c`` for ``c`` in ``0..N``: bytes of the values produced before node ``c`` (inputs at -1) and
+    used at node ``c`` or later (the output at ``N``); parameters and buffers (``get_attr``) never cross."""
+    n = len(captured.nodes)
+    position = {node: i for i, node in enumerate(captured.nodes)}
+    position.update({p: -1 for p in captured.placeholders})
+    last = _last_uses(captured, position)
     # A value crosses the cuts c with produced < c <= last: add its bytes over that range.
     change = [0] * (n + 2)
     for value, end in last.items():

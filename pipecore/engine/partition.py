@@ -121,9 +121,4 @@ def _plan_starts(plan: "Plan", num_stages: int, nodes: int) -> list[int]:
     if len(plan.costs) != nodes:
         raise ValueError(f"the plan was made for a graph of {len(plan.costs)} nodes, this model captures {nodes}: "
                          "plan the same model (and leaf_modules) as the pipeline trains")
-    if any(plan.recomputed):
-        segments = {s: list(r) for s, r in enumerate(plan.recomputed) if r}
-        raise ValueError(f"the plan recomputes node segments {segments} (stage: [start, end) ranges); the pipeline "
-                         "does not recompute segments of a stage yet. Plan without recomputation (objective='time', "
-                         "or a larger memory_limit), or recompute whole stages with backward_rule='recompute'")
     return list(plan.starts)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..algorithms import get_algorithm
+from ..planning.planner import Plan
 from ..runtime.distributed import PeerError
 from ..runtime.executor import Costs, Event, Executor
 from ..runtime.ties import LocalTiedGradients
@@ -35,6 +36,7 @@ from .lr import LrSchedule
 from .memory import peak_bytes
 from .optim import SGD, build_optimizer
 from .partition import stage_starts
+from .recompute import recompute_segments
 from .stage import _GLOBAL_RANDOM, TensorStage, buffer_copies
 from .undo import Unrecoverable, UndoPoint, minibatches_in_flight, release, undo
 from .tied import StageTies
@@ -155,6 +157,8 @@ class Pipeline:
         self.on_nonfinite = on_nonfinite
         self.captured = captured = CapturedModel(model, leaf_modules, example_input)
         graphs = captured.split(stage_starts(captured, num_stages, partition))
+        if isinstance(partition, Plan) and any(partition.recomputed):
+            self._recompute_planned(partition, graphs)
         self.stage_graphs = graphs
         self.stage_layers = [list(g.modules) for g in graphs]
         # The state_dict keys of every stage, this process's or not (a full state names them all).
@@ -264,6 +268,18 @@ class Pipeline:
             source=self._inputs.pop, keep_events=False, on_event=self._observe,
             needs=self._needs(None if sync is None else sync.needs), threads=self._threads,
         )
+
+    def _recompute_planned(self, plan: Plan, graphs: Sequence[StageGraph]) -> None:
+        """Make the plan's recomputed node ranges segments that the stages recompute in the backward."""
+        rule = self.algorithm.backward_rule
+        if rule != "stash":
+            raise ValueError(f"the plan recomputes segments of stages, which needs the 'stash' backward rule (the "
+                             f"segment is recomputed with the weights its forward read); {self.algorithm.name} uses "
+                             f"{rule!r}: pass backward_rule='stash', or plan without recomputation")
+        names = [node.name for node in self.captured.nodes]
+        for s, segments in enumerate(plan.recomputed):
+            if segments:
+                recompute_segments(graphs[s].module, [names[i:j] for i, j in segments])
 
     def _needs(self, ties: Callable[[Action], Sequence[tuple[int, Kind, int]]] | None
                ) -> Callable[[Action], Sequence[tuple[int, Kind, int]]] | None:

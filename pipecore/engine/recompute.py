@@ -1,0 +1,101 @@
+"""Recomputed segments: parts of a stage whose forward is run again in the backward instead of kept.
+
+A plan (``pipecore.plan``) may recompute node ranges ``[i, j)`` of a stage to fit a memory limit. Each range
+becomes a :class:`Recomputed` module in the stage's generated graph: its forward runs the segment under
+``torch.utils.checkpoint`` (non-reentrant), which keeps only the segment's inputs and drops what the segment's
+nodes save; the backward recomputes the segment, with the same random state (dropout masks), with the weights
+the forward read (they are passed to the checkpoint, not looked up again: by the backward the stage's modules
+hold other weights), and on copies of the buffers (BatchNorm counts each micro-batch once).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .stage import buffer_copies
+
+
+class Recomputed(nn.Module):
+    """A segment of a stage's graph, recomputed in the backward (see the module docstring)."""
+
+    def __init__(self, segment: fx.GraphModule):
+        super().__init__()
+        self.segment = segment
+
+    def forward(self, *inputs: Any) -> Any:
+        # The weights the segment's modules hold now (the stage swapped in those its forward reads).
+        slots = [(m, name, p) for m in self.segment.modules() for name, p in m._parameters.items() if p is not None]
+        weights = list({id(p): p for _, _, p in slots}.values())
+        where = {id(w): i for i, w in enumerate(weights)}
+        places = [(m, name, where[id(p)]) for m, name, p in slots]
+        count = len(inputs)
+        first = [True]
+
+        def run(*values: Any) -> Any:
+            if first[0]:  # the forward itself: the modules hold these weights already
+                first[0] = False
+                return self.segment(*values[:count])
+            with _holding(places, values[count:]), buffer_copies([self.segment]):
+                return self.segment(*values[:count])
+
+        return checkpoint(run, *inputs, *weights, use_reentrant=False, preserve_rng_state=True)
+
+
+@contextmanager
+def _holding(places: Sequence[tuple[nn.Module, str, int]], weights: Sequence[torch.Tensor]) -> Iterator[None]:
+    originals = [m._parameters[name] for m, name, _ in places]
+    try:
+        for m, name, i in places:
+            m._parameters[name] = weights[i]
+        yield
+    finally:
+        for (m, name, _), original in zip(places, originals):
+            m._parameters[name] = original
+
+
+def recompute_segments(gm: fx.GraphModule, segments: Sequence[Sequence[str]]) -> None:
+    """Rewrite ``gm`` (a stage's generated module) so that each segment, a run of consecutive compute nodes
+    named in order, is one :class:`Recomputed` call whose outputs replace the segment's values."""
+    graph = gm.graph
+    for k, names in enumerate(segments):
+        wanted = set(names)
+        nodes = [n for n in graph.nodes if n.name in wanted]
+        if [n.name for n in nodes] != list(names):
+            raise ValueError(f"recomputed segment {list(names)} is not a run of this stage's nodes")
+        inside = set(nodes)
+        inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes
+                                    if a not in inside and a.op != "get_attr"))
+        outputs = [n for n in nodes if any(user not in inside for user in n.users)]
+        sub = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {a: sub.placeholder(a.name) for a in inputs}
+
+        def value(arg: fx.Node) -> fx.Node:
+            if arg not in env:  # a parameter or buffer read: repeated inside the segment
+                env[arg] = sub.node_copy(arg, value)
+            return env[arg]
+
+        for n in nodes:
+            env[n] = sub.node_copy(n, value)
+        sub.output(tuple(env[n] for n in outputs))
+        name = f"recomputed_{k}"
+        gm.add_submodule(name, Recomputed(fx.GraphModule(gm, sub, f"Segment{k}")))
+        with graph.inserting_before(nodes[0]):
+            call = graph.call_module(name, tuple(inputs))
+            results = [graph.call_function(_item, (call, i)) for i in range(len(outputs))]
+        for n, result in zip(outputs, results):
+            n.replace_all_uses_with(result, delete_user_cb=lambda user: user not in inside)
+        for n in reversed(nodes):
+            graph.erase_node(n)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+
+
+def _item(values: tuple[Any, ...], i: int) -> Any:
+    return values[i]

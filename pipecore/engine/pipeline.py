@@ -66,7 +66,8 @@ class Pipeline:
         loss_fn: ``loss_fn(output, target)`` returning the mean loss of a micro-batch.
         partition: None (balanced by parameter count, cutting only where a module starts) or where stages
             ``1..P-1`` start: compute-node indices of the captured graph (for an ``nn.Sequential``, layer
-            indices) or module names such as ``"blocks.3"`` (see :meth:`describe`).
+            indices) or module names such as ``"blocks.3"`` (see :meth:`describe`); or a plan from
+            :func:`pipecore.plan`: its cuts, and its recomputed node ranges, recomputed in the backward.
         on_nonfinite: ``"raise"`` (default: :class:`NonFiniteLoss`, after the mini-batch is undone, see
             :meth:`step`) or ``"skip"`` (drop the update a NaN/inf loss belongs to).
         timeout: seconds a stage waits for a neighbour's message before raising: a rank for another rank, or
@@ -124,7 +125,7 @@ class Pipeline:
         n_microbatches: int = 4,
         optimizer: Any = None,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-        partition: Sequence[int] | None = None,
+        partition: Sequence[int | str] | Plan | None = None,
         on_nonfinite: str = "raise",
         timeout: float = 30.0,
         split_backward: bool = False,
@@ -446,7 +447,7 @@ class Pipeline:
                     break
             self._undo_steps.pop(0)
         epoch = 0
-        if isinstance(self._tie_exchange, LocalTiedGradients):
+        if self._tie_exchange is not None:
             oldest = self._undo_steps[0][2] if self._undo_steps else None
             epoch = self._tie_exchange.new_epoch(forget_before=oldest)
         cuda = sorted({st.device.index or 0 for st in self.stages.values() if st.device.type == "cuda"})
@@ -497,9 +498,9 @@ class Pipeline:
                 if self.rank is not None:
                     self._report_failure(exc)  # the other ranks still learn the cause
                 raise Unrecoverable("the pipeline was built with recover=False")
-            counts = None
+            counts = tie_counts = None
             if self.rank is not None:
-                failed, counts = self._agree_on_failure(exc, failed)
+                failed, counts, tie_counts = self._agree_on_failure(exc, failed)
             first = failed * m
             step = next((entry for entry in self._undo_steps if entry[0] == failed), None)
             undone_from: dict[int, int] = {}  # per stage, the first update undone
@@ -519,6 +520,11 @@ class Pipeline:
                 self._global_norm.discard(min(st.book.updates for st in self.stages.values()))
             if counts is not None:
                 self._transport.resync(counts, keep=lambda kind, k: k < first)
+            if tie_counts is not None:
+                # The tied gradients' streams likewise: groups before micro-batch `first` wait for their reduce,
+                # later ones were withdrawn (every owner numbers the groups alike; a rank owning no tie has none).
+                ties = self.stages[self.rank].ties
+                self._tie_exchange.resync(tie_counts, 0 if ties is None else ties.group_of(first))
             if failed > 0:
                 self._executor.recover(self.algorithm.schedule(failed), keep=kept,
                                        drop_message=lambda stage, kind, k: k >= first)
@@ -551,20 +557,35 @@ class Pipeline:
         finally:
             self._recovering = False
 
-    def _agree_on_failure(self, exc: BaseException, failed: int) -> tuple[int, list[dict[str, Any]]]:
+    def _agree_on_failure(self, exc: BaseException, failed: int
+                          ) -> tuple[int, list[dict[str, Any]], list[dict[str, Any]] | None]:
         """With one process per stage: report the failure to the other ranks, then agree with them (every rank
-        gets here, having raised) on the first mini-batch to undo, and learn what each rank has sent."""
+        gets here, having raised) on the first mini-batch to undo, and learn what each rank has sent on its
+        links and (with tied weights) on its tied gradients' streams."""
+        ties = self._tie_exchange
         shared, self._shared_failure = self._shared_failure, None
         if shared is None:  # (else this rank learnt of the failure from the exchange that ends a flush: all know)
             # Notices first: the counts shared next include them, so that every rank takes them off its links.
             cause = self._report_failure(exc)
+            if ties is not None:
+                ties.notify_failure(cause)  # an owner waiting in a tie reduce learns it at once, not at its timeout
             if isinstance(exc, PeerError) and exc.cause is None:
                 raise Unrecoverable("a rank died or stopped answering")
-            shared = self._transport.share({"failed": failed, "cause": cause, "sent": self._transport.sent_counts()})
-        if self._tie_exchange is not None or self._global_norm is not None:
-            raise Unrecoverable("with one process per stage, a pipeline with tied weights or global-norm clipping "
-                                "is not taken back yet")
-        return min(e["failed"] for e in shared if e["failed"] is not None), [e["sent"] for e in shared]
+            entry = {"failed": failed, "cause": cause, "sent": self._transport.sent_counts()}
+            if ties is not None:
+                entry["ties"] = ties.sent_counts()
+            shared = self._transport.share(entry)
+        if self._global_norm is not None:
+            raise Unrecoverable("with one process per stage, a pipeline with global-norm clipping (clip_grad_norm "
+                                "under gpipe or 1f1b) is not taken back yet")
+        tie_counts = None
+        if ties is not None:
+            tie_counts = [e.get("ties") for e in shared]
+            if None in tie_counts:
+                # The exchange that ends a flush does not carry them: every rank sees the same entries, so every
+                # rank shares them now.
+                tie_counts = self._transport.share(ties.sent_counts())
+        return min(e["failed"] for e in shared if e["failed"] is not None), [e["sent"] for e in shared], tie_counts
 
     def _confirm_flush(self) -> None:
         """With one process per stage, the end of a flush: the ranks tell each other whether they got there. A

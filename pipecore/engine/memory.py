@@ -4,16 +4,20 @@ On a CUDA device the allocator knows: the peak is ``torch.cuda.max_memory_alloca
 device (shared by the stages on that device). On the CPU nothing tracks allocations, so the stage keeps an
 account: what it allocates once (weight versions, gradient buffer, scratch, velocity, optimizer state, the
 copies that undo a failed step) plus, per micro-batch in flight, the tensors its forward keeps for the
-backward (saved by autograd, or kept as the stage's inputs and outputs), each storage counted once; and,
-during a recomputing backward, what the recomputed forward saves. The peak is the largest sum seen.
+backward (saved by autograd, kept as the stage's inputs and outputs, or kept by a recomputed segment as its
+inputs), each storage counted once; and, during a backward that recomputes the whole stage, what the
+recomputed forward saves (not yet for a recomputed segment). The peak is the largest sum seen.
 """
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
+
+_COUNTING = threading.local()  # the account of the forward running on this thread, if it is counted
 
 if TYPE_CHECKING:
     from .stage import TensorStage
@@ -48,10 +52,12 @@ class MemoryAccount:
         """Count what the block's forward saves, plus the tensors in ``kept``; the storages are in the dict."""
         seen: dict[int, int] = {}
         self._seen = seen
+        _COUNTING.account = self
         try:
             yield seen
         finally:
             self._seen = None
+            _COUNTING.account = None
         for value in kept:
             if isinstance(value, torch.Tensor):
                 storage = value.untyped_storage()
@@ -80,6 +86,16 @@ class MemoryAccount:
         """Micro-batches ``first`` and later are no longer in flight (a failed step was undone)."""
         for k in [k for k in self.in_flight if k >= first]:
             self.backwarded(k)
+
+
+def note_kept(tensors: Iterable[Any]) -> None:
+    """Count ``tensors`` as kept for the backward by the forward being counted on this thread, if any (what a
+    checkpointed segment keeps outside autograd's saved tensors: its inputs)."""
+    account = getattr(_COUNTING, "account", None)
+    if account is not None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                account.note(t)
 
 
 def static_bytes(stage: "TensorStage") -> int:

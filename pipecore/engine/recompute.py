@@ -18,6 +18,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .memory import note_kept
 from .stage import buffer_copies
 
 
@@ -44,6 +45,7 @@ class Recomputed(nn.Module):
             with _holding(places, values[count:]), buffer_copies([self.segment]):
                 return self.segment(*values[:count])
 
+        note_kept(inputs)  # the checkpoint keeps them for the backward, outside autograd's saved tensors
         return checkpoint(run, *inputs, *weights, use_reentrant=False, preserve_rng_state=True)
 
 

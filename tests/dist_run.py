@@ -109,6 +109,10 @@ RECOVER_CASES = [(algorithm, failing, kind) for algorithm in ("gpipe", "1f1b", "
                  for failing in (0, 1) for kind in "FBU"]
 
 
+RECOVER_GPT_CASES = [(algorithm, failing, kind) for algorithm in ("1f1b", "pipedream", "2bw")
+                     for failing in (0, 1) for kind in "FBU"]
+
+
 def fail_once(pipe: pipecore.Pipeline, kind: str) -> None:
     """Make this rank's first action of ``kind`` for the newest mini-batch raise, once, after its compute."""
     stage = next(iter(pipe.stages.values()))
@@ -125,6 +129,87 @@ def fail_once(pipe: pipecore.Pipeline, kind: str) -> None:
         return out
 
     setattr(stage, name, hook)
+
+
+def train_through_failure(pipe: pipecore.Pipeline, data, kind: str | None, first: bool, last: bool) -> dict:
+    """Train on ``data[pipe.minibatches]`` until every batch is kept, then flush; with ``kind``, this rank's first
+    action of that kind for the mini-batch given after RECOVER_ARM steps raises once (``fail_once``). Returns
+    the losses, the state and the first mini-batch undone (a flush took its place)."""
+    losses: list = [None] * len(data)
+    failed_at = None
+    while True:
+        while pipe.minibatches < len(data):
+            i = pipe.minibatches
+            if i == RECOVER_ARM and kind is not None:
+                fail_once(pipe, kind)
+                kind = None
+            try:
+                losses[i] = pipe.step(data[i][0] if first else None, data[i][1] if last else None)
+            except (RuntimeError, pipecore.PeerError) as exc:
+                assert "training can continue" in exc.__notes__[-1], exc.__notes__
+                failed_at = pipe.minibatches
+        try:
+            pipe.flush()  # the failure may strike here too (the last updates of an asynchronous schedule)
+            break
+        except (RuntimeError, pipecore.PeerError) as exc:
+            assert "training can continue" in exc.__notes__[-1], exc.__notes__
+            failed_at = pipe.minibatches
+    return {"losses": losses, "state": pipe.state_dict(), "failed_at": failed_at}
+
+
+def tie_gradient(rank: int, group: int, generation: int) -> torch.Tensor:
+    """The ``ties-undo`` mode's gradient of tie ``w`` that ``rank`` posts for ``group`` (``generation`` 1: posted
+    again after the failure, other values)."""
+    g = torch.Generator().manual_seed(100 * generation + 10 * group + rank)
+    return torch.randn(3, 4, generator=g, dtype=torch.float64)
+
+
+def ties_undo(rank: int, out: str) -> None:
+    """The ``ties-undo`` mode: the exchange of 2 ranks that both own tie ``w``, taken back after a failure.
+
+    Rank 0 posts groups 0..3 and reduces 0..2; rank 1 posts 0..2, reduces 0 and stops at an error: it sends a
+    failure notice, which rank 0's reduce of group 3 raises with. Groups 2 and later are undone: both withdraw
+    them, rank 0's updates that reduced 1 and 2 are undone (unreduce), and after resync both post 2 and 3
+    again, with other values, and reduce 1..3. Saves the sums and the errors raised."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from pipecore.runtime.ties import DistributedTiedGradients
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    ties = DistributedTiedGradients({"w": (0, 1)}, rank, timeout=20, shapes={"w": ((3, 4), torch.float64)})
+    record: dict = {"sums": {}, "errors": {}}
+    ties.new_epoch(forget_before=None)
+    for group in range(4 if rank == 0 else 3):
+        ties.post(rank, group, {"w": tie_gradient(rank, group, 0)})
+    for group in range(3 if rank == 0 else 1):
+        record["sums"][group, 0] = ties.reduce(rank, group)["w"]
+    if rank == 1:
+        ties.notify_failure("RuntimeError at stage 1: injected")
+    else:
+        try:
+            ties.reduce(rank, 3)
+        except pipecore.PeerError as exc:
+            record["errors"]["reduce"] = (str(exc), exc.cause)
+    counts: list = [None, None]
+    dist.all_gather_object(counts, ties.sent_counts())
+    if rank == 0:
+        ties.unreduce(rank, range(1, 3))
+    ties.withdraw(rank, 2)
+    ties.resync(counts, 2)
+    for group in (2, 3):
+        ties.post(rank, group, {"w": tie_gradient(rank, group, 1)})
+    for group in (1, 2, 3):
+        record["sums"][group, 1] = ties.reduce(rank, group)["w"]
+    ties.new_epoch(forget_before=None)  # forgets every group reduced so far
+    try:
+        ties.unreduce(rank, range(3, 4))
+    except RuntimeError as exc:
+        record["errors"]["forgotten"] = str(exc)
+    ties.close()
+    torch.save(record, os.path.join(out, f"ties-undo-{rank}.pt"))
+    dist.destroy_process_group()
 
 
 def train(pipe: pipecore.Pipeline, data, first: bool, last: bool) -> list[float]:
@@ -280,6 +365,18 @@ def main() -> None:
             torch.save({"losses": losses, "state": pipe.state_dict(), "failed_at": failed_at},
                        os.path.join(out, f"recover-{algorithm}-{failing}-{kind}-{rank}.pt"))
             pipe.close()
+    elif mode == "recover-gpt":
+        # The same with a GPT whose head is tied to its embedding (on the first and last rank), for every case
+        # of RECOVER_GPT_CASES: the tied gradients' exchange is taken back with the rest. A short timeout: no
+        # rank may wait for one (an owner waiting for the other's tied gradient learns of a failure at once).
+        for algorithm, failing, kind in RECOVER_GPT_CASES:
+            pipe = make_gpt_pipeline(world, algorithm, timeout=20)
+            record = train_through_failure(pipe, gpt_batches(STEPS + 2), kind if rank == failing else None,
+                                           first, last)
+            torch.save(record, os.path.join(out, f"recover-gpt-{algorithm}-{failing}-{kind}-{rank}.pt"))
+            pipe.close()
+    elif mode == "ties-undo":
+        ties_undo(rank, out)
     elif mode == "die":
         timeout, how = float(sys.argv[3]), sys.argv[4]
         pipe = make_pipeline(world, "pipedream", timeout=timeout)

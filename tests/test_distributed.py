@@ -406,6 +406,62 @@ def test_a_failed_step_is_taken_back_on_every_rank(tmp_path):
         torch.set_num_threads(threads)
 
 
+def test_the_tied_gradient_exchange_is_taken_back_after_a_failure(tmp_path):
+    """Two owners of a tie (dist_run.ties_undo): a failure notice ends the other owner's wait in reduce with the
+    cause; after withdraw, unreduce and resync, the groups before the first undone one are reduced from what
+    was kept (given back, or still on its way and taken by resync), and the groups posted again are matched with
+    their new values, not the withdrawn ones still on their way. Sums in float64, bit for bit."""
+    _check_ok(launch(2, "ties-undo", str(tmp_path)))
+    records = [torch.load(tmp_path / f"ties-undo-{rank}.pt", weights_only=False) for rank in range(2)]
+
+    def total(group: int, generation: int) -> torch.Tensor:
+        return dist_run.tie_gradient(0, group, generation) + dist_run.tie_gradient(1, group, generation)
+
+    expected = {(0, 0): total(0, 0), (1, 0): total(1, 0), (2, 0): total(2, 0), (1, 1): total(1, 0),
+                (2, 1): total(2, 1), (3, 1): total(3, 1)}
+    assert sorted(records[0]["sums"]) == sorted(expected)
+    assert sorted(records[1]["sums"]) == [(0, 0), (1, 1), (2, 1), (3, 1)]
+    for rank, record in enumerate(records):
+        for key, value in record["sums"].items():
+            assert_same(value, expected[key], f"rank {rank}, group {key[0]}, generation {key[1]}")
+        assert record["errors"]["forgotten"] == f"rank {rank} did not reduce update groups [3], or they were forgotten"
+    assert not torch.equal(total(2, 0), total(2, 1))  # a withdrawn group reduced by mistake would show
+    assert records[0]["errors"]["reduce"] == ("rank 0: rank 1 reports that RuntimeError at stage 1: injected",
+                                              "RuntimeError at stage 1: injected")
+
+
+def test_a_failed_step_with_tied_weights_is_taken_back_on_every_rank(tmp_path):
+    """A GPT whose head is tied to its embedding (one copy on each of 2 ranks); for 1f1b, pipedream and 2bw, one
+    action (F, B or U) of either rank fails after its compute. Every rank also takes back its tied gradients'
+    exchange (withdraws its undone posts, reduces again what its undone updates reduced, drops the withdrawn
+    gradients still on their way); an owner waiting for the failed rank's tied gradient learns of the failure
+    at once (a wait for the timeout, 20 s, would be a dead rank: unrecoverable). Losses and every rank's state
+    equal, bit for bit, a one-process run that flushed in place of the first undone mini-batch."""
+    _check_ok(launch(2, "recover-gpt", str(tmp_path)))
+    with one_torch_thread():
+        for algorithm, failing, kind in dist_run.RECOVER_GPT_CASES:
+            got = [torch.load(tmp_path / f"recover-gpt-{algorithm}-{failing}-{kind}-{rank}.pt", weights_only=False)
+                   for rank in range(2)]
+            where = f"{algorithm}, rank {failing} fails at {kind}"
+            failed_at = got[0]["failed_at"]
+            assert failed_at is not None and got[1]["failed_at"] == failed_at, where
+            pipe = dist_run.make_gpt_pipeline(2, algorithm)
+            data = dist_run.gpt_batches(dist_run.STEPS + 2)
+            losses = [pipe.step(x, y) for x, y in data[:failed_at]]
+            pipe.flush()
+            losses += [pipe.step(x, y) for x, y in data[failed_at:]]
+            pipe.flush()
+            state = pipe.state_dict()
+            for rank in range(2):
+                assert repr(got[rank]["losses"]) == repr(losses), f"{where}: losses on rank {rank}"
+                for key, value in got[rank]["state"].items():
+                    if key == "pipecore":
+                        assert_same(value["stages"][rank], state["pipecore"]["stages"][rank], where)
+                    else:
+                        assert torch.equal(value, state[key]), f"{where}: {key} on rank {rank}"
+            assert torch.equal(got[0]["state"]["tok_emb.weight"], got[1]["state"]["head.weight"]), where
+
+
 def test_world_size_must_equal_num_stages(tmp_path):
     _check_ok(launch(2, "mismatch", str(tmp_path)))
     message = (tmp_path / "error-0.txt").read_text()

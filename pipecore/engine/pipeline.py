@@ -501,6 +501,13 @@ class Pipeline:
             counts = tie_counts = None
             if self.rank is not None:
                 failed, counts, tie_counts = self._agree_on_failure(exc, failed)
+                # An update stopped while waiting for another owner's tied gradient (that owner failed) holds
+                # the ring slot it was to write: give it back, the undo rewinds the ring (no other action runs
+                # here, one stage per process).
+                ring = self.stages[self.rank].ring
+                for slot in range(ring.num_slots):
+                    if ring.state(slot) == "acquired":
+                        ring.release(slot)
             first = failed * m
             step = next((entry for entry in self._undo_steps if entry[0] == failed), None)
             undone_from: dict[int, int] = {}  # per stage, the first update undone
@@ -567,8 +574,6 @@ class Pipeline:
         if shared is None:  # (else this rank learnt of the failure from the exchange that ends a flush: all know)
             # Notices first: the counts shared next include them, so that every rank takes them off its links.
             cause = self._report_failure(exc)
-            if ties is not None:
-                ties.notify_failure(cause)  # an owner waiting in a tie reduce learns it at once, not at its timeout
             if isinstance(exc, PeerError) and exc.cause is None:
                 raise Unrecoverable("a rank died or stopped answering")
             entry = {"failed": failed, "cause": cause, "sent": self._transport.sent_counts()}
@@ -610,6 +615,8 @@ class Pipeline:
             detail = str(exc).splitlines()[0] if str(exc) else ""
             cause = f"{type(exc).__name__} at {where}" + (f": {detail}" if detail else "")
         self._transport.notify_failure(cause)
+        if self._tie_exchange is not None:
+            self._tie_exchange.notify_failure(cause)  # an owner waiting in a tie reduce learns it at once too
         return cause
 
     def _drain(self) -> None:

@@ -57,6 +57,13 @@ class StageTies:
         """The groups posted and applied so far, for :meth:`undo`."""
         return self._posted, self._applied
 
+    def group_of(self, microbatch: int) -> int:
+        """The update group that micro-batch ``microbatch`` (counted from the schedule's start) belongs to,
+        numbered as this stage posts its groups: from construction (or the last load), one per update group
+        of micro-batches backwarded, alike on every owner."""
+        every = self.sync.update_every
+        return self._posted - self._backwarded // every + microbatch // every
+
     def undo(self, backwarded: int, applied: int | None) -> None:
         """Go back to ``backwarded`` micro-batches backwarded since the schedule started and (if not None)
         ``applied`` groups applied: the later posts are withdrawn and the later reductions given back."""

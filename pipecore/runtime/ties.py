@@ -22,6 +22,9 @@ buffer to every other owner (the same buffer to all of them)::
 
     [gradient bytes, padded to 8] [update group: int64] [acknowledgements: one int64 per owner, in owner order]
 
+A failure notice has the same size, the group word ``-1`` and, in place of the gradient, the failure's
+description as UTF-8 text (cut to the gradient's bytes).
+
 The acknowledgement for owner ``o`` is how many of ``o``'s messages on this tie the sender had received when
 it posted the message. gloo reports a send complete only once someone waits on it (``Work.is_completed()``
 stays false until then), so sends are pruned both by ``is_completed()`` (enough on NCCL) and by these
@@ -39,6 +42,19 @@ group; an owner that is dead or silent is a :class:`~pipecore.runtime.distribute
 timeout, naming the rank and the tie. Messages arrive in order on each (tie, sender), so every owner must
 post the same update groups and reduce them in increasing order; each message names its update group and a
 mismatch is a ``PeerError`` ("out of step") rather than a wrong sum.
+
+After a failure (``Pipeline`` recovery): a rank that stops at an error sends a failure notice on each of its
+streams (:meth:`DistributedTiedGradients.notify_failure`), so that an owner waiting in ``reduce`` for its
+gradients raises a ``PeerError`` with the cause at once rather than at its timeout. Each owner then takes
+back its own undone work: :meth:`~DistributedTiedGradients.withdraw` drops its posts of the undone groups,
+:meth:`~DistributedTiedGradients.unreduce` gives back the parts of the groups its undone updates reduced
+(kept per epoch, as :class:`LocalTiedGradients` keeps them). Messages may still be on their way, some of
+withdrawn groups: :meth:`~DistributedTiedGradients.resync` takes every message each owner sent before the
+failure (the ranks share :meth:`~DistributedTiedGradients.sent_counts`), keeps the gradients of the groups
+before the first undone one for their reduce and drops the rest. Every owner numbers its groups alike (one
+per update group of micro-batches it backwarded), so the first undone group is the same number on every
+owner and each can tell, from a message's group word, whether it was withdrawn. Afterwards every stream
+carries only the groups its sender posts again, in order.
 """
 
 from __future__ import annotations
@@ -62,6 +78,8 @@ from .distributed import PeerError, _first_line, _padded
 # Each group carries one tie's messages from one sender, so one tag is enough (NCCL ignores tags and matches
 # in order, which is the order here too).
 _TIE_TAG = 50
+# The group word of a failure notice (update groups count from 0).
+_NOTICE_GROUP = -1
 
 Shape = tuple[torch.Size | Sequence[int], torch.dtype]
 
@@ -83,6 +101,16 @@ class TiedGradients(Protocol):
 
     def wait_sends(self) -> None:
         """Complete every posted send (at a flush; a networked implementation waits with its timeout)."""
+
+    def withdraw(self, stage: int, first_group: int) -> None:
+        """Take back ``stage``'s posts of group ``first_group`` and later (their backwards were undone)."""
+
+    def unreduce(self, stage: int, groups: range) -> None:
+        """``stage``'s updates that reduced ``groups`` were undone: they will reduce them again."""
+
+    def new_epoch(self, forget_before: int | None) -> int:
+        """Start a new epoch and return its number; what was reduced before epoch ``forget_before`` (None: all)
+        is forgotten (no :meth:`unreduce` asks for it)."""
 
     def close(self, deliver: bool = True) -> None:
         """Release what is held (a networked implementation: its process groups, after completing the sends
@@ -134,7 +162,7 @@ class LocalTiedGradients:
         # (tie, group) -> owner -> the CUDA event its copy is ready at (stages on their own streams).
         self._ready_at: dict[tuple[str, int], dict[int, Any]] = {}
         # Groups every owner reduced, with the epoch they were reduced in (see new_epoch), kept so that an undone
-        # update can reduce them again.
+        # update can reduce them again; from the first new_epoch() on (before it, nothing would forget them).
         self._retired: dict[tuple[str, int], tuple[int, dict[int, torch.Tensor]]] = {}
         self._epoch = 0
         # Stages may run on their own threads.
@@ -187,7 +215,9 @@ class LocalTiedGradients:
             sums[name] = _sum_in_stage_order(_readable(posted, self._ready_at.get(key, {}), self.ties[name], stage))
             done.add(stage)
             if len(done) == len(self.ties[name]):  # every owner has its sum: nothing of this group is needed
-                self._retired[key] = (self._epoch, self._posted.pop(key))
+                posted = self._posted.pop(key)
+                if self._epoch:  # but an undone update may reduce it again (kept only while epochs are counted)
+                    self._retired[key] = (self._epoch, posted)
                 del self._reduced[key]
                 self._ready_at.pop(key, None)
         return sums
@@ -287,6 +317,12 @@ class _Tie:
         return _padded(self.nbytes) + 8 * (1 + len(self.owners))
 
 
+def _gradient(tie: _Tie, buffer: torch.Tensor) -> torch.Tensor:
+    """The gradient a received message of ``tie`` carries (a view into its buffer)."""
+    assert tie.shape is not None and tie.dtype is not None
+    return buffer[: tie.nbytes].view(tie.dtype).view(tie.shape)
+
+
 def _release_at_exit(ties: "weakref.ref[DistributedTiedGradients]") -> None:
     live = ties()
     if live is not None and not live.closed:
@@ -331,18 +367,28 @@ class DistributedTiedGradients:
                 sources = {o: (groups[o], dist.get_group_rank(groups[o], o)) for o in owners if o != rank}
                 self._ties[name] = _Tie(name, owners, own, peers, sources, owners.index(rank))
         # Per (tie, other owner): the posted receive of its next message; sends not completed yet, in order;
-        # how many of them were completed; how many messages were received.
+        # how many of them were completed; how many messages were received; its gradients taken off the stream
+        # and not reduced yet, by update group (taken by a reduce that then failed, kept by resync, or given
+        # back by unreduce).
         self._posted_recv: dict[tuple[str, int], tuple[torch.Tensor, Any]] = {}
         self._sends: dict[tuple[str, int], deque[_Sent]] = {}
         self._completed: dict[tuple[str, int], int] = {}
         self._received: dict[tuple[str, int], int] = {}
+        self._early: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
         for tie in self._ties.values():
             for peer in tie.peers:
                 self._sends[tie.name, peer] = deque()
                 self._completed[tie.name, peer] = self._received[tie.name, peer] = 0
+                self._early[tie.name, peer] = {}
         # update group -> tie -> this rank's own gradient (a view into the buffer it sent).
         self._own: dict[int, dict[str, torch.Tensor]] = {}
         self._last: int | None = None
+        # Groups this rank reduced: update group -> (the epoch it was reduced in, this rank's own parts, the
+        # other owners' parts by (tie, owner)), kept so that an undone update can reduce them again; from the
+        # first new_epoch() on (before it, nothing would forget them).
+        self._retired: dict[int, tuple[int, dict[str, torch.Tensor], dict[tuple[str, int], torch.Tensor]]] = {}
+        self._epoch = 0
+        self.failure_notified = False
         self.closed = False
         for name, (shape, dtype) in (shapes or {}).items():
             tie = self._ties.get(name)
@@ -380,19 +426,24 @@ class DistributedTiedGradients:
             end = _padded(nbytes)
             if end != nbytes:
                 buffer[nbytes:end].zero_()
-            words = [group] + [self._received.get((name, o), 0) for o in tie.owners]
-            buffer[end:].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
-            for peer, peer_in_group in tie.peers.items():
-                sends = self._sends[name, peer]
-                self._prune(name, peer)
-                try:
-                    with _C.RecordingOff():  # as the transport's messages (DistributedTransport._post_receive)
-                        sends.append(_Sent(tie.group.send([buffer], peer_in_group, _TIE_TAG), buffer))
-                except RuntimeError as exc:
-                    raise self._failed(name, peer, "sending to", exc) from exc
+            self._send(tie, buffer, group)
             own[name] = view
         self._own[group] = own
         self._last = group
+
+    def _send(self, tie: _Tie, buffer: torch.Tensor, group: int) -> None:
+        """Write the words (``group``, the acknowledgements) at the end of ``buffer`` and send it to every
+        other owner of ``tie``, without waiting."""
+        words = [group] + [self._received.get((tie.name, o), 0) for o in tie.owners]
+        buffer[_padded(tie.nbytes):].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
+        for peer, peer_in_group in tie.peers.items():
+            sends = self._sends[tie.name, peer]
+            self._prune(tie.name, peer)
+            try:
+                with _C.RecordingOff():  # as the transport's messages (DistributedTransport._post_receive)
+                    sends.append(_Sent(tie.group.send([buffer], peer_in_group, _TIE_TAG), buffer))
+            except RuntimeError as exc:
+                raise self._failed(tie.name, peer, "sending to", exc) from exc
 
     def _prune(self, name: str, peer: int) -> None:
         """Drop the sends already completed (NCCL says so by itself; gloo only once waited on)."""
@@ -437,6 +488,8 @@ class DistributedTiedGradients:
             self.closed = True
             self._posted_recv.clear()
             self._own.clear()
+            self._early.clear()
+            self._retired.clear()
             groups = [tie.group for tie in self._ties.values()]
             groups += [group for tie in self._ties.values() for group, _ in tie.sources.values()]
             self._ties = {}
@@ -467,25 +520,55 @@ class DistributedTiedGradients:
     def reduce(self, stage: int, group: int) -> dict[str, torch.Tensor]:
         """Per tie this rank owns, the sum of every owner's gradient of ``group`` in stage order (fresh
         tensors). Waits for the other owners' messages, which must come in the order of the groups posted:
-        reduce the groups in increasing order. :class:`PeerError` if an owner does not answer in time."""
+        reduce the groups in increasing order. :class:`PeerError` if an owner does not answer in time, or
+        sent a failure notice instead (``cause`` says what failed); nothing is consumed then, and the group
+        can be reduced later."""
         self._check_stage(stage)
-        own = self._own.pop(group, None)
+        own = self._own.get(group)
         if own is None:
             raise RuntimeError(f"rank {self.rank}: update group {group} was not posted, or was reduced already")
-        sums: dict[str, torch.Tensor] = {}
+        # Every other owner's part first: a reduce that raises while waiting leaves the group whole.
         for name in sorted(own):
             tie = self._ties[name]
+            for peer in tie.peers:
+                self._collect(tie, peer, group)
+        del self._own[group]
+        sums: dict[str, torch.Tensor] = {}
+        theirs: dict[tuple[str, int], torch.Tensor] = {}
+        for name in sorted(own):
             parts = []
-            for owner in tie.owners:
-                parts.append(own[name] if owner == self.rank else self._take(tie, owner, group))
+            for owner in self._ties[name].owners:
+                if owner == self.rank:
+                    parts.append(own[name])
+                else:
+                    part = theirs[name, owner] = self._early[name, owner].pop(group)
+                    parts.append(part)
             sums[name] = _sum_in_stage_order(parts)
+        if self._epoch:
+            self._retired[group] = (self._epoch, own, theirs)
         return sums
 
-    def _take(self, tie: _Tie, peer: int, group: int) -> torch.Tensor:
-        """``peer``'s gradient of ``group`` on ``tie``: waits for it, posts the receive of the next one and
-        completes the sends that it acknowledges."""
-        buffer, work = self._posted_recv.pop((tie.name, peer))
+    def _collect(self, tie: _Tie, peer: int, group: int) -> None:
+        """Make sure ``peer``'s gradient of ``group`` on ``tie`` was taken off its stream (waiting for it)."""
+        early = self._early[tie.name, peer]
+        if group in early:
+            return
         what = f"its gradient of update group {group} for tie {tie.name!r}"
+        got, buffer = self._take(tie, peer, what)
+        if got == _NOTICE_GROUP:
+            raise PeerError.reported(self.rank, peer, self._notice_text(tie, buffer))
+        if got != group:
+            raise PeerError(f"rank {self.rank} expected the gradient of update group {group} for tie {tie.name!r} "
+                            f"from rank {peer} but received group {got}: the owners are out of step")
+        early[group] = _gradient(tie, buffer)
+
+    def _take(self, tie: _Tie, peer: int, what: str) -> tuple[int, torch.Tensor]:
+        """``peer``'s next message on ``tie``: ``(its group word, its buffer)``. Waits for it, posts the
+        receive of the next one and completes the sends that it acknowledges."""
+        if (tie.name, peer) not in self._posted_recv:
+            raise RuntimeError(f"rank {self.rank}: tie {tie.name!r} has no shape yet (no shapes given, nothing "
+                               f"posted), so the message from rank {peer} cannot be received")
+        buffer, work = self._posted_recv.pop((tie.name, peer))
         try:
             ok = work.wait(self.timeout)
         except RuntimeError as exc:
@@ -497,15 +580,100 @@ class DistributedTiedGradients:
                             f"{self.timeout.total_seconds():g} s while waiting for {what}")
         self._received[tie.name, peer] += 1
         self._post_receive(tie, peer)  # before anything else: the peer's next send finds its receive posted
-        end = _padded(tie.nbytes)
-        words = buffer[end:].view(torch.int64).tolist()
-        if words[0] != group:
-            raise PeerError(f"rank {self.rank} expected the gradient of update group {group} for tie {tie.name!r} "
-                            f"from rank {peer} but received group {words[0]}: the owners are out of step")
+        words = buffer[_padded(tie.nbytes):].view(torch.int64).tolist()
         self._acknowledge(tie.name, peer, words[1 + tie.me])
-        assert tie.shape is not None and tie.dtype is not None
-        return buffer[: tie.nbytes].view(tie.dtype).view(tie.shape)
+        return words[0], buffer
 
     def _failed(self, name: str, peer: int, doing: str, exc: BaseException) -> PeerError:
         return PeerError(f"rank {self.rank}: {doing} rank {peer} failed for tie {name!r} ({_first_line(exc)}); "
                          f"rank {peer} died or stopped answering (timeout {self.timeout.total_seconds():g} s)")
+
+    # Going on after a failure ----------------------------------------------------------------------
+
+    def notify_failure(self, text: str) -> None:
+        """This rank stopped at an error (its own, or one another rank reported; ``text`` describes it): send a
+        failure notice to every other owner of each tie, in place of the next gradient it may be waiting for,
+        so that it raises a :class:`PeerError` with the cause at once rather than at its timeout. Best effort,
+        once until :meth:`resync`: nothing here waits or raises."""
+        if self.failure_notified or self.closed:
+            return
+        self.failure_notified = True
+        data = text.encode()
+        for tie in self._ties.values():
+            if tie.shape is None:
+                continue  # nothing was sent or received on it: no size for a message yet
+            buffer = torch.zeros(tie.size, dtype=torch.uint8, device=self.device)
+            cut = data[: _padded(tie.nbytes)]
+            if cut:
+                buffer[: len(cut)].copy_(torch.frombuffer(bytearray(cut), dtype=torch.uint8))
+            try:
+                self._send(tie, buffer, _NOTICE_GROUP)
+            except (PeerError, RuntimeError):
+                pass  # that owner is gone
+
+    def _notice_text(self, tie: _Tie, buffer: torch.Tensor) -> str:
+        """The failure's description a notice on ``tie`` carries."""
+        return bytes(buffer[: _padded(tie.nbytes)].cpu().numpy()).rstrip(b"\0").decode(errors="replace")
+
+    def sent_counts(self) -> dict[str, dict[int, int]]:
+        """What this rank has sent so far: per tie and other owner, the messages (notices included); the
+        owners take as many in :meth:`resync`."""
+        return {name: {peer: self._completed[name, peer] + len(self._sends[name, peer]) for peer in tie.peers}
+                for name, tie in self._ties.items()}
+
+    def resync(self, counts: Sequence[Mapping[str, Mapping[int, int]]], first_group: int) -> None:
+        """After a failure, with every rank's :meth:`sent_counts` (in rank order, taken before any rank
+        withdrew) and ``first_group``, the first update group undone (every owner numbers its groups alike):
+        take every message still on the way to this rank. The other owners' gradients of the groups before
+        ``first_group`` (taken here, or given back by :meth:`unreduce`) wait for their :meth:`reduce`; those of
+        ``first_group`` and later (withdrawn) and the failure notices are dropped. Each stream then carries only
+        the groups its sender posts from now on."""
+        self.failure_notified = False  # a later failure is notified again
+        for tie in self._ties.values():
+            for peer in tie.peers:
+                key = (tie.name, peer)
+                sent = counts[peer].get(tie.name, {}).get(self.rank)
+                if sent is None:
+                    raise PeerError(f"rank {self.rank}: rank {peer} sent no count for tie {tie.name!r}; the ranks "
+                                    "disagree on the tied weights")
+                if self._received[key] > sent:
+                    raise PeerError(f"rank {self.rank} received {self._received[key]} messages from rank {peer} on "
+                                    f"tie {tie.name!r}, which sent {sent}: the owners are out of step")
+                early = self._early[key]
+                while self._received[key] < sent:
+                    group, buffer = self._take(tie, peer, "a tied gradient sent before the failure")
+                    if 0 <= group < first_group:
+                        early[group] = _gradient(tie, buffer)
+                for group in [g for g in early if g >= first_group]:
+                    del early[group]
+
+    def withdraw(self, stage: int, first_group: int) -> None:
+        """Take back this rank's posts of group ``first_group`` and later (their backwards were undone): they
+        are not reduced here, and the other owners drop them in :meth:`resync`."""
+        self._check_stage(stage)
+        for group in [g for g in self._own if g >= first_group]:
+            del self._own[group]
+        if self._last is not None and self._last >= first_group:
+            self._last = first_group - 1
+
+    def unreduce(self, stage: int, groups: range) -> None:
+        """This rank's updates that reduced ``groups`` were undone: they will reduce them again, from the parts
+        kept (those of groups the other owners withdraw are dropped in :meth:`resync`)."""
+        self._check_stage(stage)
+        missing = [g for g in groups if g not in self._retired]
+        if missing:
+            raise RuntimeError(f"rank {self.rank} did not reduce update groups {missing}, or they were forgotten")
+        for group in groups:
+            _, own, theirs = self._retired.pop(group)
+            self._own[group] = own
+            for key, part in theirs.items():
+                self._early[key][group] = part
+
+    def new_epoch(self, forget_before: int | None) -> int:
+        """Start a new epoch (a pipeline starts one per step) and return its number; the groups this rank
+        reduced before epoch ``forget_before`` (None: all) are dropped, no :meth:`unreduce` will ask for them."""
+        for group, (epoch, _, _) in list(self._retired.items()):
+            if forget_before is None or epoch < forget_before:
+                del self._retired[group]
+        self._epoch += 1
+        return self._epoch

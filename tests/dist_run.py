@@ -342,28 +342,8 @@ def main() -> None:
         # on data[pipe.minibatches] until every batch is kept, so the undone mini-batches are given again.
         for algorithm, failing, kind in RECOVER_CASES:
             pipe = make_pipeline(world, algorithm, timeout=60)
-            data = batches(STEPS + 2)
-            losses: list = [None] * len(data)
-            failed_at, armed = None, False
-            while True:
-                while pipe.minibatches < len(data):
-                    i = pipe.minibatches
-                    if i == RECOVER_ARM and rank == failing and not armed:
-                        fail_once(pipe, kind)
-                        armed = True
-                    try:
-                        losses[i] = pipe.step(data[i][0] if first else None, data[i][1] if last else None)
-                    except (RuntimeError, pipecore.PeerError) as exc:
-                        assert "training can continue" in exc.__notes__[-1], exc.__notes__
-                        failed_at = pipe.minibatches  # the first undone: a flush took its place
-                try:
-                    pipe.flush()  # the failure may strike here too (the last updates of an asynchronous schedule)
-                    break
-                except (RuntimeError, pipecore.PeerError) as exc:
-                    assert "training can continue" in exc.__notes__[-1], exc.__notes__
-                    failed_at = pipe.minibatches
-            torch.save({"losses": losses, "state": pipe.state_dict(), "failed_at": failed_at},
-                       os.path.join(out, f"recover-{algorithm}-{failing}-{kind}-{rank}.pt"))
+            record = train_through_failure(pipe, batches(STEPS + 2), kind if rank == failing else None, first, last)
+            torch.save(record, os.path.join(out, f"recover-{algorithm}-{failing}-{kind}-{rank}.pt"))
             pipe.close()
     elif mode == "recover-gpt":
         # The same with a GPT whose head is tied to its embedding (on the first and last rank), for every case

@@ -379,31 +379,32 @@ def test_a_failed_step_is_taken_back_on_every_rank(tmp_path):
     the undone ones again (data[pipe.minibatches]). Losses and every rank's weights, versions and optimizer
     state equal, bit for bit, a one-process run that called flush() in place of the first undone mini-batch."""
     _check_ok(launch(2, "recover", str(tmp_path)))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         for algorithm, failing, kind in dist_run.RECOVER_CASES:
-            got = [torch.load(tmp_path / f"recover-{algorithm}-{failing}-{kind}-{rank}.pt", weights_only=False)
-                   for rank in range(2)]
-            where = f"{algorithm}, rank {failing} fails at {kind}"
-            failed_at = got[0]["failed_at"]
-            assert failed_at is not None and got[1]["failed_at"] == failed_at, where
-            pipe = dist_run.make_pipeline(2, algorithm)
-            data = dist_run.batches(dist_run.STEPS + 2)
-            losses = [pipe.step(x, y) for x, y in data[:failed_at]]
-            pipe.flush()
-            losses += [pipe.step(x, y) for x, y in data[failed_at:]]
-            pipe.flush()
-            state = pipe.state_dict()
-            for rank in range(2):
-                assert repr(got[rank]["losses"]) == repr(losses), f"{where}: losses on rank {rank}"
-                for key, value in got[rank]["state"].items():
-                    if key == "pipecore":
-                        assert_same(value["stages"][rank], state["pipecore"]["stages"][rank], where)
-                    else:
-                        assert torch.equal(value, state[key]), f"{where}: {key} on rank {rank}"
-    finally:
-        torch.set_num_threads(threads)
+            assert_taken_back_like_a_flush(tmp_path / f"recover-{algorithm}-{failing}-{kind}",
+                                           f"{algorithm}, rank {failing} fails at {kind}",
+                                           dist_run.make_pipeline(2, algorithm), dist_run.batches(dist_run.STEPS + 2))
+
+
+def assert_taken_back_like_a_flush(prefix: Path, where: str, pipe, data) -> list[dict]:
+    """Both ranks' records (``<prefix>-<rank>.pt``) agree on the first undone mini-batch, and their losses and
+    states equal ``pipe`` (one process) trained on ``data`` with a flush in its place. Returns the records."""
+    got = [torch.load(f"{prefix}-{rank}.pt", weights_only=False) for rank in range(2)]
+    failed_at = got[0]["failed_at"]
+    assert failed_at is not None and got[1]["failed_at"] == failed_at, where
+    losses = [pipe.step(x, y) for x, y in data[:failed_at]]
+    pipe.flush()
+    losses += [pipe.step(x, y) for x, y in data[failed_at:]]
+    pipe.flush()
+    state = pipe.state_dict()
+    for rank in range(2):
+        assert repr(got[rank]["losses"]) == repr(losses), f"{where}: losses on rank {rank}"
+        for key, value in got[rank]["state"].items():
+            if key == "pipecore":
+                assert_same(value["stages"][rank], state["pipecore"]["stages"][rank], where)
+            else:
+                assert torch.equal(value, state[key]), f"{where}: {key} on rank {rank}"
+    return got
 
 
 def test_the_tied_gradient_exchange_is_taken_back_after_a_failure(tmp_path):
@@ -440,25 +441,10 @@ def test_a_failed_step_with_tied_weights_is_taken_back_on_every_rank(tmp_path):
     _check_ok(launch(2, "recover-gpt", str(tmp_path)))
     with one_torch_thread():
         for algorithm, failing, kind in dist_run.RECOVER_GPT_CASES:
-            got = [torch.load(tmp_path / f"recover-gpt-{algorithm}-{failing}-{kind}-{rank}.pt", weights_only=False)
-                   for rank in range(2)]
             where = f"{algorithm}, rank {failing} fails at {kind}"
-            failed_at = got[0]["failed_at"]
-            assert failed_at is not None and got[1]["failed_at"] == failed_at, where
-            pipe = dist_run.make_gpt_pipeline(2, algorithm)
-            data = dist_run.gpt_batches(dist_run.STEPS + 2)
-            losses = [pipe.step(x, y) for x, y in data[:failed_at]]
-            pipe.flush()
-            losses += [pipe.step(x, y) for x, y in data[failed_at:]]
-            pipe.flush()
-            state = pipe.state_dict()
-            for rank in range(2):
-                assert repr(got[rank]["losses"]) == repr(losses), f"{where}: losses on rank {rank}"
-                for key, value in got[rank]["state"].items():
-                    if key == "pipecore":
-                        assert_same(value["stages"][rank], state["pipecore"]["stages"][rank], where)
-                    else:
-                        assert torch.equal(value, state[key]), f"{where}: {key} on rank {rank}"
+            got = assert_taken_back_like_a_flush(tmp_path / f"recover-gpt-{algorithm}-{failing}-{kind}", where,
+                                                 dist_run.make_gpt_pipeline(2, algorithm),
+                                                 dist_run.gpt_batches(dist_run.STEPS + 2))
             assert torch.equal(got[0]["state"]["tok_emb.weight"], got[1]["state"]["head.weight"]), where
 
 

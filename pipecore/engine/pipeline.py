@@ -501,13 +501,6 @@ class Pipeline:
             counts = tie_counts = None
             if self.rank is not None:
                 failed, counts, tie_counts = self._agree_on_failure(exc, failed)
-                # An update stopped while waiting for another owner's tied gradient (that owner failed) holds
-                # the ring slot it was to write: give it back, the undo rewinds the ring (no other action runs
-                # here, one stage per process).
-                ring = self.stages[self.rank].ring
-                for slot in range(ring.num_slots):
-                    if ring.state(slot) == "acquired":
-                        ring.release(slot)
             first = failed * m
             step = next((entry for entry in self._undo_steps if entry[0] == failed), None)
             undone_from: dict[int, int] = {}  # per stage, the first update undone

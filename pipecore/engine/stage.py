@@ -563,6 +563,16 @@ class TensorStage(StageWorker):
 
     def compute_update(self, action: Action, info: UpdateInfo) -> None:
         t0 = time.perf_counter()
+        tied = None
+        if self.ties is not None:
+            # The other owners' tied gradients first, before anything changes: an update stopped while it waits
+            # for them (another rank failed) leaves no trace and can run again.
+            applied = self.ties.counts()[1]
+            try:
+                tied = self.ties.gather(action.index, self.poisoned_groups)
+            except BaseException:
+                self.mutated = self.ties.counts()[1] != applied  # a group was already summed: it cannot run again
+                raise
         self.mutated = True
         self.sync_ring()
         live_slot = self.ring.live_slot
@@ -572,8 +582,8 @@ class TensorStage(StageWorker):
         group = action.index - 1
         if self.clip is not None:
             self.clip.before_ties(self, info.index)
-        if self.ties is not None:
-            self.ties.before_update(action.index, self.poisoned_groups)
+        if tied is not None:
+            self.ties.write(tied)
         if self.clip is not None:
             # Every group, skipped or not: with one process per stage the norms are gathered from every rank.
             self.clip.apply(self, info.index)

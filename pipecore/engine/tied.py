@@ -83,10 +83,11 @@ class StageTies:
             self.exchange.post(self.stage, self._posted, {name: v.detach().clone() for name, v in self.views.items()})
             self._posted += 1
 
-    def before_update(self, update: int, poisoned: Collection[int]) -> None:
-        """Write into the gradient buffer the owners' summed gradients that update ``update`` applies:
+    def gather(self, update: int, poisoned: Collection[int]) -> dict[str, torch.Tensor]:
+        """The owners' summed gradients that update ``update`` applies (waiting for the other owners' parts):
         zero while the first groups are still in flight, several groups' sum at a drain's last update. A
-        group with a non-finite loss (``poisoned``, counted from the schedule's start) contributes nothing."""
+        group with a non-finite loss (``poisoned``, counted from the schedule's start) contributes nothing.
+        Changes nothing in the stage; :meth:`write` puts the sums into its gradient buffer."""
         last = self._base + self.sync.group_applied(self.stage, update)
         total = {name: torch.zeros_like(v) for name, v in self.views.items()}
         while self._applied <= last:
@@ -95,5 +96,9 @@ class StageTies:
                 for name, grad in reduced.items():
                     total[name] += grad
             self._applied += 1
+        return total
+
+    def write(self, total: dict[str, torch.Tensor]) -> None:
+        """Replace this stage's gradients of its tied weights with the owners' sums (:meth:`gather`)."""
         for name, view in self.views.items():
             view.copy_(total[name])

@@ -105,6 +105,8 @@ def lr_runs(world: int, algorithm: str, first: bool, last: bool, **kwargs):
 
 
 RECOVER_ARM = 2
+RECOVER_CLIP_CASES = [(algorithm, failing, kind) for algorithm in ("gpipe", "1f1b") for failing in (0, 1)
+                      for kind in "FBU"]
 RECOVER_CASES = [(algorithm, failing, kind) for algorithm in ("gpipe", "1f1b", "2bw", "pipedream", "i-timeprest")
                  for failing in (0, 1) for kind in "FBU"]
 
@@ -344,6 +346,14 @@ def main() -> None:
             pipe = make_pipeline(world, algorithm, timeout=60)
             record = train_through_failure(pipe, batches(STEPS + 2), kind if rank == failing else None, first, last)
             torch.save(record, os.path.join(out, f"recover-{algorithm}-{failing}-{kind}-{rank}.pt"))
+            pipe.close()
+    elif mode == "recover-clip":
+        # The same with global-norm clipping (gpipe, 1f1b): a rank waiting for another's gradient norm learns of
+        # a failure from a notice on the norms' stream, and the streams are taken back with the rest.
+        for algorithm, failing, kind in RECOVER_CLIP_CASES:
+            pipe = make_pipeline(world, algorithm, timeout=20, clip_grad_norm=CLIP)
+            record = train_through_failure(pipe, batches(STEPS + 2), kind if rank == failing else None, first, last)
+            torch.save(record, os.path.join(out, f"recover-clip-{algorithm}-{failing}-{kind}-{rank}.pt"))
             pipe.close()
     elif mode == "recover-gpt":
         # The same with a GPT whose head is tied to its embedding (on the first and last rank), for every case

@@ -407,6 +407,19 @@ def assert_taken_back_like_a_flush(prefix: Path, where: str, pipe, data) -> list
     return got
 
 
+def test_a_failed_step_with_global_norm_clipping_is_taken_back_on_every_rank(tmp_path):
+    """gpipe and 1f1b with clip_grad_norm on 2 ranks, whose updates exchange their gradient norms: a failure
+    of either rank at F, B or U is taken back on both (a rank waiting for the other's norm learns of it from a
+    notice; a 20 s wait would be a dead rank). Equal, bit for bit, to the one-process run that flushed."""
+    _check_ok(launch(2, "recover-clip", str(tmp_path)))
+    with one_torch_thread():
+        for algorithm, failing, kind in dist_run.RECOVER_CLIP_CASES:
+            assert_taken_back_like_a_flush(tmp_path / f"recover-clip-{algorithm}-{failing}-{kind}",
+                                           f"{algorithm} with clipping, rank {failing} fails at {kind}",
+                                           dist_run.make_pipeline(2, algorithm, clip_grad_norm=dist_run.CLIP),
+                                           dist_run.batches(dist_run.STEPS + 2))
+
+
 def test_the_tied_gradient_exchange_is_taken_back_after_a_failure(tmp_path):
     """Two owners of a tie (dist_run.ties_undo): a failure notice ends the other owner's wait in reduce with the
     cause; after withdraw, unreduce and resync, the groups before the first undone one are reduced from what

@@ -188,26 +188,106 @@ class LocalGlobalNorm(GlobalNorm):
 
 
 class DistributedGlobalNorm(GlobalNorm):
-    """One process per stage: each rank gathers every rank's squared norm (after the tied gradients are
-    applied, when its tied weights hold the owners' sum) and adds them in stage order."""
+    """One process per stage: each rank sends its squared norm to every other rank and adds all of them in
+    stage order (after the tied gradients are applied, when its tied weights hold the owners' sum).
 
-    def __init__(self, num_stages: int, timeout: float):
+    Point-to-point messages on a group of its own (``[update, squared norm]`` in float64) rather than a
+    collective, so that a failed rank can stop the others' wait: it sends a failure notice (``[-1, length]``,
+    then the cause as text) in place of its norm (:meth:`notify_failure`), and after the failure every rank
+    takes what is left on its streams (:meth:`resync`)."""
+
+    _TAG = 60
+
+    def __init__(self, rank: int, num_stages: int, timeout: float):
         import datetime
 
         import torch.distributed as dist
 
+        self.rank, self.num_stages = rank, num_stages
+        self.timeout = datetime.timedelta(seconds=timeout)
         self._dist = dist
-        # A group of its own, so that the gathers never queue behind other collectives.
-        self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
-        self.num_stages = num_stages
+        self._group = dist.new_group(backend="gloo", timeout=self.timeout)
+        self._peers = [r for r in range(num_stages) if r != rank]
+        self._sent = {peer: 0 for peer in self._peers}    # messages sent to each rank (notices count two)
+        self._taken = {peer: 0 for peer in self._peers}   # messages taken from each rank
+        self._sends: dict[int, list[tuple[int, Any, torch.Tensor]]] = {peer: [] for peer in self._peers}
+        self.failure_notified = False
 
     def after_ties(self, stage: "TensorStage", update: int) -> float:
         own = stage_squared_norm(stage, lambda name: stage.ties.views[name])  # tied views hold the sum now
-        parts = [torch.zeros(1, dtype=torch.float64) for _ in range(self.num_stages)]
-        self._dist.all_gather(parts, torch.tensor([own], dtype=torch.float64), group=self._group)
-        return math.sqrt(sum(float(p) for p in parts))
+        message = torch.tensor([update, own], dtype=torch.float64)
+        for peer in self._peers:
+            self._send(peer, message, update)
+        parts = {self.rank: own}
+        for peer in self._peers:
+            parts[peer] = self._take(peer, update)
+            # The peer sent this update's norm after it took our earlier ones: those sends are complete.
+            while self._sends[peer] and self._sends[peer][0][0] < update:
+                self._sends[peer].pop(0)[1].wait(self.timeout)
+        return math.sqrt(sum(parts[r] for r in range(self.num_stages)))
+
+    def _send(self, peer: int, message: torch.Tensor, update: int) -> None:
+        self._sends[peer].append((update, self._group.send([message], peer, self._TAG), message))
+        self._sent[peer] += 1
+
+    def _take(self, peer: int, update: int | None) -> float:
+        """``peer``'s norm of ``update`` (with None: its next message, whatever it is)."""
+        from ..runtime.distributed import PeerError
+
+        header = self._receive(peer, torch.empty(2, dtype=torch.float64))
+        if header[0] == -1:
+            text = self._receive(peer, torch.empty(int(header[1]), dtype=torch.uint8))
+            raise PeerError.reported(self.rank, peer, bytes(text.numpy()).decode(errors="replace"))
+        if update is not None and int(header[0]) != update:
+            raise PeerError(f"rank {self.rank} expected rank {peer}'s gradient norm of update {update} but got "
+                            f"update {int(header[0])}: the ranks are out of step")
+        return float(header[1])
+
+    def _receive(self, peer: int, buffer: torch.Tensor) -> torch.Tensor:
+        from ..runtime.distributed import PeerError
+
+        try:
+            self._group.recv([buffer], peer, self._TAG).wait(self.timeout)
+        except RuntimeError as exc:
+            raise PeerError(f"rank {self.rank}: rank {peer} failed or stopped answering while its gradient norm "
+                            f"was expected ({str(exc).splitlines()[0] if str(exc) else exc!r})") from exc
+        self._taken[peer] += 1
+        return buffer
+
+    def notify_failure(self, text: str) -> None:
+        """Send every other rank a failure notice in place of a norm (best effort, once until :meth:`resync`)."""
+        if self.failure_notified:
+            return
+        self.failure_notified = True
+        data = torch.frombuffer(bytearray(text.encode() or b" "), dtype=torch.uint8)
+        header = torch.tensor([-1, data.numel()], dtype=torch.float64)
+        for peer in self._peers:
+            try:
+                self._send(peer, header, -1)
+                self._send(peer, data, -1)
+            except RuntimeError:
+                pass  # that rank is gone
+
+    def sent_counts(self) -> dict[int, int]:
+        """Messages sent so far to each rank; after a failure the ranks take as many (:meth:`resync`)."""
+        return dict(self._sent)
+
+    def resync(self, counts: list[dict[int, int]]) -> None:
+        """After a failure, with every rank's :meth:`sent_counts` (in rank order): take and drop what is left on
+        the streams to this rank (the norms of undone updates and failure notices)."""
+        from ..runtime.distributed import PeerError
+
+        for peer in self._peers:
+            while self._taken[peer] < counts[peer][self.rank]:
+                try:
+                    self._take(peer, None)
+                except PeerError as exc:
+                    if exc.cause is None:
+                        raise
+        self.failure_notified = False
 
     def close(self) -> None:
+        self._sends = {peer: [] for peer in self._peers}
         self._dist.destroy_process_group(self._group)
 
 

@@ -213,7 +213,7 @@ class Pipeline:
             algorithm = self.algorithm
             if flushes_every_minibatch(algorithm.schedule(2), n_microbatches, algorithm.update_every):
                 self._global_norm = (LocalGlobalNorm(self.stages) if self.rank is None
-                                     else DistributedGlobalNorm(num_stages, timeout))
+                                     else DistributedGlobalNorm(self.rank, num_stages, timeout))
             for st in self.stages.values():
                 st.clip = GradClip(self.clip_grad_norm, self._global_norm)
         self._transport: Transport
@@ -498,9 +498,9 @@ class Pipeline:
                 if self.rank is not None:
                     self._report_failure(exc)  # the other ranks still learn the cause
                 raise Unrecoverable("the pipeline was built with recover=False")
-            counts = tie_counts = None
+            counts = None
             if self.rank is not None:
-                failed, counts, tie_counts = self._agree_on_failure(exc, failed)
+                failed, counts = self._agree_on_failure(exc, failed)
             first = failed * m
             step = next((entry for entry in self._undo_steps if entry[0] == failed), None)
             undone_from: dict[int, int] = {}  # per stage, the first update undone
@@ -519,12 +519,15 @@ class Pipeline:
             if self._global_norm is not None:  # its norms are kept by the stages' update counts
                 self._global_norm.discard(min(st.book.updates for st in self.stages.values()))
             if counts is not None:
-                self._transport.resync(counts, keep=lambda kind, k: k < first)
-            if tie_counts is not None:
-                # The tied gradients' streams likewise: groups before micro-batch `first` wait for their reduce,
-                # later ones were withdrawn (every owner numbers the groups alike; a rank owning no tie has none).
-                ties = self.stages[self.rank].ties
-                self._tie_exchange.resync(tie_counts, 0 if ties is None else ties.group_of(first))
+                self._transport.resync(counts["sent"], keep=lambda kind, k: k < first)
+                if "ties" in counts:
+                    # The tied gradients' streams likewise: groups before micro-batch `first` wait for their
+                    # reduce, later ones were withdrawn (every owner numbers the groups alike; a rank owning no
+                    # tie has none).
+                    ties = self.stages[self.rank].ties
+                    self._tie_exchange.resync(counts["ties"], 0 if ties is None else ties.group_of(first))
+                if "norms" in counts:
+                    self._global_norm.resync(counts["norms"])  # all of a synchronous schedule's undone updates
             if failed > 0:
                 self._executor.recover(self.algorithm.schedule(failed), keep=kept,
                                        drop_message=lambda stage, kind, k: k >= first)
@@ -557,33 +560,39 @@ class Pipeline:
         finally:
             self._recovering = False
 
-    def _agree_on_failure(self, exc: BaseException, failed: int
-                          ) -> tuple[int, list[dict[str, Any]], list[dict[str, Any]] | None]:
+    def _side_exchanges(self) -> dict[str, Any]:
+        """With one process per stage, the exchanges besides the links that a failure must bring back in step:
+        the tied gradients' and the global gradient norm's."""
+        side: dict[str, Any] = {}
+        if self._tie_exchange is not None:
+            side["ties"] = self._tie_exchange
+        if isinstance(self._global_norm, DistributedGlobalNorm):
+            side["norms"] = self._global_norm
+        return side
+
+    def _agree_on_failure(self, exc: BaseException, failed: int) -> tuple[int, dict[str, list[Any]]]:
         """With one process per stage: report the failure to the other ranks, then agree with them (every rank
         gets here, having raised) on the first mini-batch to undo, and learn what each rank has sent on its
-        links and (with tied weights) on its tied gradients' streams."""
-        ties = self._tie_exchange
+        links (``counts["sent"]``) and on the other exchanges (:meth:`_side_exchanges`), in rank order."""
+        side = self._side_exchanges()
         shared, self._shared_failure = self._shared_failure, None
         if shared is None:  # (else this rank learnt of the failure from the exchange that ends a flush: all know)
-            # Notices first: the counts shared next include them, so that every rank takes them off its links.
+            # Notices first: the counts shared next include them, so that every rank takes them off its streams.
             cause = self._report_failure(exc)
             if isinstance(exc, PeerError) and exc.cause is None:
                 raise Unrecoverable("a rank died or stopped answering")
-            entry = {"failed": failed, "cause": cause, "sent": self._transport.sent_counts()}
-            if ties is not None:
-                entry["ties"] = ties.sent_counts()
+            entry = {"failed": failed, "cause": cause, "sent": self._transport.sent_counts(),
+                     **{key: exchange.sent_counts() for key, exchange in side.items()}}
             shared = self._transport.share(entry)
-        if self._global_norm is not None:
-            raise Unrecoverable("with one process per stage, a pipeline with global-norm clipping (clip_grad_norm "
-                                "under gpipe or 1f1b) is not taken back yet")
-        tie_counts = None
-        if ties is not None:
-            tie_counts = [e.get("ties") for e in shared]
-            if None in tie_counts:
+        counts = {"sent": [e["sent"] for e in shared]}
+        for key, exchange in side.items():
+            got = [e.get(key) for e in shared]
+            if None in got:
                 # The exchange that ends a flush does not carry them: every rank sees the same entries, so every
                 # rank shares them now.
-                tie_counts = self._transport.share(ties.sent_counts())
-        return min(e["failed"] for e in shared if e["failed"] is not None), [e["sent"] for e in shared], tie_counts
+                got = self._transport.share(exchange.sent_counts())
+            counts[key] = got
+        return min(e["failed"] for e in shared if e["failed"] is not None), counts
 
     def _confirm_flush(self) -> None:
         """With one process per stage, the end of a flush: the ranks tell each other whether they got there. A
@@ -608,8 +617,8 @@ class Pipeline:
             detail = str(exc).splitlines()[0] if str(exc) else ""
             cause = f"{type(exc).__name__} at {where}" + (f": {detail}" if detail else "")
         self._transport.notify_failure(cause)
-        if self._tie_exchange is not None:
-            self._tie_exchange.notify_failure(cause)  # an owner waiting in a tie reduce learns it at once too
+        for exchange in self._side_exchanges().values():
+            exchange.notify_failure(cause)  # a rank waiting for a tied gradient or a norm learns it at once too
         return cause
 
     def _drain(self) -> None:

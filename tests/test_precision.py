@@ -65,7 +65,7 @@ def test_gpipe_under_autocast_equals_plain_training_under_autocast():
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = nn.functional.cross_entropy(ref(xs), ys)
             (loss / M).backward()
-            total += float(loss)
+            total += loss.item()
         opt.step()
         opt.zero_grad()
         ref_losses.append(total / M)

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "recovery", "command": "python bench/recovery.py", "machine": machine(), "device": "cpu",
         "dtype": "float32", "model": f"{args.layers} x (Linear({args.width},{args.width}) + ReLU), 2 stages, "
-        f"{args.microbatches} micro-batches, one thread per stage", "sizes": vars(args), "results": rows,
+        f"{args.microbatches} micro-batches, one thread per stage", "sizes": {k: v for k, v in vars(args).items() if k != "out"}, "results": rows,
     }
     print(f"wrote {write_report(report, args.out)}")
     return 0

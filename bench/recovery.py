@@ -78,10 +78,11 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"batch {batch:>5}  {algorithm:<10}  recover/not {ratio:.3f}  "
                   f"({row['step_ms_recover']:.1f} ms vs {row['step_ms_not']:.1f} ms per step)", flush=True)
+    sizes = {k: v for k, v in vars(args).items() if k != "out"}
     report = {
         "benchmark": "recovery", "command": "python bench/recovery.py", "machine": machine(), "device": "cpu",
         "dtype": "float32", "model": f"{args.layers} x (Linear({args.width},{args.width}) + ReLU), 2 stages, "
-        f"{args.microbatches} micro-batches, one thread per stage", "sizes": {k: v for k, v in vars(args).items() if k != "out"}, "results": rows,
+        f"{args.microbatches} micro-batches, one thread per stage", "sizes": sizes, "results": rows,
     }
     print(f"wrote {write_report(report, args.out)}")
     return 0

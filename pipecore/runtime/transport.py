@@ -43,6 +43,11 @@ def _key(stage: int, kind: Kind, microbatch: int) -> int:
     return (microbatch << (_STAGE_BITS + 1)) | (stage << 1) | (kind is not F)
 
 
+def _unkey(key: int) -> tuple[int, Kind, int]:
+    """``(stage, kind, micro-batch)`` of a mailbox key (:func:`_key`)."""
+    return (key >> 1) & ((1 << _STAGE_BITS) - 1), B if key & 1 else F, key >> (_STAGE_BITS + 1)
+
+
 class LocalTransport:
     """In-process mailboxes: every stage lives in this process. ``receive`` blocks until the message is
     there (without holding the GIL), so stage threads can wait on it, for at most ``timeout`` seconds (then
@@ -81,9 +86,8 @@ class LocalTransport:
         self.send(stage, kind, microbatch, message)
 
     def drop(self, which: Callable[[int, Kind, int], bool]) -> None:
-        mask = (1 << _STAGE_BITS) - 1
         for key in self._mailbox.keys():
-            if which((key >> 1) & mask, B if key & 1 else F, key >> (_STAGE_BITS + 1)):
+            if which(*_unkey(key)):
                 self._mailbox.take(key, 0.0)
 
     def close(self, deliver: bool = True) -> None:

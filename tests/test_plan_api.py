@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,7 @@ def test_a_time_plan_cuts_where_modules_start_and_trains():
               for g in pipe.stage_graphs[1:]]
     assert starts == list(plan.starts)
     loss = pipe.step(tokens(16), tokens(16))
-    assert loss == loss  # finite: the plan's stages train
+    assert math.isfinite(loss)  # the plan's stages train
 
 
 def test_a_tight_limit_is_met_by_recomputing():

@@ -5,22 +5,58 @@ device (shared by the stages on that device). On the CPU nothing tracks allocati
 account: what it allocates once (weight versions, gradient buffer, scratch, velocity, optimizer state, the
 copies that undo a failed step) plus, per micro-batch in flight, the tensors its forward keeps for the
 backward (saved by autograd, kept as the stage's inputs and outputs, or kept by a recomputed segment as its
-inputs), each storage counted once; and, during a backward that recomputes the whole stage, what the
-recomputed forward saves (not yet for a recomputed segment). The peak is the largest sum seen.
+inputs), each byte counted once (a tensor counts the bytes of its storage it spans: a micro-batch's input,
+a slice of the mini-batch, counts as the slice); and, during a backward that recomputes, what the recomputed forward
+(of the whole stage, or of a recomputed segment) still holds when it ends, on top of everything in flight
+including the micro-batch being backwarded. The peak is the largest sum seen.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-_COUNTING = threading.local()  # the account of the forward running on this thread, if it is counted
+# The account of the forward (``account``) or backward (``backward``) running on this thread, if counted.
+_COUNTING = threading.local()
 
 if TYPE_CHECKING:
     from .stage import TensorStage
+
+
+class Kept:
+    """What one micro-batch's forward keeps: per storage, the bytes its kept tensors span (from the lowest to
+    the highest byte any of them reaches). A micro-batch's input is a slice of the mini-batch's storage: it
+    keeps that slice, as on a device the copy of it would be; a tensor saved whole spans its storage."""
+
+    def __init__(self, excluded: set[int]):
+        self.excluded = excluded
+        self.spans: dict[int, tuple[int, int]] = {}  # storage -> (first byte, end byte)
+
+    def add(self, t: Any) -> None:
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.numel() == 0:
+            return
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.excluded:
+            return
+        size = t.element_size()
+        first = t.storage_offset() * size
+        end = min(storage.nbytes(), first + size * (1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))))
+        lo, hi = self.spans.get(key, (first, end))
+        self.spans[key] = (min(lo, first), max(hi, end))
+
+    def ranges(self) -> dict[tuple[int, int, int], int]:
+        """The byte ranges kept, each with its bytes."""
+        return {(key, lo, hi): hi - lo for key, (lo, hi) in self.spans.items()}
+
+    def nbytes(self) -> int:
+        return sum(hi - lo for lo, hi in self.spans.values())
 
 
 class MemoryAccount:
@@ -29,58 +65,74 @@ class MemoryAccount:
 
     def __init__(self, excluded: set[int]):
         self.excluded = excluded  # storages counted elsewhere (the weight ring, the scratch buffer)
-        self.in_flight: dict[int, int] = {}  # micro-batch -> bytes its forward keeps
+        self.in_flight: dict[int, dict[tuple[int, int, int], int]] = {}  # micro-batch -> byte ranges it keeps
+        # Micro-batches in flight that keep each byte range: a range several keep is counted once.
+        self._holders: dict[tuple[int, int, int], int] = {}
         self.live = 0
         self.peak = 0
-        self._seen: dict[int, int] | None = None  # storage -> bytes, while a forward is counted
+        self.backwarding = 0  # bytes the micro-batch whose backward runs releases: held until it ends
+        self._kept: Kept | None = None  # while a forward is counted
 
     def note(self, t: torch.Tensor) -> None:
-        """Count ``t``'s storage in the forward being counted (a saved-tensor hook calls this)."""
-        seen = self._seen
-        if seen is not None and t.device.type == "cpu":
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if key not in self.excluded and key not in seen:
-                seen[key] = storage.nbytes()
+        """Count ``t`` in the forward being counted (a saved-tensor hook calls this)."""
+        if self._kept is not None:
+            self._kept.add(t)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         self.note(t)
         return t
 
     @contextmanager
-    def counting(self, kept: Iterable[Any] = ()) -> Iterator[dict[int, int]]:
-        """Count what the block's forward saves, plus the tensors in ``kept``; the storages are in the dict."""
-        seen: dict[int, int] = {}
-        self._seen = seen
+    def counting(self, kept: Iterable[Any] = ()) -> Iterator[Kept]:
+        """Count what the block's forward saves, plus the tensors in ``kept``."""
+        counted = Kept(self.excluded)
+        self._kept = counted
         _COUNTING.account = self
         try:
-            yield seen
+            yield counted
         finally:
-            self._seen = None
+            self._kept = None
             _COUNTING.account = None
         for value in kept:
-            if isinstance(value, torch.Tensor):
-                storage = value.untyped_storage()
-                if value.device.type == "cpu" and storage.data_ptr() not in self.excluded:
-                    seen.setdefault(storage.data_ptr(), storage.nbytes())
+            counted.add(value)
 
-    def forwarded(self, microbatch: int, seen: dict[int, int], outputs: Iterable[Any] = ()) -> None:
-        """Micro-batch ``microbatch`` is in flight, keeping ``seen`` (and ``outputs``) until its backward."""
+    def forwarded(self, microbatch: int, kept: Kept, outputs: Iterable[Any] = ()) -> None:
+        """Micro-batch ``microbatch`` is in flight, keeping ``kept`` (and ``outputs``) until its backward."""
         for value in outputs:
-            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
-                storage = value.untyped_storage()
-                seen.setdefault(storage.data_ptr(), storage.nbytes())
-        nbytes = sum(seen.values())
-        self.in_flight[microbatch] = nbytes
-        self.live += nbytes
+            kept.add(value)
+        ranges = kept.ranges()
+        self.in_flight[microbatch] = ranges
+        for key, nbytes in ranges.items():
+            self._holders[key] = self._holders.get(key, 0) + 1
+            if self._holders[key] == 1:
+                self.live += nbytes
         self.peak = max(self.peak, self.live)
 
     def transient(self, nbytes: int) -> None:
         """A backward holds ``nbytes`` more for a moment (a recomputed forward's saved tensors)."""
-        self.peak = max(self.peak, self.live + nbytes)
+        self.peak = max(self.peak, self.live + self.backwarding + nbytes)
 
     def backwarded(self, microbatch: int) -> None:
-        self.live -= self.in_flight.pop(microbatch, 0)
+        """Micro-batch ``microbatch``'s backward starts: it is no longer in flight, though what it kept is
+        freed only as its backward goes (counted until :meth:`backward`'s block ends)."""
+        self.backwarding = 0
+        for key, nbytes in self.in_flight.pop(microbatch, {}).items():
+            self._holders[key] -= 1
+            if not self._holders[key]:
+                del self._holders[key]
+                self.backwarding += nbytes
+        self.live -= self.backwarding
+
+    @contextmanager
+    def backward(self) -> Iterator[None]:
+        """The block runs the stage's backward: recomputed segments count their transient here
+        (:func:`counting_recomputation`)."""
+        _COUNTING.backward = self
+        try:
+            yield
+        finally:
+            _COUNTING.backward = None
+            self.backwarding = 0
 
     def forget(self, first: int) -> None:
         """Micro-batches ``first`` and later are no longer in flight (a failed step was undone)."""
@@ -96,6 +148,51 @@ def note_kept(tensors: Iterable[Any]) -> None:
         for t in tensors:
             if isinstance(t, torch.Tensor):
                 account.note(t)
+
+
+@contextmanager
+def counting_recomputation() -> Iterator[None]:
+    """Count, as a transient of the backward running on this thread (if its stage keeps an account), what the
+    block (a segment's recomputation) allocates and still holds when it ends: the tensors the recomputation
+    saved for the segment's backward, and its outputs. Scratch freed within the block is not counted (like
+    every transient of one forward or backward that the account leaves out)."""
+    account = getattr(_COUNTING, "backward", None)
+    if account is None:
+        yield
+        return
+    created = _CreatedStorages()
+    try:
+        with created:
+            yield
+    finally:
+        # Also when the checkpoint stops the recomputation early (it raises once it has what it needs).
+        account.transient(created.alive_bytes())
+
+
+class _CreatedStorages(TorchDispatchMode):
+    """Records, weakly, the new CPU storages that the ops run in the block return: not a view of (or an
+    in-place result on) one of the op's arguments. A storage's Python object lives exactly as long as the
+    storage (torch preserves it), so a weak reference tells whether the storage is still alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.created: dict[int, tuple[weakref.ref, int]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                known = self.created.get(key)  # an address freed in the block may be given again
+                if key not in given and storage.nbytes() and (known is None or known[0]() is None):
+                    self.created[key] = (weakref.ref(storage), storage.nbytes())
+        return out
+
+    def alive_bytes(self) -> int:
+        return sum(nbytes for ref, nbytes in self.created.values() if ref() is not None)
 
 
 def static_bytes(stage: "TensorStage") -> int:

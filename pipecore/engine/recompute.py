@@ -16,9 +16,9 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from .memory import note_kept
+from .memory import counting_recomputation, note_kept
 from .stage import buffer_copies
 
 
@@ -42,11 +42,17 @@ class Recomputed(nn.Module):
             if first[0]:  # the forward itself: the modules hold these weights already
                 first[0] = False
                 return self.segment(*values[:count])
-            with _holding(places, values[count:]), buffer_copies([self.segment]):
-                return self.segment(*values[:count])
+            # The recomputation's outputs are dropped (the checkpoint keeps what it saves) before its
+            # transient is counted.
+            with _holding(places, values[count:]), buffer_copies([self.segment]), counting_recomputation():
+                self.segment(*values[:count])
+            return None
 
         note_kept(inputs)  # the checkpoint keeps them for the backward, outside autograd's saved tensors
-        return checkpoint(run, *inputs, *weights, use_reentrant=False, preserve_rng_state=True)
+        # No early stop: the recomputation runs the whole segment, as the plan's time model counts it, and
+        # ends normally, so that its transient is counted without the interrupted frame's temporaries.
+        with set_checkpoint_early_stop(False):
+            return checkpoint(run, *inputs, *weights, use_reentrant=False, preserve_rng_state=True)
 
 
 @contextmanager

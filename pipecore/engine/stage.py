@@ -452,64 +452,65 @@ class TensorStage(StageWorker):
         t0 = time.perf_counter()
         self._last_backward_count = len(action.microbatches)
         outs = []
-        for k, read, grad_out in zip(action.microbatches, reads, payloads):
-            rec = self.in_flight[k]  # taken out once the backward starts changing state (see _committed)
-            if self.backward_rule == "recompute":
-                params = self._leaves(self.materialize(read))
-                inputs = tuple(x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.requires_grad
-                               else x for x in rec.inputs)
-                cuda = [self.device] if self.device.type == "cuda" else []
-                # The forward's random state (dropout masks) and buffers: the recomputation must draw the
-                # same masks, and BatchNorm must not count the micro-batch in its running statistics twice.
-                with _GLOBAL_RANDOM, torch.random.fork_rng(devices=cuda), buffer_copies([self.module]), \
-                        self._autocast(), self.memory.counting() as recomputed, \
-                        torch.autograd.graph.saved_tensors_hooks(self.memory.pack, _same):
-                    self._set_random_state(rec.rng_state)
-                    y = self._run_module(params, inputs)
-                    output = self._loss_fn(y, rec.target) / self.algorithm.update_every if self.is_last else tuple(y)
-                self.memory.transient(sum(recomputed.values()))
-                leaves = params
-            else:
-                leaves, output, inputs = rec.leaves, rec.outputs, rec.inputs
-                if rec.forward_weights is None:
-                    self._unpack_target = self.materialize(read)
-            # The first stage has no upstream neighbour: a user input that requires grad gets nothing.
-            wanted = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad] if self.stage > 0 else []
-            if self.is_last:
-                tensors, grads = [output], None
-            else:
-                pairs = [(y, g) for y, g in zip(output, from_payload(grad_out, len(output)))
-                         if g is not None and y.requires_grad]
-                tensors, grads = [y for y, _ in pairs], [g for _, g in pairs]
-            if not (leaves or wanted) or not tensors:  # nothing to differentiate, or no gradient arrived
-                self._unpack_target = None
-                self._committed(k)
-                outs.append(None if self.stage == 0 else as_payload((None,) * len(inputs)))
-                continue
-            # Only the action's last micro-batch defers: an earlier one's derived weights (scratch) are
-            # overwritten by the next micro-batch's read. Split backwards take one tensor in and one out.
-            if (self.split_backward and len(wanted) == 1 and len(inputs) == 1 and len(tensors) == 1 and leaves
-                    and k == action.microbatches[-1]):
+        with self.memory.backward():  # a recomputed segment's transient counts against this stage
+            for k, read, grad_out in zip(action.microbatches, reads, payloads):
+                rec = self.in_flight[k]  # taken out once the backward starts changing state (see _committed)
+                if self.backward_rule == "recompute":
+                    params = self._leaves(self.materialize(read))
+                    inputs = tuple(x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.requires_grad
+                                   else x for x in rec.inputs)
+                    cuda = [self.device] if self.device.type == "cuda" else []
+                    # The forward's random state (dropout masks) and buffers: the recomputation must draw the
+                    # same masks, and BatchNorm must not count the micro-batch in its running statistics twice.
+                    with _GLOBAL_RANDOM, torch.random.fork_rng(devices=cuda), buffer_copies([self.module]), \
+                            self._autocast(), self.memory.counting() as recomputed, \
+                            torch.autograd.graph.saved_tensors_hooks(self.memory.pack, _same):
+                        self._set_random_state(rec.rng_state)
+                        y = self._run_module(params, inputs)
+                        output = self._loss_fn(y, rec.target) / self.algorithm.update_every if self.is_last else tuple(y)
+                    self.memory.transient(recomputed.nbytes())
+                    leaves = params
+                else:
+                    leaves, output, inputs = rec.leaves, rec.outputs, rec.inputs
+                    if rec.forward_weights is None:
+                        self._unpack_target = self.materialize(read)
+                # The first stage has no upstream neighbour: a user input that requires grad gets nothing.
+                wanted = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad] if self.stage > 0 else []
+                if self.is_last:
+                    tensors, grads = [output], None
+                else:
+                    pairs = [(y, g) for y, g in zip(output, from_payload(grad_out, len(output)))
+                             if g is not None and y.requires_grad]
+                    tensors, grads = [y for y, _ in pairs], [g for _, g in pairs]
+                if not (leaves or wanted) or not tensors:  # nothing to differentiate, or no gradient arrived
+                    self._unpack_target = None
+                    self._committed(k)
+                    outs.append(None if self.stage == 0 else as_payload((None,) * len(inputs)))
+                    continue
+                # Only the action's last micro-batch defers: an earlier one's derived weights (scratch) are
+                # overwritten by the next micro-batch's read. Split backwards take one tensor in and one out.
+                if (self.split_backward and len(wanted) == 1 and len(inputs) == 1 and len(tensors) == 1 and leaves
+                        and k == action.microbatches[-1]):
+                    self._committed(k)
+                    try:
+                        dx, pending = input_gradient(tensors[0], None if grads is None else grads[0], wanted[0], leaves)
+                        self._deferred = (pending, self._unpack_target)
+                    finally:
+                        self._unpack_target = None
+                    outs.append(dx)
+                    continue
+                # Weight gradients accumulate into the leaves' .grad, the gradient buffer (see _leaves); a
+                # parameter that takes no part gets nothing added.
                 self._committed(k)
                 try:
-                    dx, pending = input_gradient(tensors[0], None if grads is None else grads[0], wanted[0], leaves)
-                    self._deferred = (pending, self._unpack_target)
+                    torch.autograd.backward(tensors, grad_tensors=grads, inputs=leaves + wanted)
                 finally:
                     self._unpack_target = None
-                outs.append(dx)
-                continue
-            # Weight gradients accumulate into the leaves' .grad, the gradient buffer (see _leaves); a
-            # parameter that takes no part gets nothing added.
-            self._committed(k)
-            try:
-                torch.autograd.backward(tensors, grad_tensors=grads, inputs=leaves + wanted)
-            finally:
-                self._unpack_target = None
-            if self.stage == 0:
-                outs.append(None)
-            else:
-                outs.append(as_payload(tuple(x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None
-                                        for x in inputs)))
+                if self.stage == 0:
+                    outs.append(None)
+                else:
+                    outs.append(as_payload(tuple(x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None
+                                            for x in inputs)))
         self._timed("B", t0)
         return outs
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from torch import nn
 
@@ -44,6 +44,8 @@ def plan(
     objective: str = "memory",
     *,
     optimizer: Any = None,
+    loss_fn: Callable[[Any, Any], Any] | None = None,
+    example_target: Any = None,
     leaf_modules: Sequence[type | str] = (),
     cuts: str = "modules",
     progress: bool = False,
@@ -64,6 +66,8 @@ def plan(
     ``cuts="modules"`` (default) cuts only where a module starts, as the pipeline's default partition does
     (a module's internal values, shape arithmetic included, stay in one stage); ``"nodes"`` anywhere.
     ``optimizer`` is the pipeline's (its state counts: SGD with momentum one weight-sized buffer, AdamW two).
+    ``loss_fn`` and ``example_target`` (the pipeline's loss and ``example_input``'s targets) let the last
+    stage's prediction include the loss's time and what it saves.
 
     Returns a :class:`~pipecore.planning.Plan`: ``starts`` (pass the plan as ``Pipeline(...,
     partition=plan)``), ``recomputed``, ``stage_time``, ``stage_memory`` (predicted peak bytes per stage),
@@ -76,7 +80,8 @@ def plan(
     if cuts not in _CUTS:
         raise ValueError(f"cuts must be one of {_CUTS}, got {cuts!r}")
     limit = None if memory_limit is None else parse_bytes(memory_limit)
-    costs = profile(model, example_input, leaf_modules=leaf_modules, optimizer=optimizer, progress=progress)
+    costs = profile(model, example_input, leaf_modules=leaf_modules, optimizer=optimizer, loss_fn=loss_fn,
+                    example_target=example_target, progress=progress)
     if batch_size is None:
         batch_size = costs.microbatch_size * n_microbatches
     allowed = None

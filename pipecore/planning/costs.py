@@ -7,6 +7,41 @@ from typing import Sequence
 
 
 @dataclass(frozen=True)
+class ValueCost:
+    """One value of the graph as the memory model sees it: a storage, with every view of it.
+
+    Attributes:
+        producer: the compute node that makes it (-1: one of the graph's inputs).
+        nbytes: its bytes.
+        savers: the compute nodes that save it (or a view of it) for their backward, in order (its producer
+            among them if that saves its own output).
+        users: the compute nodes that read it (or a view of it), in order; ``N`` (the node count) if the
+            graph returns it.
+    """
+
+    producer: int
+    nbytes: int
+    savers: tuple[int, ...] = ()
+    users: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TiedParameter:
+    """A parameter that several nodes read (a tied embedding): charged in ``GraphCosts.param_bytes`` to its
+    first reader, and held again by every other stage that has a reader.
+
+    Attributes:
+        param_bytes: its bytes.
+        optimizer_bytes: its optimizer state's bytes.
+        readers: the compute nodes that read it, in order.
+    """
+
+    param_bytes: int
+    optimizer_bytes: int
+    readers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class GraphCosts:
     """Measured (or synthetic) costs of the compute nodes of a captured graph, in graph order.
 
@@ -37,6 +72,14 @@ class GraphCosts:
             backward, first before ``c`` (the sending stage keeps the value anyway, so the bytes it sends cost
             it nothing more) or first at or after ``c`` (likewise for the receiving stage). Empty when not
             measured (taken as zeros).
+        values: every value of the graph (:class:`ValueCost`), in order of production; with them the memory
+            model tells exactly what a recomputed segment frees and holds. Empty when not measured (the
+            model then takes a segment to free all it saves but its input).
+        tied: the parameters several nodes read (:class:`TiedParameter`).
+        loss_saved_bytes: what the loss saves for its backward per micro-batch (the last stage keeps it for
+            every micro-batch in flight); 0 when not measured.
+        loss_s: seconds of the loss's forward and backward per micro-batch (the last stage's); 0 when not
+            measured.
     """
 
     names: tuple[str, ...]
@@ -52,6 +95,10 @@ class GraphCosts:
     input_bytes: int = 0
     crossing_saved_before: tuple[int, ...] = ()
     crossing_saved_after: tuple[int, ...] = ()
+    values: tuple[ValueCost, ...] = ()
+    tied: tuple[TiedParameter, ...] = ()
+    loss_saved_bytes: int = 0
+    loss_s: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -80,6 +127,22 @@ class GraphCosts:
             if any(v < 0 for v in values):
                 raise ValueError(f"GraphCosts.{field} holds a negative entry: {list(values)}")
 
+        for v in self.values:
+            if not (-1 <= v.producer < n and v.nbytes >= 0 and all(v.producer <= x < n for x in v.savers)
+                    and all(v.producer < x <= n for x in v.users)):
+                raise ValueError(f"GraphCosts.values holds {v}: a value is made by a node in -1..{n - 1} (-1: an "
+                                 f"input), has bytes >= 0, is saved by its maker or later nodes and used by later "
+                                 f"nodes (up to {n}: the graph's output)")
+
+        for t in self.tied:
+            if not (t.param_bytes >= 0 and t.optimizer_bytes >= 0 and t.readers
+                    and all(0 <= r < n for r in t.readers) and list(t.readers) == sorted(set(t.readers))):
+                raise ValueError(f"GraphCosts.tied holds {t}: bytes >= 0 and readers among nodes 0..{n - 1}, "
+                                 "increasing")
+        if self.loss_saved_bytes < 0 or self.loss_s < 0:
+            raise ValueError(f"GraphCosts.loss_saved_bytes and loss_s must be >= 0, got {self.loss_saved_bytes} "
+                             f"and {self.loss_s}")
+
     def __len__(self) -> int:
         return len(self.names)
 
@@ -99,4 +162,6 @@ class GraphCosts:
             scaled(self.output_bytes), scaled(self.saved_bytes), self.param_bytes, self.optimizer_bytes,
             scaled(self.crossing_bytes), samples, self.device, int(round(self.input_bytes * r)),
             scaled(self.crossing_saved_before), scaled(self.crossing_saved_after),
+            tuple(ValueCost(v.producer, int(round(v.nbytes * r)), v.savers, v.users) for v in self.values),
+            self.tied, int(round(self.loss_saved_bytes * r)), self.loss_s * r,
         )

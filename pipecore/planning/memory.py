@@ -20,13 +20,13 @@ Which terms come from where:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from ..algorithms import Algorithm, get_algorithm
 from ..simulate import simulate
-from .costs import GraphCosts
+from .costs import GraphCosts, ValueCost
 
 Segment = tuple[int, int]
 
@@ -155,6 +155,7 @@ class StageModel:
         self._sent_saved = [*(costs.crossing_saved_before or [0] * n), 0]
         self._received_saved = [*(costs.crossing_saved_after or [0] * n), 0]
         self._paths: dict[tuple[int, int, int], _Path] = {}
+        self._values = _Values(costs.values)
 
     # -- range sums ----------------------------------------------------------------------------------
 
@@ -203,23 +204,31 @@ class StageModel:
         ``backward_rule="recompute"``). Communication is taken to overlap with compute (DawnPiper's
         objective, as reported second-hand)."""
         extra = self.forward(start, end) if self.sizing.recompute_all else 0.0
-        return self._compute[end] - self._compute[start] + extra + sum(self.forward(i, j) for i, j in recomputed)
+        loss = self.costs.loss_s if end == self.num_nodes else 0.0  # the last stage's loss
+        return (self._compute[end] - self._compute[start] + extra + loss
+                + sum(self.forward(i, j) for i, j in recomputed))
 
     def memory(self, start: int, end: int, stage: int, recomputed: Sequence[Segment] = ()) -> StageMemory:
         """Predicted peak bytes of stage ``stage`` covering nodes ``[start, end)``.
 
-        With ``W`` the parameter bytes of the nodes, ``k`` the in-flight micro-batches of the stage and
+        With ``W`` the parameter bytes of the nodes (a tied parameter first read before the stage included),
+        ``k`` the in-flight micro-batches of the stage and
         ``S`` the saved bytes of nodes:
 
         * weights ``versions * W``, gradients ``W``, scratch ``W`` if derived weights, velocity ``W`` for
           PipeMare, optimizer state as given;
-        * activations ``k * (S(stage) - sum S(segment) + sum input(segment))``: a recomputed segment
-          ``[i, j)`` keeps only its input, the bytes crossing position ``i``, per micro-batch in flight
-          (inferred). A segment that starts where the stage starts keeps nothing more: its input is the
-          stage's received input, already counted as a boundary buffer (inferred);
-        * recomputation ``max S(segment)``: during one backward the segments are recomputed one after the
-          other, each freed after its backward, so the largest one sets the transient peak (inferred; the
+        * activations ``k * (S(stage) - freed)``: recomputed segments free what only their nodes save, unless
+          the stage keeps it anyway: as its input or output, or as a segment's input (the checkpoint keeps
+          those). With the graph's values (``GraphCosts.values``) this is exact at the level of storages;
+          without them, a segment ``[i, j)`` frees ``S(segment)`` and keeps the bytes crossing ``i``
+          (inferred);
+        * recomputation: during one backward the segments are recomputed one after the other, each freed
+          after its backward, so the largest one sets the transient peak: what its nodes save that they also
+          make (their inputs exist already), counted on top of every micro-batch in flight (inferred; the
           whole stage under ``backward_rule="recompute"``);
+        * the loss: the last stage keeps what the loss saves (``GraphCosts.loss_saved_bytes``) per
+          micro-batch in flight, counted in the activations (in the transient when every forward is
+          recomputed);
         * boundary ``k * (crossing(start) + crossing(end))``: each in-flight micro-batch's received input
           and sent output stay alive until its backward (inferred; the first stage's input is
           ``GraphCosts.input_bytes``, the last stage sends nothing that is kept), less what the stage's nodes
@@ -232,10 +241,17 @@ class StageModel:
         self.check_range(start, end, stage)
         segments = self.check_segments(start, end, recomputed)
         z = self.sizing
-        w = self.params(start, end)
+        w, optimizer = self.params(start, end), self.optimizer(start, end)
+        for tied in self.costs.tied:  # held again by a stage with a later reader
+            if tied.readers[0] < start and any(start <= r < end for r in tied.readers):
+                w, optimizer = w + tied.param_bytes, optimizer + tied.optimizer_bytes
         k = z.in_flight[stage]
+        loss = self.costs.loss_saved_bytes if end == self.num_nodes else 0
         if z.recompute_all:
-            kept, transient = 0, self.saved(start, end)
+            kept, transient = 0, self.saved(start, end) + loss
+        elif segments and self.costs.values:
+            freed, transient = self._recomputed(start, end, segments)
+            kept = self.saved(start, end) - freed
         else:
             kept = self.saved(start, end)
             transient = 0
@@ -247,13 +263,51 @@ class StageModel:
             gradients=w,
             scratch=w if z.derived[stage] else 0,
             velocity=w if z.velocity[stage] else 0,
-            optimizer=self.optimizer(start, end),
-            activations=k * kept,
+            optimizer=optimizer,
+            activations=k * (kept + (0 if z.recompute_all else loss)),
             recomputation=transient,
             # Under recomputation of the whole stage its forward saves nothing: both crossings are kept apart.
             boundary=k * (self.crossing(start) + self.crossing(end)) if z.recompute_all else
             k * (self.crossing(start) - self._received_saved[start] + self.crossing(end) - self._sent_saved[end]),
         )
+
+    def _recomputed(self, start: int, end: int, segments: Sequence[Segment]) -> tuple[int, int]:
+        """Per micro-batch, from the graph's values: the bytes that recomputing ``segments`` frees, and the
+        largest segment's transient (see :meth:`memory`). Vectorised over the values' savers and users."""
+        v = self._values
+        count = len(segments)
+        # The segment of each position -1..N (-1: none), at index position + 1.
+        home = np.full(self.num_nodes + 2, -1, dtype=np.int64)
+        for k, (i, j) in enumerate(segments):
+            home[i + 1:j + 1] = k
+        firsts = np.array([i for i, _ in segments], dtype=np.int64)
+        # Saved bytes that are no value of the graph (BatchNorm's statistics, say) go with their segment: all a
+        # segment's nodes save less the values charged to them (GraphCosts.saved_bytes charges a value to its
+        # first saver).
+        charged_in = home[v.first_saver + 1]
+        charged = np.bincount(charged_in[charged_in >= 0], v.nbytes[charged_in >= 0], minlength=count)
+        other = np.maximum(0, np.array([self.saved(i, j) for i, j in segments]) - charged)
+        # A segment's transient: what its nodes save that they also make (their inputs exist already).
+        saver_home = home[v.saver_at + 1]
+        own = np.zeros(len(v.nbytes), dtype=bool)
+        own[v.saver_of[(saver_home >= 0) & (saver_home == home[v.producer[v.saver_of] + 1])]] = True
+        made = np.bincount(home[v.producer[own] + 1], v.nbytes[own], minlength=count)
+        # Freed: saved by nodes of the stage, all recomputed, and kept by the stage for no other reason.
+        # (Received and sent values are the stage's boundary buffers.)
+        in_stage = (v.saver_at >= start) & (v.saver_at < end)
+        saved_here = np.bincount(v.saver_of[in_stage], minlength=len(v.nbytes)) > 0
+        kept_by_node = np.bincount(v.saver_of[in_stage & (saver_home < 0)], minlength=len(v.nbytes)) > 0
+        user_home = home[v.user_at + 1]
+        into = user_home >= 0
+        checkpointed = np.zeros(len(v.nbytes), dtype=bool)
+        checkpointed[v.user_of[into][v.producer[v.user_of[into]] < firsts[user_home[into]]]] = True
+        received = v.producer < start
+        sent = (v.last_use >= end) & (end < self.num_nodes)
+        freed = saved_here & ~kept_by_node & ~received & ~sent & ~checkpointed
+        # A segment's input that no node of the stage saved is kept now (unless the stage keeps it anyway).
+        added = checkpointed & ~saved_here & ~received & ~sent
+        return (int(v.nbytes[freed].sum() - v.nbytes[added].sum() + other.sum()),
+                int((other + made).max()))
 
     def recomputation_path(self, start: int, end: int, stage: int) -> list[tuple[tuple[Segment, ...], StageMemory]]:
         """The recomputation choices in the order the cost model makes them, each with the memory after it
@@ -264,8 +318,10 @@ class StageModel:
         single nodes). Each step takes the candidate freeing the most bytes per second of extra forward
         (zero-time runs first; at equal rates more bytes, then the shorter, then the earlier run), counting
         the input it keeps and the growth of the transient; the path ends when no candidate frees anything.
-        Memory strictly falls along the path, and the path does not depend on the limit: fitting a limit
-        takes the shortest prefix that fits it. A step costs O(L^2) (vectorised) for a stage of L nodes.
+        Candidates are scored from range sums (a segment frees what its nodes save, less its input), so that
+        a step costs O(L^2) (vectorised) for a stage of L nodes; each step's memory is then :meth:`memory`'s,
+        exact with the graph's values. The path does not depend on the limit: fitting a limit takes the
+        shortest prefix that fits it.
         """
         path = self._path(start, end, stage)
         while path.extend():
@@ -308,7 +364,25 @@ class StageModel:
         """The least peak bytes the stage reaches: with every recomputation step, or with none."""
         if not recompute:
             return self.memory(start, end, stage).total
-        return self.recomputation_path(start, end, stage)[-1][1].total
+        return min(memory.total for _, memory in self.recomputation_path(start, end, stage))
+
+
+class _Values:
+    """``GraphCosts.values`` as arrays: per value its producer, bytes, first saver (-1: none) and last use;
+    every (value, saver) and (value, user) pair flattened."""
+
+    def __init__(self, values: Sequence[ValueCost]):
+        def ints(items: Iterable[int]) -> np.ndarray:
+            return np.fromiter(items, dtype=np.int64)
+
+        self.producer = ints(v.producer for v in values)
+        self.nbytes = ints(v.nbytes for v in values)
+        self.first_saver = ints(v.savers[0] if v.savers else -2 for v in values)  # -2: home[-1], position N, in no segment
+        self.last_use = ints(v.users[-1] if v.users else -1 for v in values)
+        self.saver_of = ints(k for k, v in enumerate(values) for _ in v.savers)
+        self.saver_at = ints(x for v in values for x in v.savers)
+        self.user_of = ints(k for k, v in enumerate(values) for _ in v.users)
+        self.user_at = ints(x for v in values for x in v.users)
 
 
 class _Path:

@@ -57,13 +57,14 @@ from ..engine.graph import CapturedModel
 from ..engine.inputs import as_model_inputs
 from ..engine.optim import SGD, AdamW
 from ..engine.stage import buffer_copies
-from .costs import GraphCosts
+from .costs import GraphCosts, TiedParameter, ValueCost
 
 __all__ = ["profile"]
 
 
 def profile(model: nn.Module, example_input: Any, *, leaf_modules: Sequence[type | str] = (),
-            optimizer: Any = None, warmup: int = 2, repeats: int = 5, progress: bool = False) -> GraphCosts:
+            optimizer: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+            example_target: Any = None, warmup: int = 2, repeats: int = 5, progress: bool = False) -> GraphCosts:
     """Measure the costs of every compute node of ``model``'s captured graph for one micro-batch.
 
     Args:
@@ -78,6 +79,9 @@ def profile(model: nn.Module, example_input: Any, *, leaf_modules: Sequence[type
             ``pipecore.AdamW`` (two such buffers), a torch optimizer factory (its state is measured after one
             step on a zero parameter of each shape and dtype), or None for the pipeline's default
             (``pipecore.SGD`` without momentum: no state).
+        loss_fn, example_target: the pipeline's loss and the targets of ``example_input``; when given, the
+            loss's time and what it saves for the backward are measured too (``GraphCosts.loss_s`` and
+            ``loss_saved_bytes``: the last stage keeps them per micro-batch in flight).
         warmup: untimed runs of each node before the timed ones (>= 0).
         repeats: timed runs of each node; each time is their median (>= 1).
         progress: show a progress bar on stderr (tqdm if installed, else a counter).
@@ -95,6 +99,9 @@ def profile(model: nn.Module, example_input: Any, *, leaf_modules: Sequence[type
     _check_count("repeats", repeats, 1)
     if not isinstance(progress, bool):
         raise TypeError(f"profile(): progress must be True or False, got {progress!r}")
+    if (loss_fn is None) != (example_target is None):
+        raise TypeError("profile(): give loss_fn and example_target together (the loss of example_input's "
+                        "output against its targets), or neither")
     if example_input is None:
         raise TypeError("profile() needs an example_input: one micro-batch of the model's inputs (a tensor, a "
                         "tuple or a dict of tensors) to run every node on")
@@ -116,6 +123,10 @@ def profile(model: nn.Module, example_input: Any, *, leaf_modules: Sequence[type
         optimizer_bytes = [sum(state[id(p)] for p in ps) for ps in charged]
         profiler = _Profiler(captured, device, warmup, repeats)
         measured = profiler.run(values, progress)
+        loss_saved, loss_s = 0, 0.0
+        if loss_fn is not None:
+            target = _map_tensors(example_target, lambda t: t.detach().to(device))
+            loss_saved, loss_s = profiler.measure_loss(measured.output, target, loss_fn)
 
     n = len(captured.nodes)
     before, after = _crossing_saved(captured, measured.value_bytes, profiler.first_saver)
@@ -133,6 +144,10 @@ def profile(model: nn.Module, example_input: Any, *, leaf_modules: Sequence[type
         input_bytes=sum(measured.value_bytes[p] for p in captured.placeholders if p.users),
         crossing_saved_before=tuple(before[:n]),
         crossing_saved_after=tuple(after[:n]),
+        values=_values(captured, measured.value_bytes, profiler.savers, profiler.aliases),
+        tied=_tied(captured, charged, state),
+        loss_saved_bytes=loss_saved,
+        loss_s=loss_s,
     )
 
 
@@ -219,6 +234,22 @@ def _charge_parameters(captured: CapturedModel) -> list[list[nn.Parameter]]:
     return charged
 
 
+def _tied(captured: CapturedModel, charged: Sequence[Sequence[nn.Parameter]], state: dict[int, int]
+          ) -> tuple[TiedParameter, ...]:
+    """The parameters that several nodes read (a tied embedding, say): a stage holding a reader other than
+    the first holds the parameter too."""
+    gm = captured.gm
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    readers: dict[int, list[int]] = {}
+    for i, node in enumerate(captured.nodes):
+        reads = list(gm.get_submodule(str(node.target)).parameters()) if node.op == "call_module" else []
+        reads += [params[str(a.target)] for a in node.all_input_nodes if a.op == "get_attr" and a.target in params]
+        for p in {id(p): p for p in reads}.values():
+            readers.setdefault(id(p), []).append(i)
+    return tuple(TiedParameter(p.numel() * p.element_size(), state[id(p)], tuple(readers[id(p)]))
+                 for ps in charged for p in ps if len(readers.get(id(p), ())) > 1)
+
+
 def _state_dtype(dtype: torch.dtype) -> torch.dtype:
     # pipecore's fused optimizers keep their state in float32 (float64 for float64 weights).
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -277,6 +308,7 @@ class _Measured:
     def __init__(self) -> None:
         self.nodes: list[_NodeCost] = []
         self.value_bytes: dict[fx.Node, int] = {}  # per placeholder and compute node: bytes of its value
+        self.output: Any = None  # the graph's output
 
 
 class _Profiler:
@@ -300,6 +332,8 @@ class _Profiler:
         self.charged_storages: list[Any] = []
         self.producer: dict[Any, fx.Node] = {}  # storage key -> the placeholder or node whose value it holds
         self.first_saver: dict[fx.Node, int] = {}  # value -> index of the first compute node that saves it
+        self.savers: dict[fx.Node, set[int]] = {}  # value -> indices of every compute node that saves it
+        self.aliases: dict[fx.Node, set[fx.Node]] = {}  # graph node -> the values its output's storages hold
         self.index = {node: i for i, node in enumerate(captured.nodes)}
 
     def run(self, inputs: dict[str, torch.Tensor], progress: bool) -> _Measured:
@@ -315,9 +349,11 @@ class _Profiler:
                         env[node] = inputs[str(node.target)]
                         out.value_bytes[node] = _value_bytes(env[node])
                         self.producer.update((key, node) for key, _ in _storages(list(_tensors(env[node]))))
+                        self.aliases[node] = {node}
                 elif node.op == "get_attr":
                     env[node] = _fetch_attr(self.gm, str(node.target))
                 elif node.op == "output":
+                    out.output = fx.node.map_arg(node.args[0], lambda n: env[n])
                     break
                 else:
                     cost, value = self._measure(node, env)
@@ -331,6 +367,30 @@ class _Profiler:
         finally:
             bar.close()
         return out
+
+    def measure_loss(self, output: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor]
+                     ) -> tuple[int, float]:
+        """What ``loss_fn(output, target)`` saves for its backward that no node saved already (the last stage
+        keeps it per micro-batch in flight), and the median seconds of its forward and backward."""
+        try:
+            saved, _ = self._saved_bytes(loss_fn, (output, target), {}, clone=False)
+            mark, seconds = _clock(self.device)
+            times = []
+            _synchronize(self.device)
+            for r in range(self.warmup + self.repeats):
+                (y, t), _, leaves = self._prepare((output, target), {}, clone=False)
+                with torch.enable_grad():
+                    start = mark()
+                    loss = loss_fn(y, t)
+                    if leaves and loss.requires_grad:
+                        torch.autograd.grad(loss, leaves, allow_unused=True)
+                    times.append((start, mark()))
+            _synchronize(self.device)
+        except Exception as exc:  # noqa: BLE001 - the loss's failure names it
+            raise RuntimeError(f"profile(): loss_fn failed on the model's output and example_target: "
+                               f"{type(exc).__name__}: {exc}") from exc
+        nbytes = sum(n for key, (n, _) in saved.items() if key not in self.charged)
+        return nbytes, statistics.median(seconds(a, b) for a, b in times[self.warmup:])
 
     def _function(self, node: fx.Node) -> Callable[..., Any]:
         if node.op == "call_module":
@@ -402,8 +462,13 @@ class _Profiler:
         forward_s = statistics.median(seconds(s, e) for s, e in forward_marks)
         backward_s = statistics.median(seconds(s, e) for s, e in backward_marks) if backward_marks else 0.0
         value = _map_tensors(result, lambda t: t.detach().requires_grad_(t.requires_grad))
+        given = {key for key, _ in _storages(list(_tensors((args, kwargs))))}
         for key, _ in _storages(list(_tensors(value))):
-            self.producer.setdefault(key, node)  # (a view of an input keeps the input's producer)
+            # A view of an argument keeps the argument's producer; a new storage is this node's, even at an
+            # address that a freed value held before.
+            if key not in given or key not in self.producer:
+                self.producer[key] = node
+            self.aliases.setdefault(node, set()).add(self.producer[key])
         return _NodeCost(forward_s, backward_s, _value_bytes(value), self._charge(node, saved, counted, value)), value
 
     def _charge(self, node: fx.Node, saved: dict[Any, tuple[int, Any]], counted: Any, value: Any) -> int:
@@ -417,6 +482,8 @@ class _Profiler:
         total = 0
         for key, (nbytes, tensor) in saved.items():
             key, tensor = real.get(key, (key, tensor))
+            if key in self.producer:
+                self.savers.setdefault(self.producer[key], set()).add(self.index[node])
             if key not in self.charged:
                 self.charged.add(key)
                 self.charged_storages.append(tensor.untyped_storage())
@@ -515,6 +582,25 @@ def _crossing_saved(captured: CapturedModel, value_bytes: dict[fx.Node, int], fi
         before[c] += before[c - 1]
         after[c] += after[c - 1]
     return before[: n + 1], after[: n + 1]
+
+
+def _values(captured: CapturedModel, value_bytes: dict[fx.Node, int], savers: dict[fx.Node, set[int]],
+            aliases: dict[fx.Node, set[fx.Node]]) -> tuple[ValueCost, ...]:
+    """The graph's values, a value being a storage with its views (see :class:`ValueCost`)."""
+    n = len(captured.nodes)
+    position = {node: i for i, node in enumerate(captured.nodes)}
+    position.update({p: -1 for p in captured.placeholders})
+    users: dict[fx.Node, set[int]] = {}
+    for node in captured.gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            continue
+        at = n if node.op == "output" else position[node]
+        for arg in node.all_input_nodes:
+            for value in aliases.get(arg, ()):
+                users.setdefault(value, set()).add(at)
+    made = [node for node in (*captured.placeholders, *captured.nodes) if node in value_bytes and node in users]
+    return tuple(ValueCost(position[node], value_bytes[node], tuple(sorted(savers.get(node, ()))),
+                           tuple(sorted(users[node]))) for node in made)
 
 
 def _last_uses(captured: CapturedModel, position: dict[fx.Node, int]) -> dict[fx.Node, int]:

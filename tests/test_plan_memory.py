@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from pipecore.planning import GraphCosts, Sizing, StageModel, fit_stage, stage_memory, stage_time
+from pipecore.planning import (GraphCosts, Sizing, StageModel, TiedParameter, ValueCost, fit_stage, stage_memory,
+                               stage_time)
 
 # Four nodes; the tests cut them into stage 0 = nodes [0, 3) and stage 1 = node [3, 4).
 #   stage 0: parameters 1000 + 0 + 2000 = 3000, optimizer 6000, saved 100 + 200 + 300 = 600,
@@ -89,6 +92,63 @@ def test_stage_memory_with_recomputed_segments_by_hand(name, segments, activatio
     assert (m.activations, m.recomputation) == (activations, recomputation)
     assert m.total == base.total - base.activations + activations + recomputation
     assert m.weights == base.weights and m.boundary == base.boundary == 80
+
+
+# The same graph with its values (GraphCosts.values): the input x is saved by a; a's output by b and read
+# again by c (a skip); b saves its own output, which c saves too; c's output is sent to d, which saves it.
+# Saved bytes per node: values charged to their first saver, the rest no value (BatchNorm's statistics, say):
+#   a: x 5 + 95, b: a's output 15 + b's output 25 + 160, c: 300, d: c's output 35 + 365.
+VALUES = dataclasses.replace(
+    COSTS,
+    crossing_bytes=(15, 15 + 25, 35),
+    values=(
+        ValueCost(-1, 5, savers=(0,), users=(0,)),
+        ValueCost(0, 15, savers=(1,), users=(1, 2)),
+        ValueCost(1, 25, savers=(1, 2), users=(2,)),
+        ValueCost(2, 35, savers=(3,), users=(3,)),
+        ValueCost(3, 40, savers=(), users=(4,)),
+    ),
+)
+
+
+@pytest.mark.parametrize("segments, kept, recomputation", [
+    # b alone: its input (a's output) is the segment's input, its output c saves: only its other 160 go.
+    # Recomputing it holds those and its output again: 160 + 25.
+    (((1, 2),), 600 - 160, 160 + 25),
+    # b and c: b's output goes too; the input stays (the checkpoint keeps it, saved by b before).
+    (((1, 3),), 600 - 25 - 460, 460 + 25),
+    # a and c: x is the stage's input and a's and b's outputs are saved by b, which is not recomputed;
+    # a frees its other 95, c its 300; c's recomputation makes nothing it saves.
+    (((0, 1), (2, 3)), 600 - 95 - 300, 300),
+])
+def test_stage_memory_with_recomputed_segments_from_the_values(segments, kept, recomputation):
+    z = sizing("gpipe")
+    base = stage_memory(VALUES, 0, 3, 0, z)
+    m = stage_memory(VALUES, 0, 3, 0, z, segments)
+    assert (m.activations, m.recomputation) == (2 * kept, recomputation)
+    assert m.total == base.total - base.activations + 2 * kept + recomputation
+
+
+def test_a_segment_input_nothing_saved_is_kept():
+    # As VALUES, but b saves nothing of a's output: recomputing b keeps that input (15) where nothing did.
+    values = list(VALUES.values)
+    values[1] = ValueCost(0, 15, savers=(), users=(1, 2))
+    costs = dataclasses.replace(VALUES, saved_bytes=(100, 185, 300, 400), values=tuple(values))
+    m = stage_memory(costs, 0, 3, 0, sizing("gpipe"), ((1, 2),))
+    assert m.activations == 2 * (585 - 160 + 15)
+
+
+def test_tied_parameters_and_the_loss_count_at_the_last_stage():
+    costs = dataclasses.replace(COSTS, tied=(TiedParameter(1000, 2000, (0, 3)),), loss_saved_bytes=50, loss_s=3.0)
+    z = sizing("pipedream")
+    last = stage_memory(costs, 3, 4, 1, z)
+    assert (last.weights, last.gradients, last.optimizer) == (3000 + 1000, 3000 + 1000, 6000 + 2000)
+    assert last.activations == 400 + 50  # one micro-batch in flight keeps what the loss saves
+    assert stage_time(costs, 3, 4, z) == pytest.approx(4 + 8 + 3)
+    assert stage_memory(costs, 0, 3, 0, z) == stage_memory(COSTS, 0, 3, 0, z)  # the first reader's stage
+    # Under backward_rule="recompute" the last stage recomputes the loss with its forward.
+    recompute = stage_memory(costs, 3, 4, 1, sizing("pipemare", backward_rule="recompute"))
+    assert (recompute.activations, recompute.recomputation) == (0, 400 + 50)
 
 
 def test_stage_time_adds_the_recomputed_forward():

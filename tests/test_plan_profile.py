@@ -18,7 +18,7 @@ from torch import nn
 import pipecore
 from pipecore.engine.graph import CaptureError, CapturedModel
 from pipecore.models import GPT, ResNet
-from pipecore.planning.costs import GraphCosts
+from pipecore.planning.costs import GraphCosts, TiedParameter, ValueCost
 from pipecore.planning.profiler import profile
 
 FAST = dict(warmup=0, repeats=1)  # where only bytes matter
@@ -113,6 +113,8 @@ def test_tied_parameter_is_charged_once_at_its_first_reader(functional):
     # The embedding saves its indices (int64); tanh saves its output, which the head saves as its input (charged
     # once, to tanh).
     assert c.saved_bytes == (3 * 5 * 8, 3 * 5 * 4 * 4, 0)
+    # Both the embedding (node 0) and the head (node 2) read it: a stage holding the head holds it too.
+    assert c.tied == (TiedParameter(10 * 4 * 4, 2 * 10 * 4 * 4, (0, 2)),)
 
 
 class Unused(nn.Module):
@@ -392,6 +394,49 @@ def test_progress_counter_without_tqdm(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # makes `import tqdm` fail
     profile(mlp(), torch.randn(5, 4), progress=True, **FAST)
     assert "profile: 3/3 nodes" in capsys.readouterr().err
+
+
+# -- values: what recomputing a segment frees and holds ------------------------------------------------
+
+
+def test_values_name_their_producer_savers_and_users():
+    x = torch.randn(5, 4)
+    c = profile(mlp(), x, **FAST)
+    assert c.values == (
+        ValueCost(-1, 5 * 4 * 4, savers=(0,), users=(0,)),   # the input: the first Linear saves it
+        ValueCost(0, 5 * 3 * 4, savers=(), users=(1,)),      # ReLU saves its output, not its input
+        ValueCost(1, 5 * 3 * 4, savers=(1, 2), users=(2,)),  # ... which the second Linear saves again
+        ValueCost(2, 5 * 2 * 4, savers=(), users=(3,)),      # the graph's output (position 3)
+    )
+
+
+def test_values_of_a_reused_address_belong_to_the_node_that_made_them():
+    """Values the profiler drops after their last use free their memory, which later nodes' outputs may reuse
+    (as they do in this GPT with this allocator): each output of a module that makes a new tensor is still a
+    value of its own node."""
+    torch.manual_seed(0)
+    model = GPT(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=64)
+    c = profile(model, torch.randint(0, 64, (8, 32)))
+    captured = CapturedModel(model)
+    makers = [i for i, node in enumerate(captured.nodes) if node.op == "call_module"
+              and isinstance(captured.gm.get_submodule(str(node.target)), (nn.Linear, nn.LayerNorm, nn.GELU))]
+    assert len(makers) == 2 * 7 + 2  # per block ln1, qkv, proj, ln2, fc, act, proj; then ln_f and head
+    assert set(makers) <= {v.producer for v in c.values}
+
+
+@pytest.mark.filterwarnings("ignore:Using a target size")
+def test_the_loss_is_measured_when_given():
+    x, target = torch.randn(5, 4), torch.randn(5, 2)
+    c = profile(mlp(), x, loss_fn=F.mse_loss, example_target=target, **FAST)
+    # mse_loss saves the model's output (no node saved it) and the target.
+    assert c.loss_saved_bytes == 5 * 2 * 4 + 5 * 2 * 4
+    assert c.loss_s > 0
+    plain = profile(mlp(), x, **FAST)
+    assert (plain.loss_saved_bytes, plain.loss_s) == (0, 0.0)
+    with pytest.raises(TypeError, match="give loss_fn and example_target together"):
+        profile(mlp(), x, loss_fn=F.mse_loss)
+    with pytest.raises(RuntimeError, match="loss_fn failed on the model's output and example_target"):
+        profile(mlp(), x, loss_fn=F.mse_loss, example_target=torch.randn(3, 3), **FAST)
 
 
 def test_bad_input_gives_clear_errors():

@@ -8,7 +8,8 @@ backward (saved by autograd, kept as the stage's inputs and outputs, or kept by 
 inputs), each byte counted once (a tensor counts the bytes of its storage it spans: a micro-batch's input,
 a slice of the mini-batch, counts as the slice); and, during a backward that recomputes, what the recomputed forward
 (of the whole stage, or of a recomputed segment) still holds when it ends, on top of everything in flight
-including the micro-batch being backwarded. The peak is the largest sum seen.
+including the micro-batch being backwarded. The peak is the largest sum seen. The module's buffers
+(BatchNorm's running statistics) are counted in neither part.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -63,8 +65,9 @@ class MemoryAccount:
     """The per-micro-batch part of a stage's account (see the module docstring); :func:`static_bytes` is the
     rest."""
 
-    def __init__(self, excluded: set[int]):
+    def __init__(self, excluded: set[int], module: nn.Module | None = None):
         self.excluded = excluded  # storages counted elsewhere (the weight ring, the scratch buffer)
+        self.module = module  # its buffers (BatchNorm's running statistics) are the stage's, not a micro-batch's
         self.in_flight: dict[int, dict[tuple[int, int, int], int]] = {}  # micro-batch -> byte ranges it keeps
         # Micro-batches in flight that keep each byte range: a range several keep is counted once.
         self._holders: dict[tuple[int, int, int], int] = {}
@@ -85,7 +88,10 @@ class MemoryAccount:
     @contextmanager
     def counting(self, kept: Iterable[Any] = ()) -> Iterator[Kept]:
         """Count what the block's forward saves, plus the tensors in ``kept``."""
-        counted = Kept(self.excluded)
+        excluded = self.excluded
+        if self.module is not None:
+            excluded = excluded | {b.untyped_storage().data_ptr() for b in self.module.buffers()}
+        counted = Kept(excluded)
         self._kept = counted
         _COUNTING.account = self
         try:

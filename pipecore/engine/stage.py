@@ -147,7 +147,7 @@ class TensorStage(StageWorker):
         self._stable_storages = {self.ring.buffer.untyped_storage().data_ptr()}
         if self.scratch is not None:
             self._stable_storages.add(self.scratch.untyped_storage().data_ptr())
-        self.memory = MemoryAccount(self._stable_storages)  # the weights' storages count as allocated once
+        self.memory = MemoryAccount(self._stable_storages, module)  # the weights' storages count once
         index = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
         named = dict(module.named_parameters())
         self._module_params = [named[name] for name in self.layout.names]  # in the flat layout's order

@@ -129,7 +129,7 @@ def profile(model: nn.Module, example_input: Any, *, leaf_modules: Sequence[type
             loss_saved, loss_s = profiler.measure_loss(measured.output, target, loss_fn)
 
     n = len(captured.nodes)
-    before, after = _crossing_saved(captured, measured.value_bytes, profiler.first_saver)
+    before, after = _crossing_saved(captured, measured.value_bytes, profiler.first_saver, profiler.aliases)
     return GraphCosts(
         names=tuple(node.name for node in captured.nodes),
         forward_s=tuple(m.forward_s for m in measured.nodes),
@@ -469,9 +469,10 @@ class _Profiler:
             if key not in given or key not in self.producer:
                 self.producer[key] = node
             self.aliases.setdefault(node, set()).add(self.producer[key])
-        return _NodeCost(forward_s, backward_s, _value_bytes(value), self._charge(node, saved, counted, value)), value
+        return _NodeCost(forward_s, backward_s, _value_bytes(value), self._charge(node, saved, counted, value, given)), value
 
-    def _charge(self, node: fx.Node, saved: dict[Any, tuple[int, Any]], counted: Any, value: Any) -> int:
+    def _charge(self, node: fx.Node, saved: dict[Any, tuple[int, Any]], counted: Any, value: Any,
+                given: set[Any]) -> int:
         """The bytes of ``saved`` not charged to an earlier node. A value saved by several nodes (a
         convolution's output that BatchNorm saves as its input and a ReLU saves again) is kept once in
         training, so it is charged once, to the first. The counting run made its own output tensors: its
@@ -480,17 +481,20 @@ class _Profiler:
         real = dict(zip(outputs, ((key, t) for (key, _), t in zip(_storages(list(_tensors(value))),
                                                                    _tensors(value)))))
         total = 0
+        # A saved storage is a value of the graph if it is one of the node's arguments or outputs; anything else
+        # the node made for itself (its address may be one a dropped value had).
+        values = given | {key for key, _ in real.values()}
         for key, (nbytes, tensor) in saved.items():
             key, tensor = real.get(key, (key, tensor))
-            if key in self.producer:
+            is_value = key in values and key in self.producer
+            if is_value:
                 self.savers.setdefault(self.producer[key], set()).add(self.index[node])
             if key not in self.charged:
                 self.charged.add(key)
                 self.charged_storages.append(tensor.untyped_storage())
                 total += nbytes
-                producer = self.producer.get(key)
-                if producer is not None:
-                    self.first_saver.setdefault(producer, self.index[node])
+                if is_value:
+                    self.first_saver.setdefault(self.producer[key], self.index[node])
         return total
 
     def _node_parameters(self, node: fx.Node, args: Any) -> list[torch.Tensor]:
@@ -557,26 +561,29 @@ def _fetch_attr(root: nn.Module, qualname: str) -> Any:
     return value
 
 
-def _crossing_saved(captured: CapturedModel, value_bytes: dict[fx.Node, int], first_saver: dict[fx.Node, int]
-                    ) -> tuple[list[int], list[int]]:
+def _crossing_saved(captured: CapturedModel, value_bytes: dict[fx.Node, int], first_saver: dict[fx.Node, int],
+                    aliases: dict[fx.Node, set[fx.Node]]) -> tuple[list[int], list[int]]:
     """Per cut position ``c`` in ``0..N``, the bytes of the values crossing it that a node saves: first before
     ``c`` (the stage that sends the value keeps it anyway) and first at or after ``c`` (the stage that receives
-    it keeps it anyway)."""
+    it keeps it anyway). A view is saved when its storage is (``first_saver`` is per storage's value)."""
     n = len(captured.nodes)
     position = {node: i for i, node in enumerate(captured.nodes)}
     position.update({p: -1 for p in captured.placeholders})
     last = _last_uses(captured, position)
     before, after = [0] * (n + 2), [0] * (n + 2)
     for value, end in last.items():
-        saver, nbytes = first_saver.get(value), value_bytes.get(value, 0)
+        savers = [first_saver[v] for v in aliases.get(value, {value}) if v in first_saver]
+        nbytes = value_bytes.get(value, 0)
         start = position[value] + 1
-        if saver is None or start > end:
+        if not savers or start > end:
             continue
+        saver = min(savers)
         # Cuts start..saver see the saver after them; cuts saver+1..end see it before.
-        after[start] += nbytes
-        after[min(saver, end) + 1] -= nbytes
-        if saver + 1 <= end:
-            before[saver + 1] += nbytes
+        if saver >= start:
+            after[start] += nbytes
+            after[min(saver, end) + 1] -= nbytes
+        if max(saver + 1, start) <= end:
+            before[max(saver + 1, start)] += nbytes
             before[end + 1] -= nbytes
     for c in range(1, n + 2):
         before[c] += before[c - 1]

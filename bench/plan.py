@@ -14,7 +14,8 @@ The GPT of ``pipecore train --model gpt`` (4 blocks, width 64, 64-token windows,
 Each maximum is then verified by training 2 steps at that batch and reading every stage's measured peak
 (``stats()[s]["peak_bytes"]``, the CPU account, with ``recover=False``: the copies that undo a failed step
 are not in the plan's model); where a peak is over the limit, the batch steps down by the micro-batch count
-until none is (``max_batch``; ``predicted_max_batch`` is the plan's). Last, the three partitions train at the largest batch all of them fit, in
+until none is (``max_batch``; ``predicted_max_batch`` is the plan's). The profile includes the loss (what it
+saves counts at the last stage). Last, the three partitions train at the largest batch all of them fit, in
 interleaved rounds: the throughput ratio to the time-balanced partition (median of per-round ratios).
 """
 
@@ -101,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     limit = parse_bytes(args.limit)
     model = gpt()
-    costs = profile(model, tokens(4, 0), optimizer=pipecore.SGD(lr=0.01, momentum=0.9))
+    costs = profile(model, tokens(4, 0), optimizer=pipecore.SGD(lr=0.01, momentum=0.9), loss_fn=loss_fn,
+                    example_target=tokens(4, 1))
     cuts = [a for a, _ in module_units(CapturedModel(model, (), tokens(4, 0)))][1:]
     results = []
     for algorithm in args.algorithms.split(","):

@@ -64,6 +64,15 @@ def test_a_time_plan_cuts_where_modules_start_and_trains():
     assert math.isfinite(loss)  # the plan's stages train
 
 
+def test_node_cuts_send_only_tensors():
+    """GPT's graph carries sizes (ints) across many node positions: a plan cutting anywhere avoids them."""
+    model = gpt()
+    plan = pipecore.plan(model, tokens(4), 4, "1f1b", batch_size=16, objective="time", cuts="nodes")
+    assert plan.costs.uncuttable and not set(plan.starts) & set(plan.costs.uncuttable)
+    pipe = pipecore.Pipeline(model, 4, "1f1b", 4, loss_fn=lm_loss, partition=plan)
+    assert math.isfinite(pipe.step(tokens(16), tokens(16)))
+
+
 def test_a_tight_limit_is_met_by_recomputing():
     model = gpt()
     with pytest.raises(InfeasibleMemoryLimit) as info:  # the smallest limit some cut meets without recomputing

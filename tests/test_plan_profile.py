@@ -424,6 +424,25 @@ def test_values_of_a_reused_address_belong_to_the_node_that_made_them():
     assert set(makers) <= {v.producer for v in c.values}
 
 
+class SizeCrosses(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        n = x.size(0)  # an int, used after both layers
+        return self.b(torch.relu(self.a(x))).reshape(n, 2, 3)
+
+
+def test_cuts_that_a_value_other_than_a_tensor_would_cross_are_uncuttable():
+    c = profile(SizeCrosses(), torch.randn(5, 4), **FAST)
+    assert c.names == ("size", "a", "relu", "b", "reshape")
+    assert c.uncuttable == (1, 2, 3, 4)  # the size crosses every cut after it is taken
+    sizing = pipecore.planning.Sizing.of("1f1b", 2, 2)  # so no partition into two stages exists
+    with pytest.raises(ValueError, match="values that are not tensors cross the others"):
+        pipecore.planning.partition(c, 2, "time", sizing)
+
+
 @pytest.mark.filterwarnings("ignore:Using a target size")
 def test_the_loss_is_measured_when_given():
     x, target = torch.randn(5, 4), torch.randn(5, 2)

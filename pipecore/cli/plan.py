@@ -75,12 +75,13 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     task = _TextTask(args) if args.model == "gpt" else _DigitsTask(args)
     model = task.build()
-    x, _ = next(iter(task.batches(0)))
-    example = x[: args.batch_size // args.microbatches]
+    x, y = next(iter(task.batches(0)))
+    example, target = x[: args.batch_size // args.microbatches], y[: args.batch_size // args.microbatches]
     optimizer = AdamW(lr=1e-3) if args.optimizer == "adamw" else SGD(lr=0.05, momentum=0.9)
     print(f"{task.name(model)}; profiling {len(example)} samples per micro-batch")
     result = plan(model, example, args.stages, args.algorithm, args.batch_size, args.microbatches, limit,
-                  args.objective, optimizer=optimizer, cuts=args.cuts, progress=args.progress, **dict(args.option))
+                  args.objective, optimizer=optimizer, loss_fn=task.loss_fn, example_target=target, cuts=args.cuts,
+                  progress=args.progress, **dict(args.option))
     print(result.table())
     if limit is not None:
         print(f"largest mini-batch within the limit with these cuts: {result.max_batch_size()}")

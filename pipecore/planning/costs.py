@@ -80,6 +80,8 @@ class GraphCosts:
             every micro-batch in flight); 0 when not measured.
         loss_s: seconds of the loss's forward and backward per micro-batch (the last stage's); 0 when not
             measured.
+        uncuttable: cut positions (``1..N-1``) where a value that is not a tensor (a size, an int) would
+            cross: stages send only tensors, so the partitioners start no stage there.
     """
 
     names: tuple[str, ...]
@@ -99,6 +101,7 @@ class GraphCosts:
     tied: tuple[TiedParameter, ...] = ()
     loss_saved_bytes: int = 0
     loss_s: float = 0.0
+    uncuttable: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -139,6 +142,8 @@ class GraphCosts:
                     and all(0 <= r < n for r in t.readers) and list(t.readers) == sorted(set(t.readers))):
                 raise ValueError(f"GraphCosts.tied holds {t}: bytes >= 0 and readers among nodes 0..{n - 1}, "
                                  "increasing")
+        if any(not 0 < c < n for c in self.uncuttable):
+            raise ValueError(f"GraphCosts.uncuttable holds positions outside 1..{n - 1}: {list(self.uncuttable)}")
         if self.loss_saved_bytes < 0 or self.loss_s < 0:
             raise ValueError(f"GraphCosts.loss_saved_bytes and loss_s must be >= 0, got {self.loss_saved_bytes} "
                              f"and {self.loss_s}")
@@ -163,5 +168,5 @@ class GraphCosts:
             scaled(self.crossing_bytes), samples, self.device, int(round(self.input_bytes * r)),
             scaled(self.crossing_saved_before), scaled(self.crossing_saved_after),
             tuple(ValueCost(v.producer, int(round(v.nbytes * r)), v.savers, v.users) for v in self.values),
-            self.tied, int(round(self.loss_saved_bytes * r)), self.loss_s * r,
+            self.tied, int(round(self.loss_saved_bytes * r)), self.loss_s * r, self.uncuttable,
         )

@@ -146,9 +146,12 @@ def _check(costs: GraphCosts, num_stages: int, objective: str, sizing: Sizing, m
     ):
         raise ValueError(f"memory_limit must be a positive number of bytes (or None), got {memory_limit!r}")
     positions = _positions(len(costs), allowed_cuts)
+    if costs.uncuttable:  # a value that is not a tensor would cross there
+        positions = [c for c in positions if c not in set(costs.uncuttable)]
     if num_stages > len(positions) - 1:
         raise ValueError(f"num_stages={num_stages} needs {num_stages - 1} cut positions; the graph of {len(costs)} "
-                         f"nodes allows {len(positions) - 2}" + (" (allowed_cuts)" if allowed_cuts is not None else ""))
+                         f"nodes allows {len(positions) - 2}" + (" (allowed_cuts)" if allowed_cuts is not None else "")
+                         + (" (values that are not tensors cross the others)" if costs.uncuttable else ""))
     return positions
 
 

@@ -148,6 +148,7 @@ def profile(model: nn.Module, example_input: Any, *, leaf_modules: Sequence[type
         tied=_tied(captured, charged, state),
         loss_saved_bytes=loss_saved,
         loss_s=loss_s,
+        uncuttable=_uncuttable(captured, measured.opaque),
     )
 
 
@@ -309,6 +310,7 @@ class _Measured:
         self.nodes: list[_NodeCost] = []
         self.value_bytes: dict[fx.Node, int] = {}  # per placeholder and compute node: bytes of its value
         self.output: Any = None  # the graph's output
+        self.opaque: set[fx.Node] = set()  # nodes whose value holds something other than tensors
 
 
 class _Profiler:
@@ -358,6 +360,8 @@ class _Profiler:
                 else:
                     cost, value = self._measure(node, env)
                     env[node] = value
+                    if _opaque(value):
+                        out.opaque.add(node)
                     out.nodes.append(cost)
                     out.value_bytes[node] = cost.output_bytes
                     bar.update()
@@ -608,6 +612,25 @@ def _values(captured: CapturedModel, value_bytes: dict[fx.Node, int], savers: di
     made = [node for node in (*captured.placeholders, *captured.nodes) if node in value_bytes and node in users]
     return tuple(ValueCost(position[node], value_bytes[node], tuple(sorted(savers.get(node, ()))),
                            tuple(sorted(users[node]))) for node in made)
+
+
+def _uncuttable(captured: CapturedModel, opaque: set[fx.Node]) -> tuple[int, ...]:
+    """The cut positions that a value holding something other than tensors would cross."""
+    position = {node: i for i, node in enumerate(captured.nodes)}
+    last = _last_uses(captured, {**position, **{p: -1 for p in captured.placeholders}})
+    n = len(captured.nodes)
+    return tuple(sorted({c for node in opaque for c in range(position[node] + 1, min(last.get(node, -1), n - 1) + 1)}))
+
+
+def _opaque(value: Any) -> bool:
+    """Whether ``value`` holds anything but tensors (and the tuples, lists and dicts around them)."""
+    if isinstance(value, torch.Tensor):
+        return False
+    if isinstance(value, (tuple, list)):
+        return any(_opaque(v) for v in value)
+    if isinstance(value, dict):
+        return any(_opaque(v) for v in value.values())
+    return value is not None
 
 
 def _last_uses(captured: CapturedModel, position: dict[fx.Node, int]) -> dict[fx.Node, int]:

@@ -184,3 +184,56 @@ def test_running_across_many_minibatches_equals_the_generated_schedule(name):
             got = [(e.action, e.record.reads) for e in executor.events if e.action.stage == s]
             want = [(e.action, e.record.reads) for e in plain.events if e.action.stage == s]
             assert got == want, (name, P, m, s)
+
+
+@pytest.mark.parametrize("first,second", [
+    (("pipedream", 3, 4, {}), ("pipedream", 3, 4, {"slack": 1})),          # a schedule option
+    (("pipedream", 3, 4, {}), ("pipedream", 3, 4, {"update_every": 2})),   # the update interval
+    (("pipedream", 3, 4, {}), ("2bw", 3, 4, {})),                          # same family, other update rule
+    (("pipedream", 3, 4, {}), ("pipedream", 3, 2, {})),                    # micro-batches
+    (("pipedream", 3, 4, {}), ("pipedream", 4, 4, {})),                    # stages
+    (("timeprest", 3, 4, {}), ("gpipe", 3, 4, {})),                        # the family
+])
+def test_algorithms_that_differ_do_not_share_a_cached_form(first, second):
+    # The warm-up and the periodic form are cached by what the schedules depend on, across Algorithm
+    # objects: the second configuration, found after the first, must still get its own schedules.
+    for name, P, m, options in (first, second):
+        algorithm = get_algorithm(name, P, m, **options)
+        assert algorithm._periodic_form is not None
+        for n in range(1, algorithm.warmup_minibatches + 6):
+            assert _rows(algorithm.schedule(n)) == _rows(algorithm._generate(n)), (name, P, m, options, n)
+    a, b = (get_algorithm(name, P, m, **options) for name, P, m, options in (first, second))
+    assert a._periodic_form is not b._periodic_form
+
+
+def test_equal_configurations_share_one_read_only_form():
+    a, b = get_algorithm("pipedream", 3, 4, slack=1), get_algorithm("pipedream", 3, 4, slack=1)
+    assert a is not b and a._periodic_form is b._periodic_form
+    assert get_algorithm("pipedream", 3, 4)._periodic_form is get_algorithm("pipedream", 3, 4, slack=0)._periodic_form
+    form = a._periodic_form
+    with pytest.raises(TypeError):
+        form.bases[0] = form.bases[0]  # shared between algorithms, so it must not be changed by one
+    with pytest.raises(TypeError):
+        form.base_minibatches[0] = 1
+
+
+def test_schedules_shorter_than_the_warmup_skip_the_periodic_form():
+    algorithm = get_algorithm("pipedream", 5, 3)
+    schedule = algorithm.schedule(2 * 5 + 1)  # below every periodic base: generated directly
+    assert "_periodic_form" not in vars(algorithm)
+    assert all(isinstance(row, tuple) for row in schedule.stages)
+    assert _rows(schedule) == _rows(algorithm._generate(2 * 5 + 1))
+
+
+def test_an_unhashable_schedule_option_is_found_uncached():
+    def reordered(P: int, m: int, n: int, order: list[int] | None = None) -> Schedule:
+        rows = [tuple(Action(s, kind, j * m + u) for j in range(n) for kind in (F, B) for u in range(m))
+                for s in range(P)]
+        return Schedule(P, m, n, tuple(rows))
+
+    spec = AlgorithmSpec(name="reordered", summary="test", schedule=reordered, forward=Live(),
+                         backward=SameAsForward(), defaults={"order": [0]}, schedule_options=("order",))
+    algorithm = spec.configure(2, 3, order=[1, 0])
+    assert algorithm._periodic_form is not None
+    n = algorithm.warmup_minibatches + 2
+    assert _rows(algorithm.schedule(n)) == _rows(reordered(2, 3, n).with_updates(3))

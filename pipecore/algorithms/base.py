@@ -11,7 +11,7 @@ import math
 import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any, Callable, Mapping, Sequence
 
 from ..schedule.generators import ScheduleFamily
@@ -313,6 +313,70 @@ class AlgorithmSpec:
 
 
 @dataclass(frozen=True)
+class _Family:
+    """Everything an algorithm's schedules depend on, as a hashable value (the key of the caches below).
+
+    Schedule option values are keyed with their types, so that e.g. ``1`` and ``1.0`` (equal, same hash)
+    are never taken for one another.
+    """
+
+    generator: ScheduleFamily
+    num_stages: int
+    n_microbatches: int
+    keywords: tuple[tuple[str, type, Any], ...]  # (option, type, value) passed on to the generator
+    update_every: int
+
+    def generate(self, n_minibatches: int) -> Schedule:
+        """The generated schedule for ``n_minibatches``, updates included."""
+        keywords = {key: value for key, _, value in self.keywords}
+        base = self.generator(self.num_stages, self.n_microbatches, n_minibatches, **keywords)
+        return base.with_updates(self.update_every)
+
+    @property
+    def shortest_warmup(self) -> int:
+        """A lower bound of :func:`_find_warmup`, known without generating anything."""
+        return 2 * self.num_stages + 2
+
+
+# Algorithm objects are cheap and made often (each simulate() by name makes one), while their warm-up and
+# periodic form take up to seconds to find at large sizes; both depend only on the _Family, so they are
+# cached by it. A form holds about one long schedule (some 20 MB at 16 stages x 64 micro-batches), hence
+# the small bound; a warm-up is an int. Forms are immutable, safe to share between algorithms.
+_FORM_CACHE_SIZE = 8
+_WARMUP_CACHE_SIZE = 256
+
+
+@lru_cache(maxsize=_WARMUP_CACHE_SIZE)
+def _find_warmup(family: _Family) -> int:
+    """See :attr:`Algorithm.warmup_minibatches`."""
+    n = family.shortest_warmup
+    while True:
+        row = family.generate(n).stages[0]
+        first_backward = next((i for i, a in enumerate(row) if a.kind is B), len(row))
+        lead = sum(1 for a in row[:first_backward] if a.kind is F)
+        if lead < n * family.n_microbatches:
+            break
+        n *= 2  # every forward comes before the first backward: the fill is longer than this schedule
+    return family.shortest_warmup + 2 * -(-lead // family.n_microbatches)
+
+
+@lru_cache(maxsize=_FORM_CACHE_SIZE)
+def _find_periodic_form(family: _Family) -> PeriodicForm | None:
+    """See :attr:`Algorithm._periodic_form`."""
+    return periodic_form(family.generate, family.n_microbatches, family.update_every,
+                         warmup=_cached(_find_warmup, family))
+
+
+def _cached(function: Callable[[_Family], Any], family: _Family) -> Any:
+    """``function(family)`` through its cache, or uncached when a schedule option's value is unhashable."""
+    try:
+        hash(family)
+    except TypeError:
+        return function.__wrapped__(family)  # type: ignore[attr-defined]
+    return function(family)
+
+
+@dataclass(frozen=True)
 class Algorithm:
     """An algorithm configured for a pipeline shape: what the runtime consumes."""
 
@@ -332,22 +396,29 @@ class Algorithm:
         Past a few mini-batches the rows are periodic (:mod:`pipecore.schedule.periodic`): built in
         constant time and memory, however many mini-batches, with the same actions as the generated list.
         """
-        form = self._periodic_form
-        if form is not None:
-            periodic = form.schedule(n_minibatches)
-            if periodic is not None:
-                return periodic
-        return self._generate(n_minibatches)
+        # The form's bases are all at least warmup_minibatches long, so it has nothing shorter: generate
+        # such schedules directly rather than find the form (which generates four longer schedules).
+        family = self._family
+        if n_minibatches >= family.shortest_warmup and n_minibatches >= self.warmup_minibatches:
+            form = self._periodic_form
+            if form is not None:
+                periodic = form.schedule(n_minibatches)
+                if periodic is not None:
+                    return periodic
+        return family.generate(n_minibatches)
 
     def _generate(self, n_minibatches: int) -> Schedule:
-        keywords = {key: self.options[key] for key in self.spec.schedule_options}
-        base = self.spec.schedule(self.num_stages, self.n_microbatches, n_minibatches, **keywords)
-        return base.with_updates(self.update_every)
+        return self._family.generate(n_minibatches)
+
+    @cached_property
+    def _family(self) -> _Family:
+        keywords = tuple((key, type(self.options[key]), self.options[key]) for key in self.spec.schedule_options)
+        return _Family(self.spec.schedule, self.num_stages, self.n_microbatches, keywords, self.update_every)
 
     @cached_property
     def _periodic_form(self) -> PeriodicForm | None:
         # None for a family whose steady state does not repeat; its schedules are then generated in full.
-        return periodic_form(self._generate, self.n_microbatches, self.update_every, warmup=self.warmup_minibatches)
+        return _cached(_find_periodic_form, self._family)
 
     @cached_property
     def warmup_minibatches(self) -> int:
@@ -358,15 +429,7 @@ class Algorithm:
         before its first backward (a schedule option such as ``slack`` lengthens it), and the steady
         state needs twice that many micro-batches behind it.
         """
-        n = 2 * self.num_stages + 2
-        while True:
-            row = self._generate(n).stages[0]
-            first_backward = next((i for i, a in enumerate(row) if a.kind is B), len(row))
-            lead = sum(1 for a in row[:first_backward] if a.kind is F)
-            if lead < n * self.n_microbatches:
-                break
-            n *= 2  # every forward comes before the first backward: the fill is longer than this schedule
-        return 2 * self.num_stages + 2 + 2 * -(-lead // self.n_microbatches)
+        return _cached(_find_warmup, self._family)
 
     def forward_read(self, ctx: ReadContext) -> WeightRead:
         return self.spec.forward.resolve(ctx, self.options)

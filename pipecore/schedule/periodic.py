@@ -18,9 +18,11 @@ four; a family that does not repeat this way gets ``None`` and is generated in f
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from math import gcd
-from typing import Callable, Iterator, Sequence, overload
+from types import MappingProxyType
+from typing import Callable, Iterator, Mapping, Sequence, overload
 
 from .ir import Action, Kind, U
 from .schedule import Schedule
@@ -66,7 +68,15 @@ class PeriodicRow(Sequence[Action]):
 
     def with_copies(self, copies: int) -> "PeriodicRow":
         """The same row with ``copies`` copies of the body (the list for a different number of periods)."""
-        return PeriodicRow(self.head, self.body, self.tail, copies, self.shift)
+        if copies < 1:
+            raise ValueError("a periodic row needs a non-empty body and at least one copy of it")
+        # A shallow copy shares head, body, tail and their position tables (never modified): rebuilding the
+        # tables would cost O(len(head) + len(tail)), most of the row, every time the engine extends it.
+        row = copy.copy(self)
+        row.copies = copies
+        row._length = len(self.head) + copies * len(self.body) + len(self.tail)
+        row._recent = {}
+        return row
 
     def __len__(self) -> int:
         return self._length
@@ -145,8 +155,8 @@ class PeriodicForm:
     """A family's schedules for many mini-batches, as periodic rows. See :func:`periodic_form`."""
 
     period: int                           # mini-batches per body copy
-    bases: dict[int, Schedule]            # residue (n mod period) -> the periodic schedule for its base
-    base_minibatches: dict[int, int]      # residue -> base mini-batch count b (one body copy)
+    bases: Mapping[int, Schedule]         # residue (n mod period) -> the periodic schedule for its base
+    base_minibatches: Mapping[int, int]   # residue -> base mini-batch count b (one body copy)
 
     def schedule(self, n_minibatches: int) -> Schedule | None:
         """The schedule for ``n_minibatches``, or None if that is shorter than this form's base."""
@@ -164,8 +174,10 @@ def periodic_form(generate: Callable[[int], Schedule], n_microbatches: int, upda
                   warmup: int) -> PeriodicForm | None:
     """Find the periodic structure of ``generate`` (mini-batches -> schedule with updates), or None.
 
-    ``warmup`` is a mini-batch count after which the steady state is expected to have begun. The form is
-    accepted only if, for each residue, it reproduces the generated schedules for four consecutive periods.
+    ``warmup`` is a mini-batch count after which the steady state is expected to have begun; every base is
+    at least that long, so the form gives no schedule for fewer mini-batches. The form is accepted only if,
+    for each residue, it reproduces the generated schedules for four consecutive periods. Its mappings are
+    read-only, so that one form can be shared between callers (see ``Algorithm``'s cache).
     """
     m = n_microbatches
     period = update_every // gcd(update_every, m)  # whole updates per period, so versions shift uniformly
@@ -182,7 +194,7 @@ def periodic_form(generate: Callable[[int], Schedule], n_microbatches: int, upda
             rows.append(row)
         bases[b % period] = Schedule(generated[0].num_stages, m, b, tuple(rows))
         counts[b % period] = b
-    return PeriodicForm(period, bases, counts)
+    return PeriodicForm(period, MappingProxyType(bases), MappingProxyType(counts))
 
 
 def _split_row(lists: Sequence[Sequence[Action]], shift: Shift) -> PeriodicRow | None:
@@ -192,13 +204,36 @@ def _split_row(lists: Sequence[Sequence[Action]], shift: Shift) -> PeriodicRow |
     if d <= 0:
         return None
     # The tail of the longer list is the shorter list's tail moved by one period; find where that starts.
-    matched = 0
-    while matched < len(first) and second[-1 - matched] == shift.apply(first[-1 - matched], 1):
-        matched += 1
+    matched = _moved_prefix(tuple(reversed(second)), tuple(reversed(first)), shift, 1)
     h = len(first) - matched
     if h + d > len(first):
         return None
-    row = PeriodicRow(tuple(first[:h]), tuple(first[h:h + d]), tuple(first[h + d:]), 1, shift)
-    if any(tuple(row.with_copies(1 + t)) != tuple(lst) for t, lst in enumerate(lists)):
-        return None
-    return row
+    head, body, tail = tuple(first[:h]), tuple(first[h:h + d]), tuple(first[h + d:])
+    # List t must be head + body moved by 0..t periods + tail moved by t, checked slice by slice.
+    for t, lst in enumerate(lists):
+        if len(lst) != h + (t + 1) * d + len(tail) or tuple(lst[:h]) != head:
+            return None
+        if not all(_moved(lst[h + c * d:h + (c + 1) * d], body, shift, c) for c in range(t + 1)):
+            return None
+        if not _moved(lst[h + (t + 1) * d:], tail, shift, t):
+            return None
+    return PeriodicRow(head, body, tail, 1, shift)
+
+
+def _moved(actual: Sequence[Action], base: Sequence[Action], shift: Shift, times: int) -> bool:
+    """Whether ``actual`` is ``base`` with each action moved by ``shift`` ``times`` times."""
+    return len(actual) == len(base) and _moved_prefix(actual, base, shift, times) == len(base)
+
+
+def _moved_prefix(actual: Sequence[Action], base: Sequence[Action], shift: Shift, times: int) -> int:
+    """How many leading actions of ``actual`` are those of ``base`` moved by ``shift`` ``times`` times.
+
+    Compares fields instead of building the moved actions: finding a form checks every action of four
+    long schedules, and constructing (and validating) an Action for each cost most of the time.
+    """
+    microbatches, updates = times * shift.microbatches, times * shift.updates
+    for i, (x, y) in enumerate(zip(actual, base)):
+        if not (x.index == y.index + (updates if y.kind is U else microbatches)
+                and x.kind == y.kind and x.stage == y.stage and x.count == y.count):
+            return i
+    return min(len(actual), len(base))

@@ -467,7 +467,8 @@ class TensorStage(StageWorker):
                             torch.autograd.graph.saved_tensors_hooks(self.memory.pack, _same):
                         self._set_random_state(rec.rng_state)
                         y = self._run_module(params, inputs)
-                        output = self._loss_fn(y, rec.target) / self.algorithm.update_every if self.is_last else tuple(y)
+                        output = (self._loss_fn(y, rec.target) / self.algorithm.update_every if self.is_last
+                                  else tuple(y))
                     self.memory.transient(recomputed.nbytes())
                     leaves = params
                 else:
@@ -475,7 +476,8 @@ class TensorStage(StageWorker):
                     if rec.forward_weights is None:
                         self._unpack_target = self.materialize(read)
                 # The first stage has no upstream neighbour: a user input that requires grad gets nothing.
-                wanted = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad] if self.stage > 0 else []
+                wanted = ([x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad] if self.stage > 0
+                          else [])
                 if self.is_last:
                     tensors, grads = [output], None
                 else:

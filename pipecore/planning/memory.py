@@ -377,7 +377,8 @@ class _Values:
 
         self.producer = ints(v.producer for v in values)
         self.nbytes = ints(v.nbytes for v in values)
-        self.first_saver = ints(v.savers[0] if v.savers else -2 for v in values)  # -2: home[-1], position N, in no segment
+        # -2 for no saver: it indexes home[-1], position N, which no segment holds.
+        self.first_saver = ints(v.savers[0] if v.savers else -2 for v in values)
         self.last_use = ints(v.users[-1] if v.users else -1 for v in values)
         self.saver_of = ints(k for k, v in enumerate(values) for _ in v.savers)
         self.saver_at = ints(x for v in values for x in v.savers)

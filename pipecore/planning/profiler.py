@@ -473,7 +473,8 @@ class _Profiler:
             if key not in given or key not in self.producer:
                 self.producer[key] = node
             self.aliases.setdefault(node, set()).add(self.producer[key])
-        return _NodeCost(forward_s, backward_s, _value_bytes(value), self._charge(node, saved, counted, value, given)), value
+        charged = self._charge(node, saved, counted, value, given)
+        return _NodeCost(forward_s, backward_s, _value_bytes(value), charged), value
 
     def _charge(self, node: fx.Node, saved: dict[Any, tuple[int, Any]], counted: Any, value: Any,
                 given: set[Any]) -> int:

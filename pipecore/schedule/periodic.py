@@ -18,7 +18,7 @@ four; a family that does not repeat this way gets ``None`` and is generated in f
 
 from __future__ import annotations
 
-import copy
+from copy import copy as shallow_copy
 from dataclasses import dataclass
 from math import gcd
 from types import MappingProxyType
@@ -72,7 +72,7 @@ class PeriodicRow(Sequence[Action]):
             raise ValueError("a periodic row needs a non-empty body and at least one copy of it")
         # A shallow copy shares head, body, tail and their position tables (never modified): rebuilding the
         # tables would cost O(len(head) + len(tail)), most of the row, every time the engine extends it.
-        row = copy.copy(self)
+        row = shallow_copy(self)
         row.copies = copies
         row._length = len(self.head) + copies * len(self.body) + len(self.tail)
         row._recent = {}

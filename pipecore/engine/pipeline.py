@@ -503,14 +503,9 @@ class Pipeline:
                 failed, counts = self._agree_on_failure(exc, failed)
             first = failed * m
             step = next((entry for entry in self._undo_steps if entry[0] == failed), None)
-            undone_from: dict[int, int] = {}  # per stage, the first update undone
-            for st in self.stages.values():
-                point = next((p for p in st.undo_points if p.first == first), None)
-                if step is None or point is None:
-                    raise Unrecoverable(f"stage {st.stage} kept nothing to go back to before mini-batch {failed}")
-                if point.snapshot is not None:
-                    undone_from[st.stage] = point.snapshot.update
-                undo(st, point)
+            if step is None:
+                raise Unrecoverable(f"the pipeline kept nothing to go back to before mini-batch {failed}")
+            undone_from = self._undo_stages(failed)
 
             def kept(action: Action) -> bool:
                 return minibatch(action) < failed and not (
@@ -519,28 +514,14 @@ class Pipeline:
             if self._global_norm is not None:  # its norms are kept by the stages' update counts
                 self._global_norm.discard(min(st.book.updates for st in self.stages.values()))
             if counts is not None:
-                self._transport.resync(counts["sent"], keep=lambda kind, k: k < first)
-                if "ties" in counts:
-                    # The tied gradients' streams likewise: groups before micro-batch `first` wait for their
-                    # reduce, later ones were withdrawn (every owner numbers the groups alike; a rank owning no
-                    # tie has none).
-                    ties = self.stages[self.rank].ties
-                    self._tie_exchange.resync(counts["ties"], 0 if ties is None else ties.group_of(first))
-                if "norms" in counts:
-                    self._global_norm.resync(counts["norms"])  # all of a synchronous schedule's undone updates
+                self._resync_exchanges(counts, first)
             if failed > 0:
                 self._executor.recover(self.algorithm.schedule(failed), keep=kept,
                                        drop_message=lambda stage, kind, k: k >= first)
             else:
                 self._transport.resume()
                 self._transport.drop(lambda stage, kind, k: True)
-            for table in (self._inputs, self._targets):
-                for k in [k for k in table if k >= first]:
-                    del table[k]
-            for j in [j for j in self._minibatch_loss if j >= failed]:
-                del self._minibatch_loss[j]
-            self._kept -= newest - failed + 1
-            self._fed = failed
+            self._forget_minibatches(failed, newest)
             cpu, cuda_states, cuda = step[1]
             torch.set_rng_state(cpu)
             for d, state in zip(cuda, cuda_states):
@@ -559,6 +540,43 @@ class Pipeline:
                          "completed, as flush() would have done in place of the first dropped; training can continue")
         finally:
             self._recovering = False
+
+    def _undo_stages(self, failed: int) -> dict[int, int]:
+        """Take every stage back to before mini-batch ``failed``; return, per stage that undid updates, the
+        first update undone."""
+        first = failed * self.n_microbatches
+        undone_from: dict[int, int] = {}
+        for st in self.stages.values():
+            point = next((p for p in st.undo_points if p.first == first), None)
+            if point is None:
+                raise Unrecoverable(f"stage {st.stage} kept nothing to go back to before mini-batch {failed}")
+            if point.snapshot is not None:
+                undone_from[st.stage] = point.snapshot.update
+            undo(st, point)
+        return undone_from
+
+    def _resync_exchanges(self, counts: dict[str, list[Any]], first: int) -> None:
+        """With one process per stage: bring the links and the side exchanges back in step with the other
+        ranks (``counts``: what every rank sent), keeping what belongs to micro-batches before ``first``."""
+        self._transport.resync(counts["sent"], keep=lambda kind, k: k < first)
+        if "ties" in counts:
+            # The tied gradients' streams likewise: groups before micro-batch `first` wait for their reduce,
+            # later ones were withdrawn (every owner numbers the groups alike; a rank owning no tie has none).
+            ties = self.stages[self.rank].ties
+            self._tie_exchange.resync(counts["ties"], 0 if ties is None else ties.group_of(first))
+        if "norms" in counts:
+            self._global_norm.resync(counts["norms"])  # all of a synchronous schedule's undone updates
+
+    def _forget_minibatches(self, failed: int, newest: int) -> None:
+        """Drop the inputs, targets and losses of mini-batches ``failed..newest``: they were never given."""
+        first = failed * self.n_microbatches
+        for table in (self._inputs, self._targets):
+            for k in [k for k in table if k >= first]:
+                del table[k]
+        for j in [j for j in self._minibatch_loss if j >= failed]:
+            del self._minibatch_loss[j]
+        self._kept -= newest - failed + 1
+        self._fed = failed
 
     def _side_exchanges(self) -> dict[str, Any]:
         """With one process per stage, the exchanges besides the links that a failure must bring back in step:

@@ -6,9 +6,9 @@ account: what it allocates once (weight versions, gradient buffer, scratch, velo
 copies that undo a failed step) plus, per micro-batch in flight, the tensors its forward keeps for the
 backward (saved by autograd, kept as the stage's inputs and outputs, or kept by a recomputed segment as its
 inputs), each byte counted once (a tensor counts the bytes of its storage it spans: a micro-batch's input,
-a slice of the mini-batch, counts as the slice); and, during a backward that recomputes, what the recomputed forward
-(of the whole stage, or of a recomputed segment) still holds when it ends, on top of everything in flight
-including the micro-batch being backwarded. The peak is the largest sum seen. The module's buffers
+a slice of the mini-batch, counts as the slice); and, during a backward that recomputes, what the
+recomputed forward (of the whole stage, or of a recomputed segment) still holds when it ends, on top of
+everything in flight including the micro-batch being backwarded. The peak is the largest sum seen. The module's buffers
 (BatchNorm's running statistics) are counted in neither part.
 """
 
@@ -129,6 +129,10 @@ class MemoryAccount:
                 self.backwarding += nbytes
         self.live -= self.backwarding
 
+    def released(self) -> None:
+        """The backward of the micro-batch last backwarded has ended: what it kept is freed."""
+        self.backwarding = 0
+
     @contextmanager
     def backward(self) -> Iterator[None]:
         """The block runs the stage's backward: recomputed segments count their transient here
@@ -160,8 +164,8 @@ def note_kept(tensors: Iterable[Any]) -> None:
 def counting_recomputation() -> Iterator[None]:
     """Count, as a transient of the backward running on this thread (if its stage keeps an account), what the
     block (a segment's recomputation) allocates and still holds when it ends: the tensors the recomputation
-    saved for the segment's backward, and its outputs. Scratch freed within the block is not counted (like
-    every transient of one forward or backward that the account leaves out)."""
+    saved for the segment's backward (the block drops its outputs before it ends). Scratch freed within the
+    block is not counted (like every transient of one forward or backward that the account leaves out)."""
     account = getattr(_COUNTING, "backward", None)
     if account is None:
         yield
@@ -171,7 +175,6 @@ def counting_recomputation() -> Iterator[None]:
         with created:
             yield
     finally:
-        # Also when the checkpoint stops the recomputation early (it raises once it has what it needs).
         account.transient(created.alive_bytes())
 
 

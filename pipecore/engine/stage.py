@@ -454,6 +454,7 @@ class TensorStage(StageWorker):
         outs = []
         with self.memory.backward():  # a recomputed segment's transient counts against this stage
             for k, read, grad_out in zip(action.microbatches, reads, payloads):
+                self.memory.released()  # the action's previous micro-batch, if any, is done
                 rec = self.in_flight[k]  # taken out once the backward starts changing state (see _committed)
                 if self.backward_rule == "recompute":
                     params = self._leaves(self.materialize(read))

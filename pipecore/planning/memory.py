@@ -14,7 +14,9 @@ Which terms come from where:
 * activations x in-flight micro-batches: DawnPiper's ``(P - s) * |A_s|`` term, with the in-flight count
   taken from the simulator rather than the formula, so that it holds for every schedule.
 * recomputed segments, the recomputation transient, boundary buffers: inferred (DawnPiper's paper was not
-  available); see :meth:`StageModel.memory`.
+  available); see :meth:`StageModel.memory`. What a segment frees and holds is counted value by value when
+  the costs list the graph's values (a profile does), so that it matches what the runtime keeps.
+* the weight ring's padding (each version starts at a multiple of 64 elements) is left out.
 """
 
 from __future__ import annotations
@@ -368,7 +370,7 @@ class StageModel:
 
 
 class _Values:
-    """``GraphCosts.values`` as arrays: per value its producer, bytes, first saver (-1: none) and last use;
+    """``GraphCosts.values`` as arrays: per value its producer, bytes, first saver (-2: none) and last use;
     every (value, saver) and (value, user) pair flattened."""
 
     def __init__(self, values: Sequence[ValueCost]):

@@ -452,7 +452,8 @@ class TensorStage(StageWorker):
         t0 = time.perf_counter()
         self._last_backward_count = len(action.microbatches)
         outs = []
-        with self.memory.backward():  # a recomputed segment's transient counts against this stage
+        # A recomputed segment's transient counts against this stage (on the CPU; CUDA's allocator sees it).
+        with self.memory.backward() if self.device.type == "cpu" else nullcontext():
             for k, read, grad_out in zip(action.microbatches, reads, payloads):
                 self.memory.released()  # the action's previous micro-batch, if any, is done
                 rec = self.in_flight[k]  # taken out once the backward starts changing state (see _committed)

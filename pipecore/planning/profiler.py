@@ -129,7 +129,7 @@ def profile(model: nn.Module, example_input: Any, *, leaf_modules: Sequence[type
             loss_saved, loss_s = profiler.measure_loss(measured.output, target, loss_fn)
 
     n = len(captured.nodes)
-    before, after = _crossing_saved(captured, measured.value_bytes, profiler.first_saver, profiler.aliases)
+    before, after = _crossing_saved(captured, measured.value_bytes, profiler.savers, profiler.aliases)
     return GraphCosts(
         names=tuple(node.name for node in captured.nodes),
         forward_s=tuple(m.forward_s for m in measured.nodes),
@@ -217,9 +217,7 @@ def _charge_parameters(captured: CapturedModel) -> list[list[nn.Parameter]]:
     charged: list[list[nn.Parameter]] = []
     for node in captured.nodes:
         mine: list[nn.Parameter] = []
-        reads = list(gm.get_submodule(str(node.target)).parameters()) if node.op == "call_module" else []
-        reads += [params[str(a.target)] for a in node.all_input_nodes if a.op == "get_attr" and a.target in params]
-        for p in reads:
+        for p in _parameters_read(gm, params, node):
             if id(p) not in seen:
                 seen.add(id(p))
                 mine.append(p)
@@ -235,6 +233,12 @@ def _charge_parameters(captured: CapturedModel) -> list[list[nn.Parameter]]:
     return charged
 
 
+def _parameters_read(gm: fx.GraphModule, params: dict[str, nn.Parameter], node: fx.Node) -> list[nn.Parameter]:
+    """The parameters ``node`` reads: its module's, and ``get_attr`` parameters among its arguments."""
+    reads = list(gm.get_submodule(str(node.target)).parameters()) if node.op == "call_module" else []
+    return reads + [params[str(a.target)] for a in node.all_input_nodes if a.op == "get_attr" and a.target in params]
+
+
 def _tied(captured: CapturedModel, charged: Sequence[Sequence[nn.Parameter]], state: dict[int, int]
           ) -> tuple[TiedParameter, ...]:
     """The parameters that several nodes read (a tied embedding, say): a stage holding a reader other than
@@ -243,9 +247,7 @@ def _tied(captured: CapturedModel, charged: Sequence[Sequence[nn.Parameter]], st
     params = dict(gm.named_parameters(remove_duplicate=False))
     readers: dict[int, list[int]] = {}
     for i, node in enumerate(captured.nodes):
-        reads = list(gm.get_submodule(str(node.target)).parameters()) if node.op == "call_module" else []
-        reads += [params[str(a.target)] for a in node.all_input_nodes if a.op == "get_attr" and a.target in params]
-        for p in {id(p): p for p in reads}.values():
+        for p in {id(p): p for p in _parameters_read(gm, params, node)}.values():
             readers.setdefault(id(p), []).append(i)
     return tuple(TiedParameter(p.numel() * p.element_size(), state[id(p)], tuple(readers[id(p)]))
                  for ps in charged for p in ps if len(readers.get(id(p), ())) > 1)
@@ -333,7 +335,6 @@ class _Profiler:
         self.charged: set[Any] = set()
         self.charged_storages: list[Any] = []
         self.producer: dict[Any, fx.Node] = {}  # storage key -> the placeholder or node whose value it holds
-        self.first_saver: dict[fx.Node, int] = {}  # value -> index of the first compute node that saves it
         self.savers: dict[fx.Node, set[int]] = {}  # value -> indices of every compute node that saves it
         self.aliases: dict[fx.Node, set[fx.Node]] = {}  # graph node -> the values its output's storages hold
         self.index = {node: i for i, node in enumerate(captured.nodes)}
@@ -498,8 +499,6 @@ class _Profiler:
                 self.charged.add(key)
                 self.charged_storages.append(tensor.untyped_storage())
                 total += nbytes
-                if is_value:
-                    self.first_saver.setdefault(self.producer[key], self.index[node])
         return total
 
     def _node_parameters(self, node: fx.Node, args: Any) -> list[torch.Tensor]:
@@ -566,23 +565,22 @@ def _fetch_attr(root: nn.Module, qualname: str) -> Any:
     return value
 
 
-def _crossing_saved(captured: CapturedModel, value_bytes: dict[fx.Node, int], first_saver: dict[fx.Node, int],
+def _crossing_saved(captured: CapturedModel, value_bytes: dict[fx.Node, int], savers: dict[fx.Node, set[int]],
                     aliases: dict[fx.Node, set[fx.Node]]) -> tuple[list[int], list[int]]:
     """Per cut position ``c`` in ``0..N``, the bytes of the values crossing it that a node saves: first before
     ``c`` (the stage that sends the value keeps it anyway) and first at or after ``c`` (the stage that receives
-    it keeps it anyway). A view is saved when its storage is (``first_saver`` is per storage's value)."""
+    it keeps it anyway). A view is saved when its storage is (``savers`` is per storage's value)."""
     n = len(captured.nodes)
-    position = {node: i for i, node in enumerate(captured.nodes)}
-    position.update({p: -1 for p in captured.placeholders})
+    position = _positions(captured)
     last = _last_uses(captured, position)
     before, after = [0] * (n + 2), [0] * (n + 2)
     for value, end in last.items():
-        savers = [first_saver[v] for v in aliases.get(value, {value}) if v in first_saver]
+        saving = [i for v in aliases.get(value, {value}) for i in savers.get(v, ())]
         nbytes = value_bytes.get(value, 0)
         start = position[value] + 1
-        if not savers or start > end:
+        if not saving or start > end:
             continue
-        saver = min(savers)
+        saver = min(saving)
         # Cuts start..saver see the saver after them; cuts saver+1..end see it before.
         if saver >= start:
             after[start] += nbytes
@@ -600,8 +598,7 @@ def _values(captured: CapturedModel, value_bytes: dict[fx.Node, int], savers: di
             aliases: dict[fx.Node, set[fx.Node]]) -> tuple[ValueCost, ...]:
     """The graph's values, a value being a storage with its views (see :class:`ValueCost`)."""
     n = len(captured.nodes)
-    position = {node: i for i, node in enumerate(captured.nodes)}
-    position.update({p: -1 for p in captured.placeholders})
+    position = _positions(captured)
     users: dict[fx.Node, set[int]] = {}
     for node in captured.gm.graph.nodes:
         if node.op in ("placeholder", "get_attr"):
@@ -617,8 +614,8 @@ def _values(captured: CapturedModel, value_bytes: dict[fx.Node, int], savers: di
 
 def _uncuttable(captured: CapturedModel, opaque: set[fx.Node]) -> tuple[int, ...]:
     """The cut positions that a value holding something other than tensors would cross."""
-    position = {node: i for i, node in enumerate(captured.nodes)}
-    last = _last_uses(captured, {**position, **{p: -1 for p in captured.placeholders}})
+    position = _positions(captured)
+    last = _last_uses(captured, position)
     n = len(captured.nodes)
     return tuple(sorted({c for node in opaque for c in range(position[node] + 1, min(last.get(node, -1), n - 1) + 1)}))
 
@@ -632,6 +629,11 @@ def _opaque(value: Any) -> bool:
     if isinstance(value, dict):
         return any(_opaque(v) for v in value.values())
     return value is not None
+
+
+def _positions(captured: CapturedModel) -> dict[fx.Node, int]:
+    """Each compute node's index, and -1 for the graph's inputs."""
+    return {**{p: -1 for p in captured.placeholders}, **{node: i for i, node in enumerate(captured.nodes)}}
 
 
 def _last_uses(captured: CapturedModel, position: dict[fx.Node, int]) -> dict[fx.Node, int]:
@@ -652,8 +654,7 @@ def _crossing_bytes(captured: CapturedModel, value_bytes: dict[fx.Node, int]) ->
     """Entry ``c`` for ``c`` in ``0..N``: bytes of the values produced before node ``c`` (inputs at -1) and
     used at node ``c`` or later (the output at ``N``); parameters and buffers (``get_attr``) never cross."""
     n = len(captured.nodes)
-    position = {node: i for i, node in enumerate(captured.nodes)}
-    position.update({p: -1 for p in captured.placeholders})
+    position = _positions(captured)
     last = _last_uses(captured, position)
     # A value crosses the cuts c with produced < c <= last: add its bytes over that range.
     change = [0] * (n + 2)

@@ -8,6 +8,7 @@ import pytest
 
 from pipecore.planning import (GraphCosts, Sizing, StageModel, TiedParameter, ValueCost, fit_stage, stage_memory,
                                stage_time)
+from pipecore.planning.memory import Choice
 
 # Four nodes; the tests cut them into stage 0 = nodes [0, 3) and stage 1 = node [3, 4).
 #   stage 0: parameters 1000 + 0 + 2000 = 3000, optimizer 6000, saved 100 + 200 + 300 = 600,
@@ -169,18 +170,20 @@ def test_recompute_backward_rule_keeps_only_stage_inputs():
         stage_memory(COSTS, 0, 3, 0, z, ((1, 3),))
 
 
-def test_recomputation_path_by_hand():
+def test_memory_path_by_hand():
     """Stage 0 under pipedream (2 in flight). Bytes freed per second of extra forward, first step:
     [2,3): 2*(300-25) - 300 = 250 in 1 s; [1,3): 2*(500-15) - 500 = 470 in 2 s (235/s); [1,2): 170/s; ...
     then, with a transient of 300 already paid: [1,2): 2*(200-15) = 370/s; [0,2) 200/s; then [0,1)."""
     model = StageModel(COSTS, sizing("pipedream"))
-    path = model.recomputation_path(0, 3, 0)
-    assert [segments for segments, _ in path] == [(), ((2, 3),), ((1, 2), (2, 3)), ((0, 1), (1, 2), (2, 3))]
-    assert [m.total for _, m in path] == [16280, 16030, 15660, 15460]
+    path = model.memory_path(0, 3, 0)
+    assert [c.recomputed for c in path] == [(), ((2, 3),), ((1, 2), (2, 3)), ((0, 1), (1, 2), (2, 3))]
+    assert [c.memory.total for c in path] == [16280, 16030, 15660, 15460]
+    assert all(c.offloaded == () for c in path)  # no host bandwidth: no offload
+    assert [c.time for c in path] == pytest.approx([16, 17, 18, 20])
     assert model.smallest_memory(0, 3, 0) == 15460
 
     fit = fit_stage(COSTS, 0, 3, 0, sizing("pipedream"), memory_limit=16000)
-    assert fit.fits and fit.recomputed == ((1, 2), (2, 3)) and fit.memory.total == 15660
+    assert fit.fits and fit.recomputed == ((1, 2), (2, 3)) and fit.offloaded == () and fit.memory.total == 15660
     assert fit.time == pytest.approx(16 + 1 + 1)
     assert model.fit(0, 3, 0, 16030).recomputed == ((2, 3),)
     assert model.fit(0, 3, 0, 16280).recomputed == ()           # fits as it is: nothing recomputed
@@ -193,7 +196,7 @@ def test_recomputation_path_by_hand():
 def test_recomputation_never_helps_with_one_micro_batch_in_flight():
     # The last stage under 1F1B holds one micro-batch: recomputing frees its saved bytes but needs them again.
     model = StageModel(COSTS, sizing("1f1b"))
-    assert model.recomputation_path(3, 4, 1) == [((), model.memory(3, 4, 1))]
+    assert model.memory_path(3, 4, 1) == [Choice((), (), model.memory(3, 4, 1), model.time(3, 4))]
     assert not model.fit(3, 4, 1, 12000).fits
 
 

@@ -11,7 +11,7 @@ import math
 import os
 import statistics
 from collections import OrderedDict
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -36,6 +36,7 @@ from .lr import LrSchedule
 from .memory import peak_bytes
 from .optim import SGD, build_optimizer
 from .partition import stage_starts
+from .offload import offload_segments
 from .recompute import recompute_segments
 from .stage import _GLOBAL_RANDOM, TensorStage, buffer_copies
 from .undo import Unrecoverable, UndoPoint, minibatches_in_flight, release, undo
@@ -67,7 +68,8 @@ class Pipeline:
         partition: None (balanced by parameter count, cutting only where a module starts) or where stages
             ``1..P-1`` start: compute-node indices of the captured graph (for an ``nn.Sequential``, layer
             indices) or module names such as ``"blocks.3"`` (see :meth:`describe`); or a plan from
-            :func:`pipecore.plan`: its cuts, and its recomputed node ranges, recomputed in the backward.
+            :func:`pipecore.plan`: its cuts, its recomputed node ranges, recomputed in the backward, and on CUDA
+            its offloaded node ranges, whose saved activations wait in pinned host memory for the backward.
         on_nonfinite: ``"raise"`` (default: :class:`NonFiniteLoss`, after the mini-batch is undone, see
             :meth:`step`) or ``"skip"`` (drop the update a NaN/inf loss belongs to).
         timeout: seconds a stage waits for a neighbour's message before raising: a rank for another rank, or
@@ -170,6 +172,8 @@ class Pipeline:
         owned = range(num_stages) if self.rank is None else [self.rank]
         self.concurrent = (self.rank is None and num_stages > 1) if concurrent is None else concurrent
         self.devices = _stage_devices(devices, graphs, self.rank)
+        if isinstance(partition, Plan) and any(partition.offloaded):
+            self._offload_planned(partition, graphs, owned)
         # The ring of each stage holds exactly the versions the algorithm needs; the simulator says how many.
         sizing = simulate(self.algorithm, num_stages, n_microbatches, n_minibatches=self.algorithm.warmup_minibatches)
         optimizer = optimizer if optimizer is not None else SGD(lr=0.01)
@@ -281,6 +285,18 @@ class Pipeline:
         for s, segments in enumerate(plan.recomputed):
             if segments:
                 recompute_segments(graphs[s].module, [names[i:j] for i, j in segments])
+
+    def _offload_planned(self, plan: Plan, graphs: Sequence[StageGraph], owned: Iterable[int]) -> None:
+        """Make the plan's offloaded node ranges segments whose saved activations wait in pinned host memory."""
+        if self.algorithm.backward_rule == "recompute":
+            raise ValueError(f"the plan offloads segments of stages, but {self.algorithm.name} uses the 'recompute' "
+                             "backward rule: its forwards save nothing to offload; plan without offload, or pass "
+                             "backward_rule='stash' or 'swap'")
+        _check_offload_devices(plan, self.devices, owned)
+        names = [node.name for node in self.captured.nodes]
+        for s, segments in enumerate(plan.offloaded):
+            if segments:
+                offload_segments(graphs[s].module, [names[i:j] for i, j in segments])
 
     def _needs(self, ties: Callable[[Action], Sequence[tuple[int, Kind, int]]] | None
                ) -> Callable[[Action], Sequence[tuple[int, Kind, int]]] | None:
@@ -1126,6 +1142,15 @@ def _stage_devices(devices: Any, graphs: Sequence[StageGraph], rank: int | None)
     if rank is not None and torch.distributed.get_backend() == "nccl" and out[rank].type != "cuda":
         raise ValueError(f"devices[{rank}] = {out[rank]}: with the NCCL backend every rank's stage is on a GPU")
     return out
+
+
+def _check_offload_devices(plan: Plan, devices: Sequence[torch.device], owned: Iterable[int]) -> None:
+    """Offload moves saved tensors from a CUDA device to pinned host memory: a CPU stage has nowhere to move them."""
+    for s in owned:
+        if plan.offloaded[s] and devices[s].type != "cuda":
+            raise ValueError(f"the plan offloads segments of stage {s}, which runs on {devices[s]}: activation "
+                             "offload moves saved tensors from a CUDA device to pinned host memory and does not "
+                             "apply on the CPU; plan on the device that trains (a CPU profile never offloads)")
 
 
 def _device_of(module: nn.Module) -> torch.device:

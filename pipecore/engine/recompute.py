@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from .memory import counting_recomputation, note_kept
+from .segments import replace_segments
 from .stage import buffer_copies
 
 
@@ -70,40 +71,4 @@ def _holding(places: Sequence[tuple[nn.Module, str, int]], weights: Sequence[tor
 def recompute_segments(gm: fx.GraphModule, segments: Sequence[Sequence[str]]) -> None:
     """Rewrite ``gm`` (a stage's generated module) so that each segment, a run of consecutive compute nodes
     named in order, is one :class:`Recomputed` call whose outputs replace the segment's values."""
-    graph = gm.graph
-    for k, names in enumerate(segments):
-        wanted = set(names)
-        nodes = [n for n in graph.nodes if n.name in wanted]
-        if [n.name for n in nodes] != list(names):
-            raise ValueError(f"recomputed segment {list(names)} is not a run of this stage's nodes")
-        inside = set(nodes)
-        inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes
-                                    if a not in inside and a.op != "get_attr"))
-        outputs = [n for n in nodes if any(user not in inside for user in n.users)]
-        sub = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {a: sub.placeholder(a.name) for a in inputs}
-
-        def value(arg: fx.Node) -> fx.Node:
-            if arg not in env:  # a parameter or buffer read: repeated inside the segment
-                env[arg] = sub.node_copy(arg, value)
-            return env[arg]
-
-        for n in nodes:
-            env[n] = sub.node_copy(n, value)
-        sub.output(tuple(env[n] for n in outputs))
-        name = f"recomputed_{k}"
-        gm.add_submodule(name, Recomputed(fx.GraphModule(gm, sub, f"Segment{k}")))
-        with graph.inserting_before(nodes[0]):
-            call = graph.call_module(name, tuple(inputs))
-            results = [graph.call_function(_item, (call, i)) for i in range(len(outputs))]
-        for n, result in zip(outputs, results):
-            n.replace_all_uses_with(result, delete_user_cb=lambda user: user not in inside)
-        for n in reversed(nodes):
-            graph.erase_node(n)
-    graph.eliminate_dead_code()
-    graph.lint()
-    gm.recompile()
-
-
-def _item(values: tuple[Any, ...], i: int) -> Any:
-    return values[i]
+    replace_segments(gm, segments, Recomputed, "recomputed")

@@ -39,6 +39,7 @@ from .lr import LrSchedule
 from .optim import LrScales, StageOptimizer, uniform_scale
 from .split_backward import PendingWeightGradients, input_gradient, weight_gradients
 from .memory import MemoryAccount
+from .saved import saving
 from .undo import StageSnapshot, UndoPoint
 
 
@@ -425,7 +426,7 @@ class TensorStage(StageWorker):
                     self._packing = weights
                     tracker = self._weight_tracker = None if self._swap_checked else _WeightDerived(leaves, inputs)
                     try:
-                        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
+                        with saving(self._pack, self._unpack), \
                                 (tracker if tracker is not None else nullcontext()):
                             y = self._forward_checked(leaves, inputs)
                             loss = self._loss(k, y, target) if self.is_last else None
@@ -434,7 +435,7 @@ class TensorStage(StageWorker):
                     self._swap_checked = True
                 else:
                     # stash: the graph keeps the forward's own weights, which stay pinned until the backward.
-                    with self._autocast(), torch.autograd.graph.saved_tensors_hooks(self.memory.pack, _same):
+                    with self._autocast(), saving(self.memory.pack, _same):
                         y = self._forward_checked(leaves, inputs)
                         loss = self._loss(k, y, target) if self.is_last else None
                 if not self.is_last:
@@ -466,7 +467,7 @@ class TensorStage(StageWorker):
                     # same masks, and BatchNorm must not count the micro-batch in its running statistics twice.
                     with _GLOBAL_RANDOM, torch.random.fork_rng(devices=cuda), buffer_copies([self.module]), \
                             self._autocast(), self.memory.counting() as recomputed, \
-                            torch.autograd.graph.saved_tensors_hooks(self.memory.pack, _same):
+                            saving(self.memory.pack, _same):
                         self._set_random_state(rec.rng_state)
                         y = self._run_module(params, inputs)
                         output = (self._loss_fn(y, rec.target) / self.algorithm.update_every if self.is_last

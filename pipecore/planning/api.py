@@ -58,9 +58,10 @@ def plan(
     samples (default ``batch_size``: the example's samples times ``n_microbatches``), and partitions:
 
     * ``objective="memory"`` (DawnPiper): the fastest partition whose stages each fit ``memory_limit``
-      bytes (an int, or a string such as ``"2GiB"``), recomputing the segments with the most bytes freed
-      per second of extra forward where a stage would not fit;
-    * ``"time"`` (PipeDream's planner): the slowest stage as fast as possible, no recomputation;
+      bytes (an int, or a string such as ``"2GiB"``), recomputing or offloading to host memory the
+      segments with the most bytes freed per second of added time where a stage would not fit (offload
+      only where the costs measured a host bandwidth, ``GraphCosts.host_bytes_per_s``: on CUDA);
+    * ``"time"`` (PipeDream's planner): the slowest stage as fast as possible, no recomputation or offload;
     * ``"parameters"``: balanced parameter bytes (the pipeline's default).
 
     ``cuts="modules"`` (default) cuts only where a module starts, as the pipeline's default partition does
@@ -70,8 +71,8 @@ def plan(
     stage's prediction include the loss's time and what it saves.
 
     Returns a :class:`~pipecore.planning.Plan`: ``starts`` (pass the plan as ``Pipeline(...,
-    partition=plan)``), ``recomputed``, ``stage_time``, ``stage_memory`` (predicted peak bytes per stage),
-    ``max_batch_size()``, ``table()`` and ``plot(path)``. A limit no partition meets raises
+    partition=plan)``), ``recomputed``, ``offloaded``, ``stage_time``, ``stage_memory`` (predicted peak bytes per
+    stage), ``max_batch_size()``, ``table()`` and ``plot(path)``. A limit no partition meets raises
     :class:`~pipecore.planning.InfeasibleMemoryLimit`, which names the smallest limit that works.
     """
     from ..engine.graph import CapturedModel

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -82,6 +84,10 @@ class GraphCosts:
             measured.
         uncuttable: cut positions (``1..N-1``) where a value that is not a tensor (a size, an int) would
             cross: stages send only tensors, so the partitioners start no stage there.
+        host_bytes_per_s: bytes per second the device copies to pinned host memory, and likewise back (the
+            link taken as full duplex): what activation offload costs. 0 when offload is not available (a
+            CPU profile, synthetic costs without it); the planner then never offloads. It does not depend
+            on the micro-batch.
     """
 
     names: tuple[str, ...]
@@ -102,6 +108,7 @@ class GraphCosts:
     loss_saved_bytes: int = 0
     loss_s: float = 0.0
     uncuttable: tuple[int, ...] = ()
+    host_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -147,6 +154,11 @@ class GraphCosts:
         if self.loss_saved_bytes < 0 or self.loss_s < 0:
             raise ValueError(f"GraphCosts.loss_saved_bytes and loss_s must be >= 0, got {self.loss_saved_bytes} "
                              f"and {self.loss_s}")
+        bandwidth = self.host_bytes_per_s
+        if isinstance(bandwidth, bool) or not isinstance(bandwidth, numbers.Real) or not math.isfinite(bandwidth) \
+                or bandwidth < 0:
+            raise ValueError(f"GraphCosts.host_bytes_per_s must be a finite number of bytes per second >= 0 (0: no "
+                             f"offload to host memory), got {bandwidth!r}")
 
     def __len__(self) -> int:
         return len(self.names)
@@ -169,4 +181,5 @@ class GraphCosts:
             scaled(self.crossing_saved_before), scaled(self.crossing_saved_after),
             tuple(ValueCost(v.producer, int(round(v.nbytes * r)), v.savers, v.users) for v in self.values),
             self.tied, int(round(self.loss_saved_bytes * r)), self.loss_s * r, self.uncuttable,
+            self.host_bytes_per_s,
         )

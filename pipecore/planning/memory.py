@@ -1,10 +1,11 @@
-"""The stage cost model: predicted peak memory and time of a stage, and what to recompute to fit a limit.
+"""The stage cost model: predicted peak memory and time of a stage, and what to recompute or offload to fit a
+limit.
 
 A stage covers the compute nodes ``[start, end)`` of a :class:`~pipecore.planning.costs.GraphCosts`. What it
 holds depends on the algorithm through four per-stage figures that the simulator measures (:class:`Sizing`):
 weight versions, whether derived weights need a scratch buffer, whether a velocity buffer is kept, and the
 peak number of micro-batches in flight. :class:`StageMemory` lists the terms; :class:`StageModel` evaluates
-many ranges of one graph quickly and chooses recomputed segments (:meth:`StageModel.fit`).
+many ranges of one graph quickly and chooses recomputed and offloaded segments (:meth:`StageModel.fit`).
 
 Which terms come from where:
 
@@ -13,9 +14,10 @@ Which terms come from where:
   the velocity is assumed to have the weights' dtype (it is float32 under bf16 weights).
 * activations x in-flight micro-batches: DawnPiper's ``(P - s) * |A_s|`` term, with the in-flight count
   taken from the simulator rather than the formula, so that it holds for every schedule.
-* recomputed segments, the recomputation transient, boundary buffers: inferred (DawnPiper's paper was not
-  available); see :meth:`StageModel.memory`. What a segment frees and holds is counted value by value when
-  the costs list the graph's values (a profile does), so that it matches what the runtime keeps.
+* recomputed and offloaded segments, their transient, the offload link's time, boundary buffers: inferred
+  (DawnPiper's paper was not available); see :meth:`StageModel.memory` and :meth:`StageModel.time`. What a
+  segment frees and holds is counted value by value when the costs list the graph's values (a profile does),
+  so that it matches what the runtime keeps.
 * the weight ring's padding (each version starts at a multiple of 64 elements) is left out.
 """
 
@@ -105,7 +107,9 @@ class StageMemory:
     velocity: int         # PipeMare's weight velocity: 1 x parameter bytes
     optimizer: int        # optimizer state of the stage's parameters
     activations: int      # saved-for-backward bytes kept per in-flight micro-batch, x in-flight
-    recomputation: int    # transient: the largest recomputed segment's saved bytes, during one backward
+    # Transient during one backward: the largest recomputed segment's saved bytes, or the largest offloaded
+    # segment's prefetch, whichever is more.
+    recomputation: int
     boundary: int         # received inputs and sent outputs of the in-flight micro-batches
 
     @property
@@ -116,22 +120,34 @@ class StageMemory:
 
 @dataclass(frozen=True)
 class StageFit:
-    """A stage with the recomputation chosen for a memory limit (:meth:`StageModel.fit`)."""
+    """A stage with the recomputation and offload chosen for a memory limit (:meth:`StageModel.fit`)."""
 
     start: int
     end: int
     stage: int
     recomputed: tuple[Segment, ...]
+    offloaded: tuple[Segment, ...]
     time: float
     memory: StageMemory
     fits: bool
 
 
+@dataclass(frozen=True)
+class Choice:
+    """One step of :meth:`StageModel.memory_path`: the segments chosen so far, and the stage's predicted peak
+    and time with them."""
+
+    recomputed: tuple[Segment, ...]
+    offloaded: tuple[Segment, ...]
+    memory: StageMemory
+    time: float
+
+
 class StageModel:
     """The cost model of one graph under one :class:`Sizing`, for many stage ranges.
 
-    Range sums come from prefix sums, so a range costs O(1) however long; the recomputation path of a
-    range is computed once and kept.
+    Range sums come from prefix sums, so a range costs O(1) however long; the memory path of a range
+    (:meth:`memory_path`) is computed once and kept.
     """
 
     def __init__(self, costs: GraphCosts, sizing: Sizing):
@@ -187,31 +203,70 @@ class StageModel:
         if not (isinstance(stage, int) and 0 <= stage < self.sizing.num_stages):
             raise ValueError(f"stage must lie in 0..{self.sizing.num_stages - 1}, got {stage}")
 
-    def check_segments(self, start: int, end: int, recomputed: Sequence[Segment]) -> tuple[Segment, ...]:
-        segments = tuple(sorted((int(i), int(j)) for i, j in recomputed))
-        if segments and self.sizing.recompute_all:
+    def check_segments(self, start: int, end: int, recomputed: Sequence[Segment] = (),
+                       offloaded: Sequence[Segment] = ()) -> tuple[tuple[Segment, ...], tuple[Segment, ...]]:
+        """Validate the recomputed and offloaded segments of stage ``[start, end)``: together, non-empty and
+        non-overlapping ranges ``[i, j)`` inside it; none under ``backward_rule="recompute"``; offload only
+        with a measured host bandwidth. Returns both, sorted."""
+        recomputed_ = tuple(sorted((int(i), int(j)) for i, j in recomputed))
+        offloaded_ = tuple(sorted((int(i), int(j)) for i, j in offloaded))
+        if (recomputed_ or offloaded_) and self.sizing.recompute_all:
             raise ValueError(f"{self.sizing.algorithm} recomputes every forward in its backward "
-                             "(backward_rule='recompute'); recomputed segments do not apply")
+                             "(backward_rule='recompute'); recomputed and offloaded segments do not apply")
+        if offloaded_ and self.costs.host_bytes_per_s <= 0:
+            raise ValueError(f"offload needs GraphCosts.host_bytes_per_s > 0, measured on a CUDA device; these costs "
+                             f"(device {self.costs.device!r}) have {self.costs.host_bytes_per_s}, got offloaded "
+                             f"segments {list(offloaded)}")
         previous = start
-        for i, j in segments:
+        for i, j in sorted(recomputed_ + offloaded_):
             if not (previous <= i < j <= end):
-                raise ValueError(f"recomputed segments must be non-empty, non-overlapping ranges [i, j) inside the "
-                                 f"stage's nodes [{start}, {end}), got {list(recomputed)}")
+                raise ValueError(f"recomputed and offloaded segments, together, must be non-empty, non-overlapping "
+                                 f"ranges [i, j) inside the stage's nodes [{start}, {end}), got recomputed "
+                                 f"{list(recomputed)} and offloaded {list(offloaded)}")
             previous = j
-        return segments
+        return recomputed_, offloaded_
 
-    def time(self, start: int, end: int, recomputed: Sequence[Segment] = ()) -> float:
-        """Predicted seconds of one micro-batch's forward and backward at the stage: the nodes' forward and
-        backward times plus the forward time of every recomputed segment (a whole extra forward under
-        ``backward_rule="recompute"``). Communication is taken to overlap with compute (DawnPiper's
-        objective, as reported second-hand)."""
+    def time(self, start: int, end: int, recomputed: Sequence[Segment] = (),
+             offloaded: Sequence[Segment] = ()) -> float:
+        """Predicted seconds of one micro-batch's forward and backward at the stage.
+
+        The compute: the nodes' forward and backward times plus the forward time of every recomputed segment
+        (a whole extra forward under ``backward_rule="recompute"``), and the loss's at the last stage.
+        Communication between stages is taken to overlap with compute (DawnPiper's objective, as reported
+        second-hand).
+
+        With offloaded segments: ``max(compute, X / GraphCosts.host_bytes_per_s)``, ``X`` being the bytes each
+        micro-batch copies to host memory (:meth:`offload_bytes`). Inferred: the copies run on a side stream
+        alongside compute, and in steady state each micro-batch's ``X`` go out and come back while the stage
+        computes one micro-batch (the link is full duplex), so the stage is as slow as the slower of the two.
+        """
+        if recomputed or offloaded:
+            self.check_range(start, end, 0)
+            recomputed, offloaded = self.check_segments(start, end, recomputed, offloaded)
+        compute = self._compute_seconds(start, end, recomputed)
+        if not offloaded:
+            return compute
+        return max(compute, self._segment_bytes(start, end, (), offloaded)[2] / self.costs.host_bytes_per_s)
+
+    def _compute_seconds(self, start: int, end: int, recomputed: Sequence[Segment]) -> float:
+        """The compute part of :meth:`time`, segments unchecked."""
         extra = self.forward(start, end) if self.sizing.recompute_all else 0.0
         loss = self.costs.loss_s if end == self.num_nodes else 0.0  # the last stage's loss
         return (self._compute[end] - self._compute[start] + extra + loss
                 + sum(self.forward(i, j) for i, j in recomputed))
 
-    def memory(self, start: int, end: int, stage: int, recomputed: Sequence[Segment] = ()) -> StageMemory:
-        """Predicted peak bytes of stage ``stage`` covering nodes ``[start, end)``.
+    def offload_bytes(self, start: int, end: int, offloaded: Sequence[Segment]) -> int:
+        """Bytes that the ``offloaded`` segments of stage ``[start, end)`` copy to host memory per micro-batch
+        (and back before their backward): what each segment's nodes save, each value once per segment, the
+        stage's received and sent values included (see :meth:`memory`)."""
+        self.check_range(start, end, 0)
+        _, offloaded = self.check_segments(start, end, (), offloaded)
+        return self._segment_bytes(start, end, (), offloaded)[2]
+
+    def memory(self, start: int, end: int, stage: int, recomputed: Sequence[Segment] = (),
+               offloaded: Sequence[Segment] = ()) -> StageMemory:
+        """Predicted peak bytes of stage ``stage`` covering nodes ``[start, end)``, with the node ranges in
+        ``recomputed`` recomputed in the backward and those in ``offloaded`` offloaded to host memory.
 
         With ``W`` the parameter bytes of the nodes (a tied parameter first read before the stage included),
         ``k`` the in-flight micro-batches of the stage and
@@ -219,15 +274,19 @@ class StageModel:
 
         * weights ``versions * W``, gradients ``W``, scratch ``W`` if derived weights, velocity ``W`` for
           PipeMare, optimizer state as given;
-        * activations ``k * (S(stage) - freed)``: recomputed segments free what only their nodes save, unless
-          the stage keeps it anyway: as its input or output, or as a segment's input (the checkpoint keeps
-          those). With the graph's values (``GraphCosts.values``) this is exact at the level of storages;
-          without them, a segment ``[i, j)`` frees ``S(segment)`` and keeps the bytes crossing ``i``
-          (inferred);
-        * recomputation: during one backward the segments are recomputed one after the other, each freed
-          after its backward, so the largest one sets the transient peak: what its nodes save that they also
-          make (their inputs exist already), counted on top of every micro-batch in flight (inferred; the
-          whole stage under ``backward_rule="recompute"``);
+        * activations ``k * (S(stage) - freed)``: recomputed and offloaded segments free what only their
+          nodes save, unless the stage keeps it anyway: as its input or output, or as a recomputed segment's
+          input (the checkpoint keeps those; an offloaded segment keeps nothing). With the graph's values
+          (``GraphCosts.values``) this is exact at the level of storages; without them, a recomputed segment
+          ``[i, j)`` frees ``S(segment)`` and keeps the bytes crossing ``i`` (inferred), an offloaded one
+          frees ``S(segment)``;
+        * recomputation (the transient): during one backward the segments are recomputed or prefetched one
+          after the other, each freed after its backward, so the largest one sets the transient peak,
+          counted on top of every micro-batch in flight (inferred; the whole stage under
+          ``backward_rule="recompute"``). A recomputed segment holds what its nodes save that they also make
+          (their inputs exist already); an offloaded one holds what it copied back: what its nodes save,
+          each value once, the stage's received and sent values included (moved, not freed: the stage keeps
+          them as its boundary buffers);
         * the loss: the last stage keeps what the loss saves (``GraphCosts.loss_saved_bytes``) per
           micro-batch in flight, counted in the activations (in the transient when every forward is
           recomputed);
@@ -238,10 +297,11 @@ class StageModel:
           which is one tensor counted in the activations.
 
         First-order: a value saved before the stage and crossing it to a later one is taken as saved in this
-        stage, and transient buffers of one forward or backward are not counted.
+        stage, and transient buffers of one forward or backward are not counted. Offloaded bytes in host
+        memory are not counted (they are not the device's).
         """
         self.check_range(start, end, stage)
-        segments = self.check_segments(start, end, recomputed)
+        recomputed, offloaded = self.check_segments(start, end, recomputed, offloaded)
         z = self.sizing
         w, optimizer = self.params(start, end), self.optimizer(start, end)
         for tied in self.costs.tied:  # held again by a stage with a later reader
@@ -251,15 +311,9 @@ class StageModel:
         loss = self.costs.loss_saved_bytes if end == self.num_nodes else 0
         if z.recompute_all:
             kept, transient = 0, self.saved(start, end) + loss
-        elif segments and self.costs.values:
-            freed, transient = self._recomputed(start, end, segments)
-            kept = self.saved(start, end) - freed
         else:
-            kept = self.saved(start, end)
-            transient = 0
-            for i, j in segments:
-                kept -= self.saved(i, j) - (self.crossing(i) if i > start else 0)
-                transient = max(transient, self.saved(i, j))
+            freed, transient, _ = self._segment_bytes(start, end, recomputed, offloaded)
+            kept = self.saved(start, end) - freed
         return StageMemory(
             weights=z.versions[stage] * w,
             gradients=w,
@@ -273,11 +327,21 @@ class StageModel:
             k * (self.crossing(start) - self._received_saved[start] + self.crossing(end) - self._sent_saved[end]),
         )
 
-    def _recomputed(self, start: int, end: int, segments: Sequence[Segment]) -> tuple[int, int]:
-        """Per micro-batch, from the graph's values: the bytes that recomputing ``segments`` frees, and the
-        largest segment's transient (see :meth:`memory`). Vectorised over the values' savers and users."""
+    def _segment_bytes(self, start: int, end: int, recomputed: Sequence[Segment],
+                       offloaded: Sequence[Segment]) -> tuple[int, int, int]:
+        """Per micro-batch, for checked segments: the bytes that recomputing and offloading them frees, the
+        largest segment's transient, and the bytes offloaded (see :meth:`memory`)."""
+        if not recomputed and not offloaded:
+            return 0, 0, 0
+        if not self.costs.values:
+            # Range sums: a recomputed segment keeps the bytes crossing into it, an offloaded one nothing.
+            freed = sum(self.saved(i, j) - (self.crossing(i) if i > start else 0) for i, j in recomputed)
+            moved = sum(self.saved(i, j) for i, j in offloaded)
+            transient = max(self.saved(i, j) for i, j in (*recomputed, *offloaded))
+            return freed + moved, transient, moved
         v = self._values
-        count = len(segments)
+        segments = [*recomputed, *offloaded]
+        count, r = len(segments), len(recomputed)  # segments 0..r-1 are recomputed, r.. offloaded
         # The segment of each position -1..N (-1: none), at index position + 1.
         home = np.full(self.num_nodes + 2, -1, dtype=np.int64)
         for k, (i, j) in enumerate(segments):
@@ -288,42 +352,62 @@ class StageModel:
         # first saver).
         charged_in = home[v.first_saver + 1]
         charged = np.bincount(charged_in[charged_in >= 0], v.nbytes[charged_in >= 0], minlength=count)
-        other = np.maximum(0, np.array([self.saved(i, j) for i, j in segments]) - charged)
-        # A segment's transient: what its nodes save that they also make (their inputs exist already).
+        other = np.maximum(0, np.array([self.saved(i, j) for i, j in segments]) - charged).astype(np.int64)
+        received = v.producer < start
+        sent = (v.last_use >= end) & (end < self.num_nodes)
+        # A recomputed segment's transient: what its nodes save that they also make (their inputs exist already).
         saver_home = home[v.saver_at + 1]
         own = np.zeros(len(v.nbytes), dtype=bool)
-        own[v.saver_of[(saver_home >= 0) & (saver_home == home[v.producer[v.saver_of] + 1])]] = True
-        made = np.bincount(home[v.producer[own] + 1], v.nbytes[own], minlength=count)
-        # Freed: saved by nodes of the stage, all recomputed, and kept by the stage for no other reason.
+        own[v.saver_of[(saver_home >= 0) & (saver_home < r) & (saver_home == home[v.producer[v.saver_of] + 1])]] = True
+        made = np.bincount(home[v.producer[own] + 1], v.nbytes[own], minlength=count).astype(np.int64)
+        # An offloaded segment's transient and link bytes: each value its nodes save, once, the stage's
+        # received and sent values included (the runtime moves every saved activation; those stay on the
+        # device as the stage's boundary buffers too, so they are moved but not freed).
+        pairs = saver_home >= r
+        value_segment = np.unique(v.saver_of[pairs] * count + saver_home[pairs])
+        moved = np.bincount(value_segment % count, v.nbytes[value_segment // count],
+                            minlength=count).astype(np.int64)
+        # Freed: saved by nodes of the stage, all in segments, and kept by the stage for no other reason.
         # (Received and sent values are the stage's boundary buffers.)
         in_stage = (v.saver_at >= start) & (v.saver_at < end)
         saved_here = np.bincount(v.saver_of[in_stage], minlength=len(v.nbytes)) > 0
         kept_by_node = np.bincount(v.saver_of[in_stage & (saver_home < 0)], minlength=len(v.nbytes)) > 0
+        # A recomputed segment's checkpoint keeps its inputs; an offloaded segment keeps none.
         user_home = home[v.user_at + 1]
-        into = user_home >= 0
+        into = (user_home >= 0) & (user_home < r)
         checkpointed = np.zeros(len(v.nbytes), dtype=bool)
         checkpointed[v.user_of[into][v.producer[v.user_of[into]] < firsts[user_home[into]]]] = True
-        received = v.producer < start
-        sent = (v.last_use >= end) & (end < self.num_nodes)
         freed = saved_here & ~kept_by_node & ~received & ~sent & ~checkpointed
-        # A segment's input that no node of the stage saved is kept now (unless the stage keeps it anyway).
+        # A recomputed segment's input that no node of the stage saved is kept now (unless the stage keeps
+        # it anyway).
         added = checkpointed & ~saved_here & ~received & ~sent
-        return (int(v.nbytes[freed].sum() - v.nbytes[added].sum() + other.sum()),
-                int((other + made).max()))
+        transient = np.where(np.arange(count) < r, other + made, other + moved)
+        return (int(v.nbytes[freed].sum() - v.nbytes[added].sum() + other.sum()), int(transient.max()),
+                int((other + moved)[r:].sum()))
 
-    def recomputation_path(self, start: int, end: int, stage: int) -> list[tuple[tuple[Segment, ...], StageMemory]]:
-        """The recomputation choices in the order the cost model makes them, each with the memory after it
-        (the first entry: nothing recomputed).
+    def memory_path(self, start: int, end: int, stage: int) -> list[Choice]:
+        """The recomputation and offload choices in the order the cost model makes them, each with the
+        stage's memory and time after it (the first entry: nothing chosen).
 
         Granularity: any contiguous run of nodes ``[i, j)`` inside the stage that overlaps no segment chosen
-        before is a candidate (a run keeps one input however many nodes it spans, so runs free far more than
-        single nodes). Each step takes the candidate freeing the most bytes per second of extra forward
-        (zero-time runs first; at equal rates more bytes, then the shorter, then the earlier run), counting
-        the input it keeps and the growth of the transient; the path ends when no candidate frees anything.
-        Candidates are scored from range sums (a segment frees what its nodes save, less its input), so that
-        a step costs O(L^2) (vectorised) for a stage of L nodes; each step's memory is then :meth:`memory`'s,
-        exact with the graph's values. The path does not depend on the limit: fitting a limit takes the
-        shortest prefix that fits it.
+        before is a candidate, as a recomputed segment and, when ``GraphCosts.host_bytes_per_s`` is above 0,
+        as an offloaded one (a run keeps one input however many nodes it spans, so runs free far more than
+        single nodes). Each step takes the candidate freeing the most bytes per second of added time. With
+        ``T`` the stage's compute seconds so far, ``X`` its offloaded bytes per micro-batch so far, ``bw`` the
+        host bandwidth, ``k`` the micro-batches in flight, and for the run ``S`` its saved bytes, ``I`` its
+        input kept, ``f`` its forward seconds and ``G`` the growth of the largest transient:
+
+        * recompute frees ``k * (S - I) - G`` in ``max(T + f, X / bw) - max(T, X / bw)`` seconds (``f`` while
+          nothing is offloaded; nothing while the link is the bottleneck);
+        * offload frees ``k * S - G`` in ``max(T, (X + S) / bw) - max(T, X / bw)`` seconds (nothing while
+          the link has slack).
+
+        Zero-time candidates come first; at equal rates more bytes, then the shorter run, then the earlier
+        one, then the one adding fewer seconds, and at a full tie the recomputation (it leaves the link's
+        slack to later runs). The path ends when no candidate frees anything. Candidates are scored from
+        range sums, so that a step costs O(L^2) (vectorised) for a stage of L nodes; each step's memory and
+        time are then :meth:`memory`'s and :meth:`time`'s, exact with the graph's values. The path does not
+        depend on the limit: fitting a limit takes the shortest prefix that fits it.
         """
         path = self._path(start, end, stage)
         while path.extend():
@@ -338,35 +422,36 @@ class StageModel:
         return self._paths[key]
 
     def floor(self, start: int, end: int, stage: int) -> int:
-        """A lower bound of the stage's memory under any recomputation: every term but the activations and
-        the transient."""
+        """A lower bound of the stage's memory under any recomputation or offload: every term but the
+        activations and the transient."""
         m = self.memory(start, end, stage)
         return m.total - m.activations - m.recomputation
 
     def fit(self, start: int, end: int, stage: int, memory_limit: float | None = None,
-            recompute: bool = True) -> StageFit:
-        """The stage with the fewest recomputation steps of :meth:`recomputation_path` that bring it under
-        ``memory_limit`` (none without a limit, or with ``recompute=False``). When none does, ``fits`` is
-        False and the stage is returned without recomputation."""
+            trade_time: bool = True) -> StageFit:
+        """The stage with the fewest steps of :meth:`memory_path` that bring it under ``memory_limit`` (none
+        without a limit, or with ``trade_time=False``: neither recomputation nor offload). When none does,
+        ``fits`` is False and the stage is returned with neither."""
         memory = self.memory(start, end, stage)
-        if memory_limit is None or memory.total <= memory_limit or not recompute or \
+        if memory_limit is None or memory.total <= memory_limit or not trade_time or \
                 self.floor(start, end, stage) > memory_limit:
             fits = memory_limit is None or memory.total <= memory_limit
-            return StageFit(start, end, stage, (), self.time(start, end), memory, fits)
+            return StageFit(start, end, stage, (), (), self.time(start, end), memory, fits)
         path = self._path(start, end, stage)
         index = 0
-        while path.steps[index][1].total > memory_limit:
+        while path.steps[index].memory.total > memory_limit:
             index += 1
             if index == len(path.steps) and not path.extend():
-                return StageFit(start, end, stage, (), self.time(start, end), memory, False)
-        segments, memory = path.steps[index]
-        return StageFit(start, end, stage, segments, self.time(start, end, segments), memory, True)
+                return StageFit(start, end, stage, (), (), self.time(start, end), memory, False)
+        choice = path.steps[index]
+        return StageFit(start, end, stage, choice.recomputed, choice.offloaded, choice.time, choice.memory, True)
 
-    def smallest_memory(self, start: int, end: int, stage: int, recompute: bool = True) -> int:
-        """The least peak bytes the stage reaches: with every recomputation step, or with none."""
-        if not recompute:
+    def smallest_memory(self, start: int, end: int, stage: int, trade_time: bool = True) -> int:
+        """The least peak bytes the stage reaches: over every step of :meth:`memory_path`, or with none
+        (``trade_time=False``)."""
+        if not trade_time:
             return self.memory(start, end, stage).total
-        return min(memory.total for _, memory in self.recomputation_path(start, end, stage))
+        return min(choice.memory.total for choice in self.memory_path(start, end, stage))
 
 
 class _Values:
@@ -389,15 +474,18 @@ class _Values:
 
 
 class _Path:
-    """The recomputation path of one stage (:meth:`StageModel.recomputation_path`), extended on demand."""
+    """The memory path of one stage (:meth:`StageModel.memory_path`), extended on demand."""
 
     def __init__(self, model: StageModel, start: int, end: int, stage: int):
         self.model, self.start, self.end, self.stage = model, start, end, stage
-        self.steps: list[tuple[tuple[Segment, ...], StageMemory]] = [((), model.memory(start, end, stage))]
+        self.steps: list[Choice] = [Choice((), (), model.memory(start, end, stage), model.time(start, end))]
         self.k = model.sizing.in_flight[stage]
         self.done = model.sizing.recompute_all or self.k == 0 or model.saved(start, end) == 0
+        self.bandwidth = model.costs.host_bytes_per_s
         self._arrays: tuple[np.ndarray, ...] | None = None
-        self._chosen: list[Segment] = []
+        self._recomputed: list[Segment] = []
+        self._offloaded: list[Segment] = []
+        self._offload_bytes = 0  # X: what the chosen offloaded segments move per micro-batch
         self._transient = 0
 
     def _candidates(self) -> tuple[np.ndarray, ...]:
@@ -412,51 +500,76 @@ class _Path:
         seconds = forward_prefix[stop - a] - forward_prefix[first - a]
         return first, stop, saved, keeps, seconds, np.ones(len(first), dtype=bool)
 
+    def _scores(self) -> tuple[np.ndarray, np.ndarray]:
+        """Bytes freed and seconds added by every candidate: the recomputed runs, then (with a host bandwidth)
+        the offloaded ones (see :meth:`StageModel.memory_path`)."""
+        assert self._arrays is not None
+        first, stop, saved, keeps, forward, _ = self._arrays
+        compute = self.model._compute_seconds(self.start, self.end, self._recomputed)
+        link = self._offload_bytes / self.bandwidth if self.bandwidth > 0 else 0.0
+        growth = np.maximum(0, saved - self._transient)
+        # max(T + f, X / bw) - max(T, X / bw), written so that it is f exactly while the link is idle.
+        freed = [self.k * (saved - keeps) - growth]
+        seconds = [forward - np.clip(link - compute, 0.0, forward)]
+        if self.bandwidth > 0:
+            freed.append(self.k * saved - growth)
+            seconds.append(np.maximum(compute, (self._offload_bytes + saved) / self.bandwidth) - max(compute, link))
+        return np.concatenate(freed), np.concatenate(seconds)
+
     def extend(self) -> bool:
         """Take one more step; False when the path has ended."""
         if self.done:
             return False
         if self._arrays is None:
             self._arrays = self._candidates()
-        first, stop, saved, keeps, seconds, free = self._arrays
-        freed = self.k * (saved - keeps) - np.maximum(0, saved - self._transient)
-        open_ = free & (freed > 0)
+        first, stop, saved, _, _, free = self._arrays
+        freed, seconds = self._scores()
+        kinds = len(freed) // len(first)
+        open_ = np.tile(free, kinds) & (freed > 0)
         if not open_.any():
             self.done = True
             return False
         with np.errstate(divide="ignore"):
             rate = np.where(seconds > 0, freed / np.where(seconds > 0, seconds, 1.0), np.inf)
-        # Most bytes per second; then more bytes; then the shorter run; then the earlier one.
+        # Most bytes per second; then more bytes; then the shorter run; then the earlier one; then fewer
+        # seconds; then the recomputation (the first of the two kinds).
         open_ &= rate == rate[open_].max()
         open_ &= freed == freed[open_].max()
-        length = stop - first
+        length, firsts = np.tile(stop - first, kinds), np.tile(first, kinds)
         open_ &= length == length[open_].min()
-        pick = int(np.flatnonzero(open_)[0])
-        i, j = int(first[pick]), int(stop[pick])
+        open_ &= firsts == firsts[open_].min()
+        open_ &= seconds == seconds[open_].min()
+        kind, run = divmod(int(np.flatnonzero(open_)[0]), len(first))
+        i, j = int(first[run]), int(stop[run])
         free &= (stop <= i) | (first >= j)
-        self._transient = max(self._transient, int(saved[pick]))
-        self._chosen.append((i, j))
-        segments = tuple(sorted(self._chosen))
-        self.steps.append((segments, self.model.memory(self.start, self.end, self.stage, segments)))
+        self._transient = max(self._transient, int(saved[run]))
+        (self._offloaded if kind else self._recomputed).append((i, j))
+        m = self.model
+        recomputed, offloaded = tuple(sorted(self._recomputed)), tuple(sorted(self._offloaded))
+        self._offload_bytes = m._segment_bytes(self.start, self.end, (), offloaded)[2]
+        memory = m.memory(self.start, self.end, self.stage, recomputed, offloaded)
+        self.steps.append(Choice(recomputed, offloaded, memory, m.time(self.start, self.end, recomputed, offloaded)))
         return True
 
 
 def stage_memory(costs: GraphCosts, start: int, end: int, stage: int, sizing: Sizing,
-                 recomputed: Sequence[Segment] = ()) -> StageMemory:
+                 recomputed: Sequence[Segment] = (), offloaded: Sequence[Segment] = ()) -> StageMemory:
     """Predicted peak bytes of stage ``stage`` covering nodes ``[start, end)`` with the node ranges in
-    ``recomputed`` recomputed in the backward (see :meth:`StageModel.memory` for the terms)."""
-    return StageModel(costs, sizing).memory(start, end, stage, recomputed)
+    ``recomputed`` recomputed in the backward and those in ``offloaded`` offloaded to host memory (see
+    :meth:`StageModel.memory` for the terms)."""
+    return StageModel(costs, sizing).memory(start, end, stage, recomputed, offloaded)
 
 
-def stage_time(costs: GraphCosts, start: int, end: int, sizing: Sizing, recomputed: Sequence[Segment] = ()) -> float:
+def stage_time(costs: GraphCosts, start: int, end: int, sizing: Sizing, recomputed: Sequence[Segment] = (),
+               offloaded: Sequence[Segment] = ()) -> float:
     """Predicted forward + backward seconds of a stage covering ``[start, end)`` (see :meth:`StageModel.time`)."""
     model = StageModel(costs, sizing)
     model.check_range(start, end, 0)
-    return model.time(start, end, model.check_segments(start, end, recomputed))
+    return model.time(start, end, *model.check_segments(start, end, recomputed, offloaded))
 
 
 def fit_stage(costs: GraphCosts, start: int, end: int, stage: int, sizing: Sizing,
               memory_limit: float | None = None) -> StageFit:
-    """The recomputation the cost model chooses to bring a stage under ``memory_limit`` (see
-    :meth:`StageModel.recomputation_path`)."""
+    """The recomputation and offload the cost model chooses to bring a stage under ``memory_limit`` (see
+    :meth:`StageModel.memory_path`)."""
     return StageModel(costs, sizing).fit(start, end, stage, memory_limit)

@@ -1,13 +1,15 @@
 """Partitioners: where to cut a graph of per-node costs into stages, by parameters, time, or memory.
 
 All three share the stage cost model of :class:`~pipecore.planning.memory.StageModel`; they differ in what they
-minimise and whether they may recompute:
+minimise and whether they may recompute or offload:
 
-* ``"parameters"``: balanced parameter bytes (the runtime's default partition); no recomputation.
+* ``"parameters"``: balanced parameter bytes (the runtime's default partition); no recomputation or offload.
 * ``"time"``: PipeDream's planner: the slowest stage's forward + backward time, exactly, by dynamic
-  programming; with a memory limit, stages over it are ruled out (PipeDream does not recompute).
+  programming; with a memory limit, stages over it are ruled out (PipeDream neither recomputes nor offloads).
 * ``"memory"``: DawnPiper's binary partitioning (a reconstruction, see :func:`partition`): stages may
-  recompute segments to fit the limit, paying their forward time again.
+  recompute segments to fit the limit, paying their forward time again, or offload them to host memory
+  (with a measured host bandwidth, ``GraphCosts.host_bytes_per_s``), paying the link's time where it
+  exceeds the compute.
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ class Partition:
     Attributes:
         starts: node indices where stages ``1..P-1`` start.
         recomputed: per stage, the node ranges ``(i, j)`` recomputed in its backward.
-        stage_time: per stage, predicted forward + backward seconds of one micro-batch, recomputation included.
+        offloaded: per stage, the node ranges ``(i, j)`` whose saved tensors go to host memory after their
+            forward and come back for their backward.
+        stage_time: per stage, predicted forward + backward seconds of one micro-batch, recomputation and
+            offload included.
         stage_memory: per stage, predicted peak bytes.
         memory: per stage, the predicted peak term by term.
         objective: the objective the cuts were chosen for.
@@ -39,6 +44,7 @@ class Partition:
 
     starts: tuple[int, ...]
     recomputed: tuple[tuple[Segment, ...], ...]
+    offloaded: tuple[tuple[Segment, ...], ...]
     stage_time: tuple[float, ...]
     stage_memory: tuple[int, ...]
     memory: tuple[StageMemory, ...]
@@ -82,7 +88,8 @@ def partition(
 
     * the stage set is split in halves, the right half taking one more when the count is odd, together
       with the node range, recursively down to single stages; a stage is judged by the cost model
-      (:meth:`StageModel.fit`: its time with the recomputation that fits it under the limit, or infinite);
+      (:meth:`StageModel.fit`: its time with the recomputation and offload that fit it under the limit, or
+      infinite);
     * each cut is searched first between the cut that balances compute per stage and the cut that balances
       memory per stage (estimated at each half's average weight copies and in-flight micro-batches): the
       reading of DawnPiper's theorem that the best cut lies between them; every candidate is judged by the
@@ -94,7 +101,7 @@ def partition(
       the interval in practice.
 
     Without a limit, the memory objective plans for the smallest limit that some partition meets without
-    recomputation (the most even memory), and takes the fastest partition under it.
+    recomputation or offload (the most even memory), and takes the fastest partition under it.
 
     Raises ValueError for an unknown objective, a non-positive limit, a stage count that the cut positions
     cannot hold, and :class:`InfeasibleMemoryLimit` (naming the smallest limit that works for the
@@ -102,13 +109,13 @@ def partition(
     """
     positions = _check(costs, num_stages, objective, sizing, memory_limit, allowed_cuts)
     model = StageModel(costs, sizing)
-    recompute = objective == "memory"
+    trade_time = objective == "memory"  # only it may recompute or offload
     limit = memory_limit
-    if limit is None and recompute:
+    if limit is None and trade_time:
         # Without a limit: the smallest one that any partition meets as it is, then the fastest under it.
         limit = _smallest_limit(model, positions, num_stages, "time")
     cuts = _cuts(model, positions, num_stages, objective, limit)
-    fits = [model.fit(positions[u], positions[v], s, limit, recompute)
+    fits = [model.fit(positions[u], positions[v], s, limit, trade_time)
             for s, (u, v) in enumerate(zip(cuts, cuts[1:]))]
     if not all(f.fits for f in fits):
         assert memory_limit is not None
@@ -116,7 +123,7 @@ def partition(
         raise InfeasibleMemoryLimit(
             f"no partition into {num_stages} stages meets memory_limit={memory_limit:.0f} bytes "
             f"({format_bytes(memory_limit)}) under {sizing.algorithm} with objective {objective!r}"
-            f"{'' if recompute else ' (no recomputation)'}; the smallest per-stage limit that works is "
+            f"{'' if trade_time else ' (no recomputation or offload)'}; the smallest per-stage limit that works is "
             f"{smallest} bytes ({format_bytes(smallest)})", smallest)
     return _result(fits, objective)
 
@@ -125,8 +132,9 @@ def smallest_memory_limit(costs: GraphCosts, num_stages: int, objective: str, si
                           allowed_cuts: Iterable[int] | None = None) -> int:
     """The smallest per-stage limit (bytes) under which :func:`partition` finds a partition for
     ``objective``: for ``"time"`` the least largest stage peak over all partitions (dynamic programming);
-    for ``"memory"`` the same with the cost model's recomputation (bisection over the limit, each step an
-    exact feasibility search); for ``"parameters"`` the largest stage peak of the parameter-balanced cuts."""
+    for ``"memory"`` the same with the cost model's recomputation and offload (bisection over the limit, each
+    step an exact feasibility search); for ``"parameters"`` the largest stage peak of the parameter-balanced
+    cuts."""
     positions = _check(costs, num_stages, objective, sizing, None, allowed_cuts)
     return _smallest_limit(StageModel(costs, sizing), positions, num_stages, objective)
 
@@ -164,7 +172,7 @@ def _cuts(model: StageModel, positions: Sequence[int], num_stages: int, objectiv
         return [0, *balanced_by_parameters(units, num_stages), last]
     if objective == "time":
         def seconds(u: int, v: int, s: int) -> float:
-            fit = model.fit(positions[u], positions[v], s, memory_limit, recompute=False)
+            fit = model.fit(positions[u], positions[v], s, memory_limit, trade_time=False)
             return fit.time if fit.fits else math.inf
 
         def least_seconds(u: int, v: int, s: int) -> float:
@@ -184,7 +192,7 @@ def _smallest_limit(model: StageModel, positions: Sequence[int], num_stages: int
     if objective == "parameters":
         cuts = _cuts(model, positions, num_stages, objective, None)
         return max(model.memory(positions[u], positions[v], s).total for s, (u, v) in enumerate(zip(cuts, cuts[1:])))
-    # Without recomputation: the least largest stage peak, exactly.
+    # Without recomputation or offload: the least largest stage peak, exactly.
     no_recompute = int(_minimax(
         len(positions), num_stages, lambda u, v, s: model.memory(positions[u], positions[v], s).total,
         lambda u, v, s: _weights_floor(model, positions[u], positions[v], s))[0])
@@ -202,8 +210,8 @@ def _smallest_limit(model: StageModel, positions: Sequence[int], num_stages: int
 
 
 def _weights_floor(model: StageModel, start: int, end: int, stage: int) -> int:
-    """Bytes a stage holds whatever it recomputes, parameters and optimizer state only; it grows with the
-    stage."""
+    """Bytes a stage holds whatever it recomputes or offloads, parameters and optimizer state only; it grows
+    with the stage."""
     z = model.sizing
     per_param = z.versions[stage] + 1 + z.derived[stage] + z.velocity[stage]
     return per_param * model.params(start, end) + model.optimizer(start, end)
@@ -296,9 +304,9 @@ class _BinarySearch:
         lo, hi = min(c_time, c_memory), max(c_time, c_memory)
         best = min((self._judge(u, v, s0, mid, s1, c), c) for c in range(lo, hi + 1))
         # Widening: the next cut outside on either side is judged while a lower bound of its slowest stage
-        # (each side's share of the compute; recomputation only adds time) beats the best so far, the side
-        # with the lower bound first; the bound only grows outwards. Every cut that could be better is
-        # judged, so the search is as exact as its sides, yet few outside cuts usually are.
+        # (each side's share of the compute; recomputation and offload only add time) beats the best so far,
+        # the side with the lower bound first; the bound only grows outwards. Every cut that could be better
+        # is judged, so the search is as exact as its sides, yet few outside cuts usually are.
         below, above = lo - 1, hi + 1
         while below >= lowest or above <= highest:
             bound_below = max(share(u, below, k_left), share(below, v, k_right)) if below >= lowest else math.inf
@@ -361,6 +369,7 @@ def _result(fits: Sequence[StageFit], objective: str) -> Partition:
     return Partition(
         tuple(f.start for f in fits[1:]),
         tuple(f.recomputed for f in fits),
+        tuple(f.offloaded for f in fits),
         tuple(f.time for f in fits),
         tuple(f.memory.total for f in fits),
         tuple(f.memory for f in fits),

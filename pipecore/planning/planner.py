@@ -17,11 +17,14 @@ _MAX_SAMPLES = 1 << 40
 
 @dataclass(frozen=True)
 class Plan:
-    """Where to cut a graph, what to recompute, and what each stage is predicted to cost.
+    """Where to cut a graph, what to recompute or offload, and what each stage is predicted to cost.
 
     Attributes:
         starts: node indices where stages ``1..P-1`` start.
         recomputed: per stage, the node ranges ``(i, j)`` recomputed in its backward.
+        offloaded: per stage, the node ranges ``(i, j)`` whose saved tensors are copied to pinned host memory
+            after their forward and back before their backward (CUDA only; empty unless the costs measured a
+            host bandwidth, ``GraphCosts.host_bytes_per_s``).
         stage_time: per stage, predicted forward + backward seconds of one micro-batch.
         stage_memory: per stage, predicted peak bytes.
         objective: ``"parameters"``, ``"time"`` or ``"memory"``.
@@ -34,6 +37,7 @@ class Plan:
 
     starts: tuple[int, ...]
     recomputed: tuple[tuple[Segment, ...], ...]
+    offloaded: tuple[tuple[Segment, ...], ...]
     stage_time: tuple[float, ...]
     stage_memory: tuple[int, ...]
     objective: str
@@ -58,11 +62,11 @@ class Plan:
         """Each stage's predicted peak term by term, at ``batch_size`` (default: the plan's batch)."""
         batch = self.batch_size if batch_size is None else _check_batch(batch_size, self.n_microbatches)
         model = StageModel(self.costs.at_microbatch_size(batch // self.n_microbatches), self.sizing)
-        return [model.memory(a, b, s, self.recomputed[s]) for s, (a, b) in enumerate(self.bounds())]
+        return [model.memory(a, b, s, self.recomputed[s], self.offloaded[s]) for s, (a, b) in enumerate(self.bounds())]
 
     def max_batch_size(self) -> int:
         """The largest mini-batch, a multiple of ``n_microbatches``, whose predicted per-stage peaks with this
-        plan's cuts and recomputation stay within ``memory_limit`` (binary search over samples per
+        plan's cuts, recomputation and offload stay within ``memory_limit`` (binary search over samples per
         micro-batch; predicted memory grows with them)."""
         if self.memory_limit is None:
             raise ValueError("max_batch_size needs a plan made with a memory_limit")
@@ -89,22 +93,24 @@ class Plan:
         return fits * self.n_microbatches
 
     def table(self) -> str:
-        """A text table: per stage its nodes, predicted time, predicted memory (of the limit), recomputation."""
+        """A text table: per stage its nodes, predicted time, predicted memory (of the limit), recomputed and
+        offloaded node ranges."""
         lines = [
             f"{self.algorithm}, {self.num_stages} stage{'s' if self.num_stages != 1 else ''}, batch {self.batch_size} "
             f"= {self.n_microbatches} x {self.microbatch_size} samples, objective {self.objective}"
             + (f", limit {format_bytes(self.memory_limit)} per stage" if self.memory_limit is not None else ""),
         ]
         rows = [("stage", "nodes", "time (ms)", "memory" + (" / limit" if self.memory_limit is not None else ""),
-                 "recomputed")]
+                 "recomputed", "offloaded")]
         for s, (a, b) in enumerate(self.bounds()):
             names = self.costs.names
             nodes = f"{a}-{b - 1} ({names[a]}{'..' + names[b - 1] if b - a > 1 else ''})"
             memory = format_bytes(self.stage_memory[s])
             if self.memory_limit is not None:
                 memory += f" / {format_bytes(self.memory_limit)} ({self.stage_memory[s] / self.memory_limit:.0%})"
-            recomputed = " ".join(f"[{i}, {j})" for i, j in self.recomputed[s]) or "-"
-            rows.append((str(s), nodes, f"{self.stage_time[s] * 1e3:.3f}", memory, recomputed))
+            recomputed, offloaded = (" ".join(f"[{i}, {j})" for i, j in segments) or "-"
+                                     for segments in (self.recomputed[s], self.offloaded[s]))
+            rows.append((str(s), nodes, f"{self.stage_time[s] * 1e3:.3f}", memory, recomputed, offloaded))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         for r in rows:
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
@@ -113,7 +119,8 @@ class Plan:
 
     def plot(self, path: str) -> None:
         """Draw the plan to a PNG: per stage, the predicted peak memory split into its terms (with the limit as a
-        line) and the predicted time of one micro-batch's forward and backward (recomputation included)."""
+        line) and the predicted time of one micro-batch's forward and backward (recomputation and offload
+        included)."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -158,7 +165,7 @@ def plan_costs(
     ``costs`` are per micro-batch of ``costs.microbatch_size`` samples; they are rescaled to
     ``batch_size // n_microbatches`` (:meth:`GraphCosts.at_microbatch_size`). ``objective`` and
     ``allowed_cuts`` are those of :func:`~pipecore.planning.partitioners.partition`; ``algorithm_options`` configure
-    a named algorithm.
+    a named algorithm. The ``"memory"`` objective may offload only when ``costs.host_bytes_per_s`` is above 0.
     """
     if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1:
         raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
@@ -173,8 +180,8 @@ def plan_costs(
         sizing = Sizing.of(algorithm, num_stages, n_microbatches, **algorithm_options)
     scaled = costs.at_microbatch_size(batch_size // n_microbatches)
     result = partition(scaled, num_stages, objective, sizing, memory_limit, allowed_cuts)
-    return Plan(result.starts, result.recomputed, result.stage_time, result.stage_memory, objective, sizing.algorithm,
-                num_stages, n_microbatches, batch_size, memory_limit, costs, sizing)
+    return Plan(result.starts, result.recomputed, result.offloaded, result.stage_time, result.stage_memory, objective,
+                sizing.algorithm, num_stages, n_microbatches, batch_size, memory_limit, costs, sizing)
 
 
 def _check_batch(batch_size: int, n_microbatches: int) -> int:

@@ -88,7 +88,8 @@ def profile(model: nn.Module, example_input: Any, *, leaf_modules: Sequence[type
 
     Returns:
         A :class:`GraphCosts` with one entry per node of ``CapturedModel(model).nodes``, in order; ``device``
-        is where it was measured (``"cpu"``, ``"cuda:0"``, ...).
+        is where it was measured (``"cpu"``, ``"cuda:0"``, ...). On CUDA, ``host_bytes_per_s`` is the measured
+        bandwidth to and from pinned host memory (what activation offload moves over); on the CPU it is 0.
 
     Each parameter is charged to the first node that reads it (a tied parameter once); a parameter the
     forward never reads is charged to the first node of its module (the first node if none), the stage the
@@ -149,6 +150,7 @@ def profile(model: nn.Module, example_input: Any, *, leaf_modules: Sequence[type
         loss_saved_bytes=loss_saved,
         loss_s=loss_s,
         uncuttable=_uncuttable(captured, measured.opaque),
+        host_bytes_per_s=_host_bandwidth(device, warmup, repeats),
     )
 
 
@@ -743,6 +745,32 @@ def _clock(device: torch.device) -> tuple[Callable[[], Any], Callable[[Any, Any]
 
         return mark, lambda start, end: start.elapsed_time(end) / 1000.0
     return time.perf_counter, lambda start, end: end - start
+
+
+_LINK_PROBE_BYTES = 64 * 2 ** 20
+
+
+def _host_bandwidth(device: torch.device, warmup: int, repeats: int) -> float:
+    """Bytes per second between ``device`` and pinned host memory, the slower direction (median of ``repeats``
+    copies of 64 MiB each way); 0 on the CPU, where activation offload does not apply."""
+    if device.type != "cuda":
+        return 0.0
+    with _on_device(device):
+        host = torch.empty(_LINK_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+        data = torch.empty(_LINK_PROBE_BYTES, dtype=torch.uint8, device=device)
+        mark, seconds = _clock(device)
+        directions = []
+        for destination, source in ((host, data), (data, host)):
+            times = []
+            for i in range(warmup + repeats):
+                start = mark()
+                destination.copy_(source, non_blocking=True)
+                end = mark()
+                _synchronize(device)
+                if i >= warmup:
+                    times.append(seconds(start, end))
+            directions.append(_LINK_PROBE_BYTES / max(statistics.median(times), 1e-12))
+    return min(directions)
 
 
 def _synchronize(device: torch.device) -> None:

@@ -166,6 +166,10 @@ def test_cli_prints_the_table_and_draws(capsys, tmp_path: Path):
     ([], "--objective memory needs --memory-limit"),
     (["--memory-limit", "lots"], "cannot read 'lots' as a memory size"),
     (["--objective", "time", "--batch-size", "30"], "--batch-size 30 is not divisible by --microbatches 4"),
+    (["--objective", "time", "--device", "nowhere"], "--device 'nowhere' is not a device"),
+    (["--objective", "time", "--device", "meta"], "plans are profiled on cpu or cuda"),
+    pytest.param(["--objective", "time", "--device", "cuda"], "CUDA is not available",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
 ])
 def test_cli_errors(capsys, argv, error):
     code = main(["plan", "--model", "mlp", "--stages", "2", *argv])

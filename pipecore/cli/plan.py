@@ -2,7 +2,9 @@
 
 Profiles the model of ``pipecore train --model ...`` (same flags, same defaults) on one micro-batch of its
 data, then plans ``--stages`` stages for ``--algorithm`` with :func:`pipecore.plan` and prints the table
-(stage, nodes, predicted time, predicted memory of the limit, recomputed segments); ``--png`` draws it.
+(stage, nodes, predicted time, predicted memory of the limit, recomputed and offloaded segments); ``--png``
+draws it. ``--device cuda`` profiles on the GPU, which also measures the link to pinned host memory: the plan
+may then offload activations.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ its stages: where to cut, what to recompute, and each stage's predicted time and
 
 objectives:
   memory      DawnPiper's binary partitioning: the fastest cut whose stages each fit --memory-limit,
-              recomputing the segments that free the most bytes per second of extra forward (default)
+              recomputing (or, profiled on CUDA, offloading to pinned host memory) the segments that free
+              the most bytes per second of added time (default)
   time        PipeDream's planner: the slowest stage as fast as possible (no recomputation)
   parameters  balanced parameter bytes (the pipeline's default partition)
 
@@ -26,6 +29,7 @@ examples:
   pipecore plan --model gpt --stages 4 --algorithm pipedream --memory-limit 2GiB
   pipecore plan --model gpt --layers 8 --stages 4 -a 2bw --memory-limit 40MiB --objective time
   pipecore plan --model resnet --stages 2 --memory-limit 4MiB --png plan.png
+  pipecore plan --model gpt --stages 4 --memory-limit 2GiB --device cuda
 """
 
 
@@ -53,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
     parser.add_argument("-o", "--option", type=algorithm_option, action="append", default=[], metavar="KEY=VALUE",
                         help="algorithm option, repeatable (e.g. slack=1)")
+    parser.add_argument("--device", default="cpu",
+                        help="where to profile: cpu (default) or cuda, cuda:N (also measures the link to pinned "
+                             "host memory, so that the plan may offload activations)")
     parser.add_argument("--png", metavar="PATH", help="draw the plan (memory terms per stage, time) to a PNG file")
     parser.add_argument("--progress", action="store_true", help="show a progress bar while profiling")
 
@@ -67,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if args.objective == "memory" and args.memory_limit is None:
         raise ValueError("--objective memory needs --memory-limit (e.g. --memory-limit 2GiB)")
     limit = None if args.memory_limit is None else parse_bytes(args.memory_limit)
+    device = _device(args.device)
     for name, value in (("epochs", None), ("steps_per_epoch", None), ("eval_windows", None)):
         setattr(args, name, getattr(args, name, value))
     _resolve_defaults(args)
@@ -74,9 +82,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}")
     torch.manual_seed(args.seed)
     task = _TextTask(args) if args.model == "gpt" else _DigitsTask(args)
-    model = task.build()
+    model = task.build().to(device)
     x, y = next(iter(task.batches(0)))
     example, target = x[: args.batch_size // args.microbatches], y[: args.batch_size // args.microbatches]
+    example, target = example.to(device), target.to(device)
     optimizer = AdamW(lr=1e-3) if args.optimizer == "adamw" else SGD(lr=0.05, momentum=0.9)
     print(f"{task.name(model)}; profiling {len(example)} samples per micro-batch")
     result = plan(model, example, args.stages, args.algorithm, args.batch_size, args.microbatches, limit,
@@ -89,3 +98,17 @@ def run(args: argparse.Namespace) -> int:
         result.plot(args.png)
         print(f"plan drawn to {args.png}")
     return 0
+
+
+def _device(spec: str) -> "torch.device":
+    import torch
+
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {spec!r} is not a device: give cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {spec!r}: plans are profiled on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {spec!r}, but CUDA is not available on this machine")
+    return device

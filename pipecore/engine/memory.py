@@ -41,7 +41,10 @@ class Kept:
         self.spans: dict[int, tuple[int, int]] = {}  # storage -> (first byte, end byte)
 
     def add(self, t: Any) -> None:
-        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.numel() == 0:
+        if not isinstance(t, torch.Tensor) or not t.is_cpu:
+            return
+        count = t.numel()
+        if count == 0:
             return
         storage = t.untyped_storage()
         key = storage.data_ptr()
@@ -49,9 +52,13 @@ class Kept:
             return
         size = t.element_size()
         first = t.storage_offset() * size
-        end = min(storage.nbytes(), first + size * (1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))))
-        lo, hi = self.spans.get(key, (first, end))
-        self.spans[key] = (min(lo, first), max(hi, end))
+        if t.is_contiguous():  # most saved tensors: no need to walk the strides
+            end = first + count * size
+        else:
+            end = min(storage.nbytes(),
+                      first + size * (1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))))
+        span = self.spans.get(key)
+        self.spans[key] = (first, end) if span is None else (min(span[0], first), max(span[1], end))
 
     def ranges(self) -> dict[tuple[int, int, int], int]:
         """The byte ranges kept, each with its bytes."""
@@ -68,6 +75,8 @@ class MemoryAccount:
     def __init__(self, excluded: set[int], module: nn.Module | None = None):
         self.excluded = excluded  # storages counted elsewhere (the weight ring, the scratch buffer)
         self.module = module  # its buffers (BatchNorm's running statistics) are the stage's, not a micro-batch's
+        # The modules that have buffers, found once: the module's structure does not change while it trains.
+        self._with_buffers = [m for m in module.modules() if m._buffers] if module is not None else []
         self.in_flight: dict[int, dict[tuple[int, int, int], int]] = {}  # micro-batch -> byte ranges it keeps
         # Micro-batches in flight that keep each byte range: a range several keep is counted once.
         self._holders: dict[tuple[int, int, int], int] = {}
@@ -89,8 +98,9 @@ class MemoryAccount:
     def counting(self, kept: Iterable[Any] = ()) -> Iterator[Kept]:
         """Count what the block's forward saves, plus the tensors in ``kept``."""
         excluded = self.excluded
-        if self.module is not None:
-            excluded = excluded | {b.untyped_storage().data_ptr() for b in self.module.buffers()}
+        if self._with_buffers:  # looked up each time: a buffer may be replaced (buffer_copies, load_state_dict)
+            excluded = excluded | {b.untyped_storage().data_ptr() for m in self._with_buffers
+                                   for b in m._buffers.values() if b is not None}
         counted = Kept(excluded)
         self._kept = counted
         _COUNTING.account = self

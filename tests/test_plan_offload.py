@@ -294,3 +294,27 @@ def test_bad_host_bandwidth(bad):
     with pytest.raises(ValueError, match="GraphCosts.host_bytes_per_s must be a finite number of bytes per second "
                                          ">= 0"):
         dataclasses.replace(GRAPH, host_bytes_per_s=bad)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_host_link_never_makes_a_stage_slower_or_a_limit_unreachable(seed):
+    """The greedy mixed path can end above what recomputation alone reaches (an offloaded segment brings its
+    whole prefetch back at once); fit and smallest_memory also try the recompute-only path, so that with a link
+    every limit recomputation meets is met, at most as slowly."""
+    rng = random.Random(100 + seed)
+    for _ in range(6):
+        n = rng.randint(3, 8)
+        forward = [rng.uniform(0.1, 2.0) for _ in range(n)]
+        saved = [rng.randint(0, 3000) for _ in range(n)]
+        without = GraphCosts(tuple(f"n{i}" for i in range(n)), tuple(forward), tuple(2 * f for f in forward),
+                             tuple(max(1, s // 2) for s in saved), tuple(saved), (100,) * n, (200,) * n,
+                             tuple(rng.randint(0, 500) for _ in range(n - 1)), input_bytes=rng.randint(0, 500))
+        with_link = dataclasses.replace(without, host_bytes_per_s=rng.uniform(100.0, 5000.0))
+        z = Sizing.of(rng.choice(["pipedream", "gpipe", "2bw"]), 2, 4)
+        plain, linked = StageModel(without, z), StageModel(with_link, z)
+        for (a, b), s in itertools.product(itertools.combinations(range(n + 1), 2), (0, 1)):
+            assert linked.smallest_memory(a, b, s) <= plain.smallest_memory(a, b, s)
+            for limit in {c.memory.total for c in plain.memory_path(a, b, s)}:
+                recomputing, mixed = plain.fit(a, b, s, limit), linked.fit(a, b, s, limit)
+                assert recomputing.fits and mixed.fits and mixed.time <= recomputing.time
+                assert mixed.memory.total <= limit

@@ -172,7 +172,7 @@ class StageModel:
         # What of a crossing a stage keeps anyway, because one of its nodes saves it (see GraphCosts).
         self._sent_saved = [*(costs.crossing_saved_before or [0] * n), 0]
         self._received_saved = [*(costs.crossing_saved_after or [0] * n), 0]
-        self._paths: dict[tuple[int, int, int], _Path] = {}
+        self._paths: dict[tuple[int, int, int, bool], _Path] = {}
         self._values = _Values(costs.values)
 
     # -- range sums ----------------------------------------------------------------------------------
@@ -407,18 +407,19 @@ class StageModel:
         slack to later runs). The path ends when no candidate frees anything. Candidates are scored from
         range sums, so that a step costs O(L^2) (vectorised) for a stage of L nodes; each step's memory and
         time are then :meth:`memory`'s and :meth:`time`'s, exact with the graph's values. The path does not
-        depend on the limit: fitting a limit takes the shortest prefix that fits it.
+        depend on the limit: fitting a limit takes the shortest prefix that fits it (:meth:`fit` also tries
+        the path that only recomputes, which this one, greedy, can miss).
         """
         path = self._path(start, end, stage)
         while path.extend():
             pass
         return path.steps
 
-    def _path(self, start: int, end: int, stage: int) -> "_Path":
+    def _path(self, start: int, end: int, stage: int, offload: bool = True) -> "_Path":
         self.check_range(start, end, stage)
-        key = (start, end, stage)
+        key = (start, end, stage, offload)
         if key not in self._paths:
-            self._paths[key] = _Path(self, start, end, stage)
+            self._paths[key] = _Path(self, start, end, stage, offload)
         return self._paths[key]
 
     def floor(self, start: int, end: int, stage: int) -> int:
@@ -429,29 +430,43 @@ class StageModel:
 
     def fit(self, start: int, end: int, stage: int, memory_limit: float | None = None,
             trade_time: bool = True) -> StageFit:
-        """The stage with the fewest steps of :meth:`memory_path` that bring it under ``memory_limit`` (none
-        without a limit, or with ``trade_time=False``: neither recomputation nor offload). When none does,
-        ``fits`` is False and the stage is returned with neither."""
+        """The stage under ``memory_limit`` with the fewest steps of a memory path (none without a limit, or
+        with ``trade_time=False``: neither recomputation nor offload). With a host link two paths are tried,
+        :meth:`memory_path` and the path that only recomputes, and the faster of their fitting choices is
+        taken (the recomputing one at equal time): so that a link never makes a stage slower or a limit
+        unreachable, though the greedy mixed path can end above what recomputation alone reaches. When no
+        choice fits, ``fits`` is False and the stage is returned with neither."""
         memory = self.memory(start, end, stage)
         if memory_limit is None or memory.total <= memory_limit or not trade_time or \
                 self.floor(start, end, stage) > memory_limit:
             fits = memory_limit is None or memory.total <= memory_limit
             return StageFit(start, end, stage, (), (), self.time(start, end), memory, fits)
-        path = self._path(start, end, stage)
-        index = 0
-        while path.steps[index].memory.total > memory_limit:
-            index += 1
-            if index == len(path.steps) and not path.extend():
-                return StageFit(start, end, stage, (), (), self.time(start, end), memory, False)
-        choice = path.steps[index]
-        return StageFit(start, end, stage, choice.recomputed, choice.offloaded, choice.time, choice.memory, True)
+        best: Choice | None = None
+        for path in self._paths_of(start, end, stage):
+            choice = path.first_within(memory_limit)
+            if choice is not None and (best is None or choice.time < best.time):
+                best = choice
+        if best is None:
+            return StageFit(start, end, stage, (), (), self.time(start, end), memory, False)
+        return StageFit(start, end, stage, best.recomputed, best.offloaded, best.time, best.memory, True)
 
     def smallest_memory(self, start: int, end: int, stage: int, trade_time: bool = True) -> int:
-        """The least peak bytes the stage reaches: over every step of :meth:`memory_path`, or with none
-        (``trade_time=False``)."""
+        """The least peak bytes the stage reaches: over every step of its memory paths (see :meth:`fit`), or
+        with none (``trade_time=False``)."""
         if not trade_time:
             return self.memory(start, end, stage).total
-        return min(choice.memory.total for choice in self.memory_path(start, end, stage))
+        least = self.memory(start, end, stage).total
+        for path in self._paths_of(start, end, stage):
+            while path.extend():
+                pass
+            least = min(least, min(choice.memory.total for choice in path.steps))
+        return least
+
+    def _paths_of(self, start: int, end: int, stage: int) -> list["_Path"]:
+        """The paths :meth:`fit` chooses from: recomputation only, then (with a host link) the mixed one."""
+        if self.costs.host_bytes_per_s <= 0:
+            return [self._path(start, end, stage)]
+        return [self._path(start, end, stage, offload=False), self._path(start, end, stage)]
 
 
 class _Values:
@@ -476,12 +491,12 @@ class _Values:
 class _Path:
     """The memory path of one stage (:meth:`StageModel.memory_path`), extended on demand."""
 
-    def __init__(self, model: StageModel, start: int, end: int, stage: int):
+    def __init__(self, model: StageModel, start: int, end: int, stage: int, offload: bool = True):
         self.model, self.start, self.end, self.stage = model, start, end, stage
         self.steps: list[Choice] = [Choice((), (), model.memory(start, end, stage), model.time(start, end))]
         self.k = model.sizing.in_flight[stage]
         self.done = model.sizing.recompute_all or self.k == 0 or model.saved(start, end) == 0
-        self.bandwidth = model.costs.host_bytes_per_s
+        self.bandwidth = model.costs.host_bytes_per_s if offload else 0.0  # 0: recomputation only
         self._arrays: tuple[np.ndarray, ...] | None = None
         self._recomputed: list[Segment] = []
         self._offloaded: list[Segment] = []
@@ -515,6 +530,15 @@ class _Path:
             freed.append(self.k * saved - growth)
             seconds.append(np.maximum(compute, (self._offload_bytes + saved) / self.bandwidth) - max(compute, link))
         return np.concatenate(freed), np.concatenate(seconds)
+
+    def first_within(self, memory_limit: float) -> Choice | None:
+        """The first step whose peak is within ``memory_limit`` (extending the path as needed), or None."""
+        index = 0
+        while self.steps[index].memory.total > memory_limit:
+            index += 1
+            if index == len(self.steps) and not self.extend():
+                return None
+        return self.steps[index]
 
     def extend(self) -> bool:
         """Take one more step; False when the path has ended."""

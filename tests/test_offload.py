@@ -226,6 +226,28 @@ def offloading_plan(model: nn.Module, algorithm: str, device: str) -> Any:
     return dataclasses.replace(plan, offloaded=segments)
 
 
+def train_with_and_without(plan: Any, algorithm: str, device: str) -> None:
+    """Four steps of ``plan`` (float64) and of the same cuts without its offloaded segments: losses and weights
+    are equal, bit for bit."""
+    import dataclasses
+
+    import pipecore
+
+    def train(p: Any) -> tuple[list[float], dict]:
+        pipe = pipecore.Pipeline(gpt(torch.float64).to(device), 4, algorithm, 4, loss_fn=lm_loss, partition=p,
+                                 recover=False, optimizer=pipecore.SGD(lr=0.1, momentum=0.9))
+        g = torch.Generator().manual_seed(7)
+        losses = [pipe.step(torch.randint(0, 32, (16, 16), generator=g).to(device),
+                            torch.randint(0, 32, (16, 16), generator=g).to(device)) for _ in range(4)]
+        pipe.flush()
+        state = pipe.state_dict()
+        pipe.close()
+        return losses, state
+
+    assert any(plan.offloaded)
+    assert_same(train(plan), train(dataclasses.replace(plan, offloaded=tuple(() for _ in plan.offloaded))))
+
+
 def test_a_pipeline_refuses_offload_on_cpu_stages() -> None:
     import pipecore
 
@@ -241,28 +263,10 @@ def test_a_pipeline_refuses_offload_on_cpu_stages() -> None:
 def test_offloaded_segments_leave_training_unchanged_on_cuda(algorithm: str) -> None:
     """Offloading moves saved tensors and back, bit for bit (float64): losses and weights equal those of the
     same cuts without offload, under the stash rule and (i-timeprest) the swap rule."""
-    import dataclasses
-
-    import pipecore
-
     device = f"cuda:{torch.cuda.current_device()}"
     plan = offloading_plan(gpt(torch.float64).to(device), algorithm, device)
     assert plan.costs.host_bytes_per_s > 0  # measured on the device
-    plain = dataclasses.replace(plan, offloaded=tuple(() for _ in plan.offloaded))
-
-    def train(p: Any) -> tuple[list[float], dict]:
-        pipe = pipecore.Pipeline(gpt(torch.float64).to(device), 4, algorithm, 4, loss_fn=lm_loss, partition=p,
-                                 recover=False, optimizer=pipecore.SGD(lr=0.1, momentum=0.9))
-        g = torch.Generator().manual_seed(7)
-        losses = [pipe.step(torch.randint(0, 32, (16, 16), generator=g).to(device),
-                            torch.randint(0, 32, (16, 16), generator=g).to(device)) for _ in range(4)]
-        pipe.flush()
-        state = pipe.state_dict()
-        pipe.close()
-        return losses, state
-
-    offloaded, reference = train(plan), train(plain)
-    assert_same(offloaded, reference)
+    train_with_and_without(plan, algorithm, device)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -297,29 +301,11 @@ def test_offloaded_segments_run_through_the_stage_hooks(algorithm: str, monkeypa
     """The pipeline path of offload on the CPU, with the link that copies within the CPU in place of CUDA's
     (the device check lifted): losses and weights equal those of the same cuts without offload, bit for bit
     (float64), under the stash rule and (i-timeprest) the swap rule, whose saved weights stay references."""
-    import dataclasses
-
-    import pipecore
     from pipecore.engine import pipeline
 
     link = RecordingLink()
     monkeypatch.setattr(HostLink, "of", classmethod(lambda cls, device: link))
     monkeypatch.setattr(pipeline, "_check_offload_devices", lambda plan, devices, owned: None)
-    plan = offloading_plan(gpt(torch.float64), algorithm, "cpu")
-    plain = dataclasses.replace(plan, offloaded=tuple(() for _ in plan.offloaded))
-
-    def train(p: Any) -> tuple[list[float], dict]:
-        pipe = pipecore.Pipeline(gpt(torch.float64), 4, algorithm, 4, loss_fn=lm_loss, partition=p, recover=False,
-                                 optimizer=pipecore.SGD(lr=0.1, momentum=0.9))
-        g = torch.Generator().manual_seed(7)
-        losses = [pipe.step(torch.randint(0, 32, (16, 16), generator=g), torch.randint(0, 32, (16, 16), generator=g))
-                  for _ in range(4)]
-        pipe.flush()
-        state = pipe.state_dict()
-        pipe.close()
-        return losses, state
-
-    offloaded, reference = train(plan), train(plain)
-    assert_same(offloaded, reference)
+    train_with_and_without(offloading_plan(gpt(torch.float64), algorithm, "cpu"), algorithm, "cpu")
     moved = sum(1 for kind, _ in link.calls if kind == "to_host")
     assert moved > 0 and moved == sum(1 for kind, _ in link.calls if kind == "to_device")

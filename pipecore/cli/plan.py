@@ -10,8 +10,12 @@ may then offload activations.
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from ._args import algorithm_option, positive_int
+
+if TYPE_CHECKING:
+    import torch
 
 HELP = "profile a built-in model and plan its stages for time and memory (DawnPiper)"
 DESCRIPTION = """\

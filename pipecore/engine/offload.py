@@ -126,7 +126,8 @@ class _Saved:
     __slots__ = ("copy", "dtype", "size", "stride", "offset")
 
     def __init__(self, copy: _StorageCopy, t: torch.Tensor):
-        self.copy, self.dtype, self.size, self.stride, self.offset = copy, t.dtype, t.size(), t.stride(), t.storage_offset()
+        self.copy, self.dtype = copy, t.dtype
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
 
     def restore(self) -> torch.Tensor:
         return self.copy.device_bytes().view(self.dtype).as_strided(self.size, self.stride, self.offset)
@@ -135,13 +136,14 @@ class _Saved:
 class _Region:
     """One forward of one offloaded segment (one micro-batch): the storages its nodes saved."""
 
-    def __init__(self, kept: set[int]):
+    def __init__(self, kept: set[int], device: torch.device | None):
         self.kept = kept  # storages never offloaded: the segment's weights and buffers
+        self.device = device  # the segment's: a tensor elsewhere (a CPU scalar) stays where it is
         self.copies: dict[int, _StorageCopy] = {}
         self.offloaded: list[_StorageCopy] = []
 
     def pack(self, t: torch.Tensor) -> Any:
-        if t.layout != torch.strided or t.numel() == 0:
+        if t.layout != torch.strided or t.numel() == 0 or t.device != self.device:
             return t
         storage = t.untyped_storage()
         key = storage.data_ptr()
@@ -178,9 +180,10 @@ class Offloaded(nn.Module):
         self.link = link if link is not None else HostLink.of
 
     def forward(self, *inputs: Any) -> Any:
-        kept = {t.untyped_storage().data_ptr() for m in self.segment.modules()
-                for t in (*m._parameters.values(), *m._buffers.values()) if t is not None}
-        region = _Region(kept)
+        held = [t for m in self.segment.modules() for t in (*m._parameters.values(), *m._buffers.values())
+                if t is not None]
+        device = next((t.device for t in (*tree_leaves(inputs), *held) if isinstance(t, torch.Tensor)), None)
+        region = _Region({t.untyped_storage().data_ptr() for t in held}, device)
         outer_pack, outer_unpack = outer_hooks()
 
         def pack(t: torch.Tensor) -> Any:

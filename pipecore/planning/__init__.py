@@ -9,7 +9,7 @@ from .api import parse_bytes, plan
 from .profiler import profile
 
 __all__ = [
-    "Choice", "GraphCosts", "InfeasibleMemoryLimit", "OBJECTIVES", "Partition", "Plan", "Sizing", "StageFit", "StageMemory",
-    "StageModel", "fit_stage", "parse_bytes", "partition", "plan", "plan_costs", "profile", "smallest_memory_limit",
-    "stage_memory", "stage_time", "TiedParameter", "ValueCost",
+    "Choice", "GraphCosts", "InfeasibleMemoryLimit", "OBJECTIVES", "Partition", "Plan", "Sizing", "StageFit",
+    "StageMemory", "StageModel", "fit_stage", "parse_bytes", "partition", "plan", "plan_costs", "profile",
+    "smallest_memory_limit", "stage_memory", "stage_time", "TiedParameter", "ValueCost",
 ]

@@ -309,3 +309,21 @@ def test_offloaded_segments_run_through_the_stage_hooks(algorithm: str, monkeypa
     train_with_and_without(offloading_plan(gpt(torch.float64), algorithm, "cpu"), algorithm, "cpu")
     moved = sum(1 for kind, _ in link.calls if kind == "to_host")
     assert moved > 0 and moved == sum(1 for kind, _ in link.calls if kind == "to_device")
+
+
+def test_an_in_place_change_of_a_saved_tensor_raises_as_without_offload() -> None:
+    """Autograd checks a saved tensor's version when the backward unpacks it, but not for tensors hooks packed:
+    the segment checks them itself when its forward ends, so that the change raises instead of giving a
+    gradient of the changed values."""
+    class InPlace(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            a = torch.tanh(x)  # saves its output
+            b = a * 3
+            a.mul_(2)
+            return b + a
+
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        fx.symbolic_trace(InPlace())(x).sum().backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation inside an offloaded segment"):
+        Offloaded(fx.symbolic_trace(InPlace()), RecordingLink())(x)

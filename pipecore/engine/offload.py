@@ -8,7 +8,8 @@ an :class:`Offloaded` module in the stage's generated graph:
   is taken whole, one copy per storage however many views of it are saved;
 * when the segment's forward ends, each storage is copied to pinned host memory on a side CUDA stream, after
   the work that wrote it, and the device reference is dropped: the allocator reuses the memory once the
-  copy has read it (``record_stream``), while the stage computes on;
+  copy has read it (``record_stream``), while the stage computes on. A saved tensor changed in place since
+  its save raises there, as autograd would in the backward (it cannot check tensors that hooks packed);
 * when the gradient of the segment's outputs arrives in the backward, every storage is copied back on the
   side stream at once (a prefetch), and each node's backward waits for the copy of what it saved (a CUDA
   event), never the host. A storage not prefetched (no gradient reached the outputs first) is copied back
@@ -94,16 +95,26 @@ class _StorageCopy:
     """One storage saved in a segment: on the device until the segment's forward ends, then on the host,
     then on the device again for the backward."""
 
-    __slots__ = ("data", "host", "ready", "link")
+    __slots__ = ("data", "host", "ready", "link", "saved")
 
     def __init__(self, data: torch.Tensor):
         self.data: torch.Tensor | None = data  # the storage's bytes (uint8) while on the device
         self.host: torch.Tensor | None = None
         self.ready: Any = None
         self.link: Link | None = None
+        self.saved: list[tuple[torch.Tensor, int]] = []  # the tensors saved from it, with their versions then
 
     def offload(self, link: Link) -> None:
         assert self.data is not None
+        # Autograd cannot check the versions of tensors that hooks packed: check them here, before the copy,
+        # so that an in-place change after a save raises as it does without offload (not a wrong gradient).
+        for t, version in self.saved:
+            if t._version != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation inside an offloaded segment: a {t.dtype} tensor of shape {list(t.shape)} was saved "
+                    f"at version {version} and is now at version {t._version}")
+        self.saved = []
         self.link, self.host, self.data = link, link.to_host(self.data), None
 
     def prefetch(self) -> None:
@@ -152,6 +163,7 @@ class _Region:
         copy = self.copies.get(key)
         if copy is None:  # held until the forward ends, so that no other storage takes its address meanwhile
             copy = self.copies[key] = _StorageCopy(torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage))
+        copy.saved.append((t, t._version))
         return _Saved(copy, t)
 
     def seal(self, link_of: Callable[[torch.device], Link]) -> None:

@@ -134,7 +134,8 @@ class Plan:
         bottom = [0.0] * self.num_stages
         for term in terms:
             values = [getattr(m, term) / 2 ** 20 for m in breakdown]
-            left.bar(stages, values, bottom=bottom, label=term)
+            left.bar(stages, values, bottom=bottom,
+                     label="recomputation, prefetch" if term == "recomputation" and any(self.offloaded) else term)
             bottom = [b + v for b, v in zip(bottom, values)]
         if self.memory_limit is not None:
             left.axhline(self.memory_limit / 2 ** 20, color="black", linestyle="--", label="limit")

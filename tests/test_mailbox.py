@@ -349,3 +349,41 @@ def test_progress_index_errors(i):
 def test_progress_needs_a_counter(n):
     with pytest.raises(ValueError, match="at least one counter"):
         Progress(n)
+
+
+@pytest.mark.parametrize("stop", ["abort", "timeout"])
+def test_a_backward_that_cannot_take_all_its_gradients_gives_back_those_it_took(stop):
+    """A backward of several micro-batches takes one gradient after the other. When a take fails midway (the
+    run was aborted between two takes, or a gradient never came), the gradients already taken go back to the
+    mailbox: after a recovery the action runs again and needs them all (otherwise it waits forever)."""
+    from pipecore.algorithms import get_algorithm
+    from pipecore.runtime import Costs, Executor, LocalTransport, StageWorker
+    from pipecore.runtime.worker import Message
+    from pipecore.schedule.ir import B
+
+    algorithm = get_algorithm("i-timeprest", 3, 4)
+    transport = LocalTransport(timeout=0.05)
+    executor = Executor(algorithm.schedule(1), [StageWorker(algorithm, s) for s in range(3)], Costs.uniform(3),
+                        transport=transport)
+    sent = {k: Message(Payload(k)) for k in (4, 6, 7)}
+    for k, message in sent.items():
+        transport.send(1, B, k, message)
+
+    class AbortAfterFirst:
+        """The transport, aborted right after the first take succeeds."""
+
+        def __getattr__(self, name):
+            return getattr(transport, name)
+
+        def receive(self, stage, kind, microbatch):
+            message = transport.receive(stage, kind, microbatch)
+            transport.abort("a stage failed")
+            return message
+
+    if stop == "abort":
+        executor.transport = AbortAfterFirst()
+    with pytest.raises(Aborted if stop == "abort" else TimeoutError):
+        executor._receive_gradients(1, [4, 5, 6, 7])
+    transport.resume()
+    assert all(transport.ready(1, B, k) for k in sent) and not transport.ready(1, B, 5)
+    assert [transport.receive(1, B, k) for k in sent] == list(sent.values())

@@ -317,6 +317,20 @@ class Executor:
             self.failed_actions.append((action, worker.failed_cleanly if worker.last_action == action else True))
             raise
 
+    def _receive_gradients(self, stage: int, microbatches: Sequence[int]) -> list[Message]:
+        """The gradients a backward of several micro-batches takes. If one receive fails (the run was aborted
+        while the stage waited, or before), those already taken go back to the mailbox: the action runs again
+        after a recovery and needs them all."""
+        received: list[Message] = []
+        try:
+            for k in microbatches:
+                received.append(self.transport.receive(stage, B, k))
+        except BaseException:
+            for k, message in zip(microbatches, received):
+                self.transport.give_back(stage, B, k, message)
+            raise
+        return received
+
     def _execute_action(self, action: Action) -> None:
         worker = self.workers[action.stage]
         s, last = action.stage, self.schedule.num_stages - 1
@@ -331,7 +345,8 @@ class Executor:
                     transport.give_back(s, F, action.index, incoming)  # the action can run again: give its input back
                 raise
         elif action.kind is B:
-            incoming = [transport.receive(s, B, k) if s < last else Message() for k in action.microbatches]
+            incoming = self._receive_gradients(s, action.microbatches) if s < last else \
+                [Message() for _ in action.microbatches]
             start = max([self.stage_free[s]] + [m.ready_at for m in incoming])
             try:
                 outs, record = worker.backward(action, incoming)

@@ -497,14 +497,15 @@ class _Path:
         self.k = model.sizing.in_flight[stage]
         self.done = model.sizing.recompute_all or self.k == 0 or model.saved(start, end) == 0
         self.bandwidth = model.costs.host_bytes_per_s if offload else 0.0  # 0: recomputation only
-        self._arrays: tuple[np.ndarray, ...] | None = None
         self._recomputed: list[Segment] = []
         self._offloaded: list[Segment] = []
         self._offload_bytes = 0  # X: what the chosen offloaded segments move per micro-batch
         self._transient = 0
 
     def _candidates(self) -> tuple[np.ndarray, ...]:
-        # Every run [i, j) of the stage, as arrays: first node, end, saved bytes, input kept, forward seconds.
+        # Every run [i, j) of the stage, as arrays: first node, end, saved bytes, input kept, forward seconds,
+        # and whether it overlaps no chosen segment. Built anew at each step rather than kept: a planner visits
+        # thousands of stage ranges, and O(L^2) arrays for each would hold gigabytes for graphs of 500 nodes.
         m, a, b = self.model, self.start, self.end
         first, stop = np.triu_indices(b - a + 1, k=1)
         first, stop = first + a, stop + a
@@ -513,13 +514,15 @@ class _Path:
         saved = saved_prefix[stop - a] - saved_prefix[first - a]
         keeps = np.array([0, *m._crossing[a + 1:b]], dtype=np.int64)[first - a]
         seconds = forward_prefix[stop - a] - forward_prefix[first - a]
-        return first, stop, saved, keeps, seconds, np.ones(len(first), dtype=bool)
+        free = np.ones(len(first), dtype=bool)
+        for i, j in (*self._recomputed, *self._offloaded):
+            free &= (stop <= i) | (first >= j)
+        return first, stop, saved, keeps, seconds, free
 
-    def _scores(self) -> tuple[np.ndarray, np.ndarray]:
+    def _scores(self, candidates: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
         """Bytes freed and seconds added by every candidate: the recomputed runs, then (with a host bandwidth)
         the offloaded ones (see :meth:`StageModel.memory_path`)."""
-        assert self._arrays is not None
-        first, stop, saved, keeps, forward, _ = self._arrays
+        first, stop, saved, keeps, forward, _ = candidates
         compute = self.model._compute_seconds(self.start, self.end, self._recomputed)
         link = self._offload_bytes / self.bandwidth if self.bandwidth > 0 else 0.0
         growth = np.maximum(0, saved - self._transient)
@@ -544,10 +547,9 @@ class _Path:
         """Take one more step; False when the path has ended."""
         if self.done:
             return False
-        if self._arrays is None:
-            self._arrays = self._candidates()
-        first, stop, saved, _, _, free = self._arrays
-        freed, seconds = self._scores()
+        candidates = self._candidates()
+        first, stop, saved, _, _, free = candidates
+        freed, seconds = self._scores(candidates)
         kinds = len(freed) // len(first)
         open_ = np.tile(free, kinds) & (freed > 0)
         if not open_.any():
@@ -565,7 +567,6 @@ class _Path:
         open_ &= seconds == seconds[open_].min()
         kind, run = divmod(int(np.flatnonzero(open_)[0]), len(first))
         i, j = int(first[run]), int(stop[run])
-        free &= (stop <= i) | (first >= j)
         self._transient = max(self._transient, int(saved[run]))
         (self._offloaded if kind else self._recomputed).append((i, j))
         m = self.model

@@ -534,3 +534,108 @@ def test_the_recompute_rule_replays_each_forwards_dropout_while_other_stages_dra
         assert len(d.forward_masks) == len(d.recomputed_masks) == 24, s
         for k, (f, r) in enumerate(zip(d.forward_masks, d.recomputed_masks)):
             assert torch.equal(f, r), f"stage {s}, micro-batch {k}: the recomputation drew another mask"
+
+
+# -- the switch interval ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def interpreter_interval():
+    """The interpreter's switch interval before the test, set back after it whatever happened."""
+    before = sys.getswitchinterval()
+    yield before
+    sys.setswitchinterval(before)
+
+
+def recording_interval(model: nn.Sequential) -> list[float]:
+    """The switch interval each forward of ``model``'s first and last layers ran under."""
+    seen: list[float] = []
+    for layer in (model[0], model[-1]):
+        layer.register_forward_hook(lambda *_: seen.append(sys.getswitchinterval()))
+    return seen
+
+
+def test_stage_threads_run_under_the_switch_interval_and_step_restores_it(interpreter_interval):
+    model = mlp()
+    seen = recording_interval(model)
+    pipe = pipecore.Pipeline(model, 4, "1f1b", n_microbatches=4, loss_fn=nn.CrossEntropyLoss(),
+                             switch_interval=3e-4)
+    for x, y in data(2):
+        pipe.step(x, y)
+        assert sys.getswitchinterval() == interpreter_interval
+    assert len(seen) == 16 and all(v == pytest.approx(3e-4) for v in seen), seen
+    pipe.close()
+    assert sys.getswitchinterval() == interpreter_interval
+
+
+def test_the_default_lowers_the_interval_and_none_leaves_it_alone(interpreter_interval):
+    for interval, expected in [((), pipecore.runtime.threads.SWITCH_INTERVAL), ((None,), interpreter_interval)]:
+        model = mlp()
+        seen = recording_interval(model)
+        pipe = pipecore.Pipeline(model, 4, "1f1b", n_microbatches=4, loss_fn=nn.CrossEntropyLoss(),
+                                 **dict(zip(["switch_interval"], interval)))
+        pipe.step(*data(1)[0])
+        pipe.close()
+        assert seen and all(v == pytest.approx(expected) for v in seen), (interval, seen)
+    assert interpreter_interval > pipecore.runtime.threads.SWITCH_INTERVAL  # the test lowers something
+
+
+def test_overlapping_steps_keep_the_interval_low_until_synchronize(interpreter_interval):
+    pipe, gate = gated_pipeline()
+    try:
+        pipe.step(*data(1)[0])
+        assert gate.reached.wait(timeout=20)  # the stage threads still run after step() returned
+        lowered = sys.getswitchinterval()
+    finally:
+        gate.opened.set()  # a failed check must not leave a stage thread at the gate
+    assert lowered == pytest.approx(pipecore.runtime.threads.SWITCH_INTERVAL)
+    pipe.synchronize()
+    assert sys.getswitchinterval() == interpreter_interval
+    pipe.close()
+
+
+def test_closing_with_work_left_restores_the_interval(interpreter_interval):
+    pipe, gate = gated_pipeline()
+    try:
+        pipe.step(*data(1)[0])
+        assert gate.reached.wait(timeout=20)
+    finally:
+        gate.opened.set()
+    pipe.close()  # flushes first, which waits for the stage threads
+    assert sys.getswitchinterval() == interpreter_interval
+
+
+def test_pools_share_the_interval_the_lowest_wins_and_the_last_restores(interpreter_interval):
+    from pipecore.runtime.threads import StageThreads
+
+    sys.setswitchinterval(0.004)
+    slow, fast = StageThreads(switch_interval=1e-3), StageThreads(switch_interval=1e-4)
+    release = threading.Event()
+    seen = []
+    try:
+        slow.submit({0: release.wait})
+        seen.append(sys.getswitchinterval())
+        fast.submit({0: release.wait})
+        seen.append(sys.getswitchinterval())
+    finally:
+        release.set()  # a failed check must not leave the pools' threads waiting
+    fast.wait(on_interrupt=lambda: None)
+    seen.append(sys.getswitchinterval())  # the slow pool still counts its job
+    sys.setswitchinterval(0.002)  # someone else changes it meanwhile: that is what comes back
+    slow.wait(on_interrupt=lambda: None)
+    seen.append(sys.getswitchinterval())
+    # A lower interval than the pool's is kept, and kept afterwards.
+    sys.setswitchinterval(1e-5)
+    slow.submit({0: lambda: None})
+    seen.append(sys.getswitchinterval())
+    slow.wait(on_interrupt=lambda: None)
+    seen.append(sys.getswitchinterval())
+    slow.close()
+    fast.close()
+    assert seen == pytest.approx([1e-3, 1e-4, 1e-3, 0.002, 1e-5, 1e-5])
+
+
+@pytest.mark.parametrize("bad", [0, -1e-4, math.nan, math.inf, "1e-4", True])
+def test_a_bad_switch_interval_is_refused(bad):
+    with pytest.raises(ValueError, match=r"switch_interval must be a number of seconds > 0 .* or None.*got"):
+        pipecore.Pipeline(mlp(), 4, "1f1b", loss_fn=nn.CrossEntropyLoss(), switch_interval=bad)

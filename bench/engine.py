@@ -34,11 +34,9 @@ in one process), so the ideal ratio to sequential training stays 1.0.
   micro-batches, at each batch of ``--concurrent-batches``, under ``torch.set_num_threads(1)`` (one intra-op
   thread per stage thread; the previous count is restored after): sequential training, and per algorithm of
   ``--concurrent-algorithms`` (``pipecore.SGD(momentum=0.9)``) ``<alg>`` (``concurrent=False``),
-  ``<alg>+threads`` (``concurrent=True``: ``step()`` returns settled), ``<alg>+overlap`` (also
+  ``<alg>+threads`` (``concurrent=True``: ``step()`` returns settled) and ``<alg>+overlap`` (also
   ``overlap_steps=True``: the stage threads go on after ``step()`` returns its loss; a window ends after
-  ``synchronize()``) and ``<alg>+threads@5ms`` (as ``+threads`` with ``switch_interval=None``: the stage
-  threads run under the interpreter's switch interval, set to CPython's default 5 ms for the part, instead
-  of the pipeline's 0.1 ms), interleaved in rounds (rotated each round). Reported: samples/s, the median and range of
+  ``synchronize()``), interleaved in rounds (rotated each round). Reported: samples/s, the median and range of
   per-round ratios to sequential, and of each threaded configuration / in turn. The machine's own limit is
   measured in the same rounds: one thread running one stage's matrix products for a step (per micro-batch and
   Linear: the forward ``addmm``, the input- and weight-gradient ``mm`` of (batch/m) x width by width x width,
@@ -122,11 +120,7 @@ CONCURRENT_BATCHES = (256, 1024)
 CONCURRENT_STAGES = 2
 THREADS = "+threads"  # the configuration with a thread per stage (concurrent=True)
 OVERLAP = "+overlap"  # a thread per stage going on after step() returns (concurrent=True, overlap_steps=True)
-# A thread per stage under the interpreter's own switch interval (switch_interval=None), for comparison.
-INTERPRETER_SWITCH = "+threads@5ms"
-INTERPRETER_INTERVAL = 0.005  # seconds: CPython's default, set for the concurrent part (restored after)
-TARGETED = (THREADS, OVERLAP)  # the configurations the targets apply to
-THREADED = (*TARGETED, INTERPRETER_SWITCH)
+THREADED = (THREADS, OVERLAP)
 LIMIT_ONE, LIMIT_TWO = "limit:1 thread", "limit:2 threads"  # the machine's limit, measured with the rounds
 LIMIT_TARGET_BATCH = 1024
 LIMIT_TARGETS = {"2bw": 0.9, "1f1b": 0.8}  # +threads speedup over sequential, as a fraction of the limit
@@ -180,21 +174,18 @@ def accumulating_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, los
 
 
 def pipeline(name: str, model: nn.Module, stages: int, m: int, concurrent: bool = False,
-             devices: str | None = None, overlap_steps: bool = False, **options: object) -> pipecore.Pipeline:
+             devices: str | None = None, overlap_steps: bool = False) -> pipecore.Pipeline:
     """``name`` with ``pipecore.SGD(momentum=0.9)``; by default the stages run in turn on the calling thread
     (``concurrent=False``), which is what the engine, graph and gpt parts measure."""
     return pipecore.Pipeline(model, stages, algorithm=name, n_microbatches=m,
                              optimizer=pipecore.SGD(lr=LR, momentum=0.9), loss_fn=nn.CrossEntropyLoss(),
-                             concurrent=concurrent, devices=devices, overlap_steps=overlap_steps, **options)
+                             concurrent=concurrent, devices=devices, overlap_steps=overlap_steps)
 
 
 def threaded(name: str, suffix: str, model: nn.Module, stages: int, m: int, devices: str | None = None
              ) -> pipecore.Pipeline:
-    """``name``'s pipeline with a thread per stage: ``+threads`` (step() returns settled), ``+overlap``, or
-    ``+threads@5ms`` (as ``+threads``, leaving the interpreter's switch interval alone)."""
-    options = {"switch_interval": None} if suffix == INTERPRETER_SWITCH else {}
-    return pipeline(name, model, stages, m, concurrent=True, devices=devices, overlap_steps=suffix == OVERLAP,
-                    **options)
+    """``name``'s pipeline with a thread per stage: ``+threads`` (step() returns settled) or ``+overlap``."""
+    return pipeline(name, model, stages, m, concurrent=True, devices=devices, overlap_steps=suffix == OVERLAP)
 
 
 def expected_versions(name: str, stages: int, m: int) -> list[int]:
@@ -494,18 +485,6 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-@contextmanager
-def interpreter_interval(seconds: float) -> Iterator[None]:
-    """The interpreter's switch interval set to ``seconds`` inside the block (what ``+threads@5ms`` runs under,
-    whatever the caller had set), and restored after it."""
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(seconds)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(previous)
-
-
 def median_range(values: list[float], digits: int = 3) -> dict[str, object]:
     """The median of ``values`` with their range [min, max]."""
     return {"median": round(statistics.median(values), digits),
@@ -668,7 +647,7 @@ def concurrent_targets(batches: dict[str, dict[str, object]], gloo: dict[str, ob
     targets: list[dict[str, object]] = []
     at_limit = batches.get(str(LIMIT_TARGET_BATCH))
     for name, share in LIMIT_TARGETS.items():
-        for config in (name + x for x in TARGETED):
+        for config in (name + x for x in THREADED):
             if at_limit is not None and config in at_limit["fraction_of_limit"]:
                 value = at_limit["fraction_of_limit"][config]["of_medians"]
                 targets.append({"batch": LIMIT_TARGET_BATCH, "configuration": config,
@@ -677,7 +656,7 @@ def concurrent_targets(batches: dict[str, dict[str, object]], gloo: dict[str, ob
     at_gloo = batches.get(str(GLOO_TARGET_BATCH))
     reference = gloo["vs_single_process"] if gloo else {}
     for name in GLOO_ALGORITHMS:
-        for config in (name + x for x in TARGETED):
+        for config in (name + x for x in THREADED):
             if at_gloo is None or config not in at_gloo["results"]:
                 continue
             value = at_gloo["results"][config]["vs_sequential"]["median"]
@@ -693,7 +672,7 @@ def run_concurrent(names: list[str], width: int, layers: int, batches: list[int]
                    window: int, rounds: int) -> dict[str, object]:
     """The concurrent part on the CPU, with one torch thread per (stage) thread: the bit-identity check of every
     algorithm, then each batch size, then the targets."""
-    with torch_threads(1), interpreter_interval(INTERPRETER_INTERVAL):
+    with torch_threads(1):
         base = make_model(width, layers)
         weights = {n: concurrent_matches(n, base, width, min(batches), CONCURRENT_STAGES, m) for n in names}
         by_batch = {str(b): run_concurrent_batch(names, width, layers, b, m, warmup, window, rounds) for b in batches}
@@ -707,11 +686,10 @@ def run_concurrent_gpu(names: list[str], width: int, layers: int, batch: int, m:
     """``GPU_STAGES`` stages of the MLP on one GPU: every algorithm in turn and with a thread (and stream) per
     stage against sequential training on the same GPU, windows timed between ``torch.cuda.synchronize()``."""
     base = make_model(width, layers)
-    with interpreter_interval(INTERPRETER_INTERVAL):
-        weights = {n: concurrent_matches(n, base, width, batch, GPU_STAGES, m, devices=device) for n in names}
-        configs = build_concurrent(names, base, GPU_STAGES, m, device)
-        data = [(x.to(device), y.to(device)) for x, y in mlp_data(batch, width, window)]
-        rates = measure(configs, data, warmup, rounds, rotating(configs), sync=torch.cuda.synchronize)
+    weights = {n: concurrent_matches(n, base, width, batch, GPU_STAGES, m, devices=device) for n in names}
+    configs = build_concurrent(names, base, GPU_STAGES, m, device)
+    data = [(x.to(device), y.to(device)) for x, y in mlp_data(batch, width, window)]
+    rates = measure(configs, data, warmup, rounds, rotating(configs), sync=torch.cuda.synchronize)
     return {"device": torch.cuda.get_device_name(device), "torch_threads": torch.get_num_threads(),
             "model": f"{layers} x (Linear({width},{width}) + ReLU), cross-entropy",
             "sizes": {"width": width, "layers": layers, "batch": batch, "microbatches": m, "stages": GPU_STAGES},
@@ -790,9 +768,7 @@ def concurrent_description(args: argparse.Namespace, results: dict[str, object])
     """The concurrent part's JSON: what was run and how it was timed, then its results."""
     return {
         "what": "throughput of Pipeline(concurrent=True) (a worker thread per stage; +threads: step() returns "
-                "settled, +overlap: overlap_steps=True, the threads go on after step() returns its loss, "
-                "+threads@5ms: as +threads with switch_interval=None, the stage threads running under the "
-                "interpreter's switch interval, set to 5 ms for this part) and "
+                "settled, +overlap: overlap_steps=True, the threads go on after step() returns its loss) and "
                 "concurrent=False (the stages in turn on the calling thread) against plain sequential training, "
                 "with the machine's own limit for two threads",
         "model": f"{args.layers} x (Linear({args.width},{args.width}) + ReLU), cross-entropy",
@@ -821,9 +797,9 @@ def concurrent_description(args: argparse.Namespace, results: dict[str, object])
                                 "sequential) / limit"},
         "targets_definition": {
             f"batch {LIMIT_TARGET_BATCH}": {n + x: f"fraction_of_limit >= {v}" for n, v in LIMIT_TARGETS.items()
-                                            for x in TARGETED},
+                                            for x in THREADED},
             f"batch {GLOO_TARGET_BATCH}": {n + x: "vs_sequential >= the two-process gloo vs_single_process"
-                                           for n in GLOO_ALGORITHMS for x in TARGETED}},
+                                           for n in GLOO_ALGORITHMS for x in THREADED}},
         "weights": "max_weight_diff_vs_in_turn (top level): per algorithm and threaded configuration, after 3 "
                    "steps on the same data, before timing (0: bit-identical); in each batch's results: the timed "
                    "configuration against its in-turn one after the run",

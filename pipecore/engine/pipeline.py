@@ -21,7 +21,7 @@ from ..planning.planner import Plan
 from ..runtime.distributed import PeerError
 from ..runtime.executor import Costs, Event, Executor
 from ..runtime.ties import LocalTiedGradients
-from ..runtime.threads import SWITCH_INTERVAL, StageThreads, check_switch_interval
+from ..runtime.threads import StageThreads
 from ..runtime.transport import LocalTransport, Transport
 from ..schedule.ir import Action, B, F, Kind, U
 from ..schedule.validate import validate
@@ -92,11 +92,6 @@ class Pipeline:
             the results are bit-identical to ``concurrent=False`` (one thread running the stages in turn).
             Default: True in one process with more than one stage. Stage threads share torch's intra-op
             thread pool: give each about ``cores / num_stages`` threads (``torch.set_num_threads``).
-        switch_interval: while stage threads run (``concurrent``), the interpreter's thread switch interval
-            is at most this many seconds (``sys.setswitchinterval``; restored once they are idle): a stage
-            thread that needs the GIL back, to return from a torch call or run a hook in the backward, waits
-            at most that long while another stage runs Python (the interpreter's own 5 ms left the stages
-            waiting for each other). None leaves the interval alone. Default ``1e-4``.
         overlap_steps: let the stage threads go on with a mini-batch's remaining work after ``step()`` has
             returned its loss, so that they work while the caller prepares the next mini-batch (``step()``
             returns once the last stage has computed the loss; the stages keep their order, so the results
@@ -145,7 +140,6 @@ class Pipeline:
         clip_grad_norm: float | None = None,
         autocast: torch.dtype | None = None,
         recover: bool = True,
-        switch_interval: float | None = SWITCH_INTERVAL,
         **options: Any,
     ):
         if concurrent is not None and not isinstance(concurrent, bool):
@@ -154,7 +148,6 @@ class Pipeline:
             raise TypeError(f"overlap_steps must be True or False, got {overlap_steps!r}")
         if not isinstance(recover, bool):
             raise TypeError(f"recover must be True or False, got {recover!r}")
-        check_switch_interval(switch_interval)
         self.recover = recover
         if on_nonfinite not in _NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {_NONFINITE}, got {on_nonfinite!r}")
@@ -235,7 +228,7 @@ class Pipeline:
 
             self._transport = DistributedTransport(self.rank, num_stages, timeout, self.devices[self.rank])
         # Stage worker threads, kept from step to step (one process, several stages, concurrent).
-        self._threads = StageThreads(switch_interval) if self.concurrent and len(self.stages) > 1 else None
+        self._threads = StageThreads() if self.concurrent and len(self.stages) > 1 else None
         if overlap_steps and self._threads is None:
             raise ValueError(
                 "overlap_steps=True needs a worker thread per stage: concurrent=True with more than one stage in "

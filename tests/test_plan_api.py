@@ -202,6 +202,47 @@ def test_a_stage_accounts_its_micro_batches_in_flight(algorithm):
     assert st.memory.live == 0 and not st.memory.in_flight
 
 
+@pytest.mark.parametrize("algorithm,options", [("1f1b", {}), ("2bw", {}), ("i-timeprest", {}),
+                                               ("i-timeprest", {"backward_rule": "recompute"})])
+def test_without_the_memory_account_training_is_the_same_and_no_hook_counts(algorithm, options, monkeypatch):
+    """track_memory=False installs no saved-tensor hook of the account and counts nothing (peak_bytes None);
+    the weights and losses are bit-identical to the pipeline that keeps it."""
+    from pipecore.engine.memory import MemoryAccount
+
+    counted = []
+    original = MemoryAccount.note
+    monkeypatch.setattr(MemoryAccount, "note", lambda self, t: (counted.append(self.enabled), original(self, t)))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (16,), generator=g))
+               for _ in range(3)]
+    results = {}
+    for track in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+        pipe = pipecore.Pipeline(model, 2, algorithm, 4, loss_fn=nn.CrossEntropyLoss(), track_memory=track,
+                                 **options)
+        counted.clear()
+        losses = [pipe.step(x, y) for x, y in batches]
+        pipe.flush()
+        peaks = [s["peak_bytes"] for s in pipe.stats()]
+        results[track] = (losses, pipe.state_dict(), peaks, list(counted))
+        pipe.close()
+    (losses, state, peaks, notes), (losses_off, state_off, peaks_off, notes_off) = results[True], results[False]
+    assert losses == losses_off
+    assert_same(state, state_off)
+    assert all(isinstance(p, int) and p > 0 for p in peaks) and peaks_off == [None, None]
+    assert notes and all(notes)
+    # The swap rule's own hook still runs (it makes saved weights references); it reaches a disabled account.
+    assert all(not enabled for enabled in notes_off)
+    if algorithm != "i-timeprest" or options:  # i-timeprest's default rule is swap
+        assert notes_off == []
+
+
+def test_track_memory_must_be_a_bool():
+    with pytest.raises(TypeError, match="track_memory must be True or False, got 'no'"):
+        pipecore.Pipeline(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), 2, loss_fn=nn.MSELoss(), track_memory="no")
+
+
 CASES = {
     "gpt": (4, lambda: GPT(vocab_size=64, block_size=32, n_layer=4, n_head=2, n_embd=64),
             lambda n: torch.randint(0, 64, (n, 32)), lambda n: torch.randint(0, 64, (n, 32)), lm_loss),

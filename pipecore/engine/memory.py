@@ -10,19 +10,26 @@ a slice of the mini-batch, counts as the slice); and, during a backward that rec
 recomputed forward (of the whole stage, or of a recomputed segment) still holds when it ends, on top of
 everything in flight including the micro-batch being backwarded. The peak is the largest sum seen. The module's buffers
 (BatchNorm's running statistics) are counted in neither part.
+
+The account sees the saved tensors through saved-tensor hooks, which cost a Python call per saved tensor in
+every forward and every backward (and, with stages on threads, a trip through the GIL inside the autograd
+engine): an account that is not ``enabled`` (a CUDA stage, whose allocator knows, or
+``Pipeline(track_memory=False)``) installs none and counts nothing.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from .saved import saving
 
 # The account of the forward (``account``) or backward (``backward``) running on this thread, if counted.
 _COUNTING = threading.local()
@@ -68,11 +75,29 @@ class Kept:
         return sum(hi - lo for lo, hi in self.spans.values())
 
 
+class _NothingKept(Kept):
+    """What a disabled account's forward keeps: nothing."""
+
+    def __init__(self) -> None:
+        super().__init__(set())
+
+    def add(self, t: Any) -> None:
+        return None
+
+
+_NOTHING_KEPT = _NothingKept()
+
+
+def _same(t: Any) -> Any:
+    return t
+
+
 class MemoryAccount:
     """The per-micro-batch part of a stage's account (see the module docstring); :func:`static_bytes` is the
     rest."""
 
-    def __init__(self, excluded: set[int], module: nn.Module | None = None):
+    def __init__(self, excluded: set[int], module: nn.Module | None = None, enabled: bool = True):
+        self.enabled = enabled  # False: count nothing, install no hooks (see the module docstring)
         self.excluded = excluded  # storages counted elsewhere (the weight ring, the scratch buffer)
         self.module = module  # its buffers (BatchNorm's running statistics) are the stage's, not a micro-batch's
         # The modules that have buffers, found once: the module's structure does not change while it trains.
@@ -94,9 +119,17 @@ class MemoryAccount:
         self.note(t)
         return t
 
+    def hooks(self) -> Any:
+        """Around a forward inside :meth:`counting`: the saved-tensor hooks that count what it saves (none when
+        not enabled)."""
+        return saving(self.pack, _same) if self.enabled else nullcontext()
+
     @contextmanager
     def counting(self, kept: Iterable[Any] = ()) -> Iterator[Kept]:
-        """Count what the block's forward saves, plus the tensors in ``kept``."""
+        """Count what the block's forward saves, plus the tensors in ``kept`` (nothing when not enabled)."""
+        if not self.enabled:
+            yield _NOTHING_KEPT
+            return
         excluded = self.excluded
         if self._with_buffers:  # looked up each time: a buffer may be replaced (buffer_copies, load_state_dict)
             excluded = excluded | {b.untyped_storage().data_ptr() for m in self._with_buffers
@@ -114,6 +147,8 @@ class MemoryAccount:
 
     def forwarded(self, microbatch: int, kept: Kept, outputs: Iterable[Any] = ()) -> None:
         """Micro-batch ``microbatch`` is in flight, keeping ``kept`` (and ``outputs``) until its backward."""
+        if not self.enabled:
+            return
         for value in outputs:
             kept.add(value)
         ranges = kept.ranges()
@@ -147,6 +182,9 @@ class MemoryAccount:
     def backward(self) -> Iterator[None]:
         """The block runs the stage's backward: recomputed segments count their transient here
         (:func:`counting_recomputation`)."""
+        if not self.enabled:
+            yield
+            return
         _COUNTING.backward = self
         try:
             yield
@@ -239,8 +277,11 @@ def _collect(value: Any, seen: dict[int, int]) -> None:
             _collect(v, seen)
 
 
-def peak_bytes(stage: "TensorStage") -> int:
-    """The stage's peak: on CUDA, the allocator's peak of its device; on the CPU, its account."""
+def peak_bytes(stage: "TensorStage") -> int | None:
+    """The stage's peak: on CUDA, the allocator's peak of its device; elsewhere its account, or None where it
+    keeps none (``track_memory=False``, or a device that is neither)."""
     if stage.device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(stage.device))
+    if not stage.memory.enabled:
+        return None
     return static_bytes(stage) + stage.memory.peak

@@ -112,6 +112,11 @@ class Pipeline:
         recover: take a failed step back (see :meth:`step`). It costs, per step and stage, a copy of the live
             weights and the optimizer state (before the stage's first update of the step) and of the buffers.
             False skips the copies; a failed step then leaves the pipeline unusable. Default True.
+        track_memory: keep each CPU stage's memory account (``stats()[s]["peak_bytes"]``). It sees the saved
+            tensors through saved-tensor hooks, a Python call per saved tensor in every forward and backward,
+            which with stages on threads also waits for the GIL inside the backward. False skips them;
+            ``peak_bytes`` of a CPU stage is then None. CUDA stages need no account (the allocator measures)
+            and never install the hooks. Default True.
         **options: algorithm options (``backward_rule``, ``update_every``, ``lam``, ``alpha``, ...).
 
     Each micro-batch loss is divided by the number of micro-batches one update accumulates (``m`` for the
@@ -140,6 +145,7 @@ class Pipeline:
         clip_grad_norm: float | None = None,
         autocast: torch.dtype | None = None,
         recover: bool = True,
+        track_memory: bool = True,
         **options: Any,
     ):
         if concurrent is not None and not isinstance(concurrent, bool):
@@ -148,6 +154,8 @@ class Pipeline:
             raise TypeError(f"overlap_steps must be True or False, got {overlap_steps!r}")
         if not isinstance(recover, bool):
             raise TypeError(f"recover must be True or False, got {recover!r}")
+        if not isinstance(track_memory, bool):
+            raise TypeError(f"track_memory must be True or False, got {track_memory!r}")
         self.recover = recover
         if on_nonfinite not in _NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {_NONFINITE}, got {on_nonfinite!r}")
@@ -192,6 +200,7 @@ class Pipeline:
                 device=device,
             )
             self.stages[s].state_keys = self._stage_keys[s]
+            self.stages[s].memory.enabled &= track_memory
             if lr_scheduler is not None:
                 self.stages[s].lr_schedule = LrSchedule(lr_scheduler, self.stages[s].optimizer.lr)
         self.lr_scheduler = lr_scheduler
@@ -943,8 +952,8 @@ class Pipeline:
         seen (``staleness``: live minus read version; ``delay``: updates between a forward's read and its
         backward), the learning rate of the stage's next update (``lr``, before per-stage scaling), the peak
         memory measured while training (``peak_bytes``: on CUDA the allocator's peak of the stage's device, on
-        the CPU the stage's account of what it allocates and what its micro-batches in flight keep; see
-        ``pipecore.engine.memory``), and the median seconds of the stage's recent actions of each kind."""
+        the CPU the stage's account of what it allocates and what its micro-batches in flight keep, see
+        ``pipecore.engine.memory``; None with ``track_memory=False``), and the median seconds of the stage's recent actions of each kind."""
         if all_stages:
             return sorted((st for part in self._gather(self.stats()) for st in part), key=lambda st: st["stage"])
         self.synchronize()

@@ -148,7 +148,8 @@ class TensorStage(StageWorker):
         self._stable_storages = {self.ring.buffer.untyped_storage().data_ptr()}
         if self.scratch is not None:
             self._stable_storages.add(self.scratch.untyped_storage().data_ptr())
-        self.memory = MemoryAccount(self._stable_storages, module)  # the weights' storages count once
+        # The weights' storages count once. On CUDA the allocator measures, so the account keeps nothing.
+        self.memory = MemoryAccount(self._stable_storages, module, enabled=device.type == "cpu")
         index = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
         named = dict(module.named_parameters())
         self._module_params = [named[name] for name in self.layout.names]  # in the flat layout's order
@@ -435,7 +436,7 @@ class TensorStage(StageWorker):
                     self._swap_checked = True
                 else:
                     # stash: the graph keeps the forward's own weights, which stay pinned until the backward.
-                    with self._autocast(), saving(self.memory.pack, _same):
+                    with self._autocast(), self.memory.hooks():
                         y = self._forward_checked(leaves, inputs)
                         loss = self._loss(k, y, target) if self.is_last else None
                 if not self.is_last:
@@ -454,7 +455,7 @@ class TensorStage(StageWorker):
         self._last_backward_count = len(action.microbatches)
         outs = []
         # A recomputed segment's transient counts against this stage (on the CPU; CUDA's allocator sees it).
-        with self.memory.backward() if self.device.type == "cpu" else nullcontext():
+        with self.memory.backward():
             for k, read, grad_out in zip(action.microbatches, reads, payloads):
                 self.memory.released()  # the action's previous micro-batch, if any, is done
                 rec = self.in_flight[k]  # taken out once the backward starts changing state (see _committed)
@@ -466,8 +467,7 @@ class TensorStage(StageWorker):
                     # The forward's random state (dropout masks) and buffers: the recomputation must draw the
                     # same masks, and BatchNorm must not count the micro-batch in its running statistics twice.
                     with _GLOBAL_RANDOM, torch.random.fork_rng(devices=cuda), buffer_copies([self.module]), \
-                            self._autocast(), self.memory.counting() as recomputed, \
-                            saving(self.memory.pack, _same):
+                            self._autocast(), self.memory.counting() as recomputed, self.memory.hooks():
                         self._set_random_state(rec.rng_state)
                         y = self._run_module(params, inputs)
                         output = (self._loss_fn(y, rec.target) / self.algorithm.update_every if self.is_last
@@ -796,10 +796,6 @@ def _tensors(payload: Any) -> list[torch.Tensor]:
     if isinstance(payload, tuple):
         return [t for t in payload if isinstance(t, torch.Tensor)]
     return []
-
-
-def _same(t: Any) -> Any:
-    return t
 
 
 def _describe(value: Any, names: Sequence[str] = ()) -> str:

@@ -4,7 +4,8 @@ Usage: ``python bench/engine.py [--only engine,graph,gpt,concurrent] [--width 51
 [--microbatches 8] [--stages 4] [--warmup 3] [--window 3] [--rounds 9] [--graph-window 1] [--graph-rounds 40]
 [--gpt-batch 32] [--gpt-window 1] [--gpt-rounds 15] [--threads 1,2] [--concurrent-batches 256,1024]
 [--concurrent-algorithms gpipe,1f1b,2bw,pipedream] [--gpu-width 2048] [--gpu-batch 4096]
-[--out bench/results/engine-cpu.json] [--profile ALGORITHM]``.
+[--pipeline-options track_memory=False,recover=False] [--out bench/results/engine-cpu.json]
+[--profile ALGORITHM]``.
 
 Four parts (``--only`` selects some; default all four; a partial run writes ``engine-cpu-<parts>.json``
 unless ``--out`` is given). The first three measure the single-thread executor: every ``Pipeline`` they build
@@ -71,6 +72,9 @@ compute is negligible.
 It also checks ``Pipeline.stats()``'s weight-version bytes per stage against each algorithm's formula
 (versions per stage x parameters x 4 bytes; TiMePReSt and I-TiMePReSt: the versions the simulator
 reports), and that gpipe's weights equal sequential training's after a few steps.
+
+``--pipeline-options`` passes ``recover=`` and ``track_memory=`` to every pipeline of the run (recorded as
+``pipeline_options``): the pipelines' bookkeeping, without which the figures show the engine alone.
 
 ``--profile NAME`` instead runs cProfile over steps of one configuration (``sequential`` or an algorithm)
 and prints the functions with the most time per step.
@@ -173,13 +177,30 @@ def accumulating_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, los
     return step
 
 
+# Further Pipeline keyword arguments for every pipeline of the run (``--pipeline-options``), e.g.
+# {"track_memory": False}; set once by main() before anything is built.
+PIPELINE_OPTIONS: dict[str, bool] = {}
+
+
+def parse_pipeline_options(text: str | None) -> dict[str, bool]:
+    """``--pipeline-options``: comma-separated ``name=True|False`` of ``recover`` and ``track_memory``."""
+    options: dict[str, bool] = {}
+    for item in filter(None, (text or "").split(",")):
+        name, _, value = item.partition("=")
+        if name not in ("recover", "track_memory") or value not in ("True", "False"):
+            raise ValueError(f"--pipeline-options takes recover=True|False and track_memory=True|False, got {item!r}")
+        options[name] = value == "True"
+    return options
+
+
 def pipeline(name: str, model: nn.Module, stages: int, m: int, concurrent: bool = False,
              devices: str | None = None, overlap_steps: bool = False) -> pipecore.Pipeline:
     """``name`` with ``pipecore.SGD(momentum=0.9)``; by default the stages run in turn on the calling thread
     (``concurrent=False``), which is what the engine, graph and gpt parts measure."""
     return pipecore.Pipeline(model, stages, algorithm=name, n_microbatches=m,
                              optimizer=pipecore.SGD(lr=LR, momentum=0.9), loss_fn=nn.CrossEntropyLoss(),
-                             concurrent=concurrent, devices=devices, overlap_steps=overlap_steps)
+                             concurrent=concurrent, devices=devices, overlap_steps=overlap_steps,
+                             **PIPELINE_OPTIONS)
 
 
 def threaded(name: str, suffix: str, model: nn.Module, stages: int, m: int, devices: str | None = None
@@ -440,7 +461,7 @@ def run_gpt(batch: int, P: int, m: int, warmup: int, window: int, rounds: int) -
     for name in GPT_ALGORITHMS:
         pipe = pipecore.Pipeline(copy.deepcopy(base), P, algorithm=name, n_microbatches=m,
                                  optimizer=pipecore.AdamW(lr=LR, weight_decay=GPT_WEIGHT_DECAY), loss_fn=lm_loss,
-                                 partition=gpt_cuts(P), concurrent=False)
+                                 partition=gpt_cuts(P), concurrent=False, **PIPELINE_OPTIONS)
         configs.append(Config(name, pipe.step, pipe))
 
     rates = measure(configs, gpt_data(batch, window), warmup, rounds, rotating(configs))
@@ -895,6 +916,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated algorithms, concurrent part")
     parser.add_argument("--gpu-width", type=int, default=2048, help="MLP width, concurrent part on a GPU")
     parser.add_argument("--gpu-batch", type=int, default=4096, help="batch, concurrent part on a GPU")
+    parser.add_argument("--pipeline-options", help="Pipeline options for every pipeline of the run, e.g. "
+                                                   "track_memory=False,recover=False (default: the defaults)")
     parser.add_argument("--out", help="JSON result (default: bench/results/engine-cpu.json; with --only, "
                                       "bench/results/engine-cpu-<parts>.json)")
     parser.add_argument("--profile", metavar="NAME", help="profile one configuration instead of benchmarking")
@@ -909,6 +932,10 @@ def main(argv: list[str] | None = None) -> int:
         "engine-cpu.json" if parts == list(PARTS) else f"engine-cpu-{'-'.join(parts)}.json"))
     P, m = args.stages, args.microbatches
     thread_counts = parse_threads(args.threads)
+    try:
+        PIPELINE_OPTIONS.update(parse_pipeline_options(args.pipeline_options))
+    except ValueError as exc:
+        parser.error(str(exc))
 
     if args.profile:
         torch.set_num_threads(thread_counts[-1])
@@ -973,6 +1000,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": info,
         "dtype": "float32",
         "device": "cpu",
+        "pipeline_options": dict(PIPELINE_OPTIONS),
     }
     if per_thread_count:
         report.update({

@@ -7,8 +7,8 @@ For each GPT (width 64, 64-token windows, a vocabulary of 96, ``--layers`` block
 
 * ``plan_costs`` for the ``"parameters"``, ``"time"`` and ``"memory"`` objectives, the memory one at 1.25x
   the smallest limit it can meet, each with cuts where modules start (``modules``) and, for graphs of at
-  most ``--node-cuts-up-to`` nodes (default 200), anywhere (``nodes``): the smallest-limit search with node
-  cuts grows steeply with the graph (minutes for the 8-block GPT's 338 nodes);
+  most ``--node-cuts-up-to`` nodes (default 400), anywhere (``nodes``): the smallest-limit search with node
+  cuts grows steeply with the graph (about a minute for the 8-block GPT's 338 nodes);
 * ``smallest_memory_limit(..., "memory")`` (what an infeasible limit's error runs), likewise.
 
 Each figure is the median of ``--repeats`` runs, each on a fresh ``StageModel`` (nothing cached between
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", default="4,8", help="comma-separated block counts (default 4,8)")
     parser.add_argument("--algorithm", default="pipedream")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--node-cuts-up-to", type=int, default=200, help="largest graph (nodes) timed with node cuts")
+    parser.add_argument("--node-cuts-up-to", type=int, default=400, help="largest graph (nodes) timed with node cuts")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "planning-time-cpu.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -175,6 +176,24 @@ def test_parameters_objective_is_the_runtime_partition():
     units = [sum(costs.param_bytes[a:b]) for a, b in zip([0, *allowed], [*allowed, 10])]
     expected = [[0, *allowed][i] for i in balanced_by_parameters(units, 3)]
     assert list(partition(costs, 3, "parameters", z, allowed_cuts=allowed).starts) == expected
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_smallest_memory_limit_is_the_least_largest_stage_minimum_over_every_partition(seed):
+    # A stage fits a limit exactly when its least memory does, so the smallest limit is a minimax over
+    # partitions of StageModel.smallest_memory: computed here by brute force, with and without a host link.
+    rng = random.Random(100 + seed)
+    for _ in range(10):
+        n, num_stages = rng.randint(4, 10), rng.randint(2, 4)
+        costs = random_costs(rng, n, rng.choice(["conv", "even", "sparse"]))
+        if rng.random() < 0.4:
+            costs = dataclasses.replace(costs, host_bytes_per_s=rng.uniform(1e3, 1e4))
+        z = sizing(rng.choice(["pipedream", "2bw", "1f1b", "gpipe"]), num_stages, rng.choice([num_stages, 2 * num_stages]))
+        allowed = None if rng.random() < 0.7 else sorted(rng.sample(range(1, n), k=rng.randint(num_stages - 1, n - 1)))
+        model = StageModel(costs, z)
+        expected = min(max(model.smallest_memory(a, b, s) for s, (a, b) in enumerate(zip(edges, edges[1:])))
+                       for edges in all_partitions(n, num_stages, allowed))
+        assert smallest_memory_limit(costs, num_stages, "memory", z, allowed) == expected
 
 
 @pytest.mark.parametrize("objective", ["time", "memory", "parameters"])

@@ -23,8 +23,9 @@ Which terms come from where:
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -411,8 +412,7 @@ class StageModel:
         the path that only recomputes, which this one, greedy, can miss).
         """
         path = self._path(start, end, stage)
-        while path.extend():
-            pass
+        path.extend_all()
         return path.steps
 
     def _path(self, start: int, end: int, stage: int, offload: bool = True) -> "_Path":
@@ -425,8 +425,7 @@ class StageModel:
     def floor(self, start: int, end: int, stage: int) -> int:
         """A lower bound of the stage's memory under any recomputation or offload: every term but the
         activations and the transient."""
-        m = self.memory(start, end, stage)
-        return m.total - m.activations - m.recomputation
+        return _floor(self.memory(start, end, stage))
 
     def fit(self, start: int, end: int, stage: int, memory_limit: float | None = None,
             trade_time: bool = True) -> StageFit:
@@ -438,7 +437,7 @@ class StageModel:
         choice fits, ``fits`` is False and the stage is returned with neither."""
         memory = self.memory(start, end, stage)
         if memory_limit is None or memory.total <= memory_limit or not trade_time or \
-                self.floor(start, end, stage) > memory_limit:
+                _floor(memory) > memory_limit:
             fits = memory_limit is None or memory.total <= memory_limit
             return StageFit(start, end, stage, (), (), self.time(start, end), memory, fits)
         best: Choice | None = None
@@ -457,8 +456,7 @@ class StageModel:
             return self.memory(start, end, stage).total
         least = self.memory(start, end, stage).total
         for path in self._paths_of(start, end, stage):
-            while path.extend():
-                pass
+            path.extend_all()
             least = min(least, min(choice.memory.total for choice in path.steps))
         return least
 
@@ -467,6 +465,12 @@ class StageModel:
         if self.costs.host_bytes_per_s <= 0:
             return [self._path(start, end, stage)]
         return [self._path(start, end, stage, offload=False), self._path(start, end, stage)]
+
+
+def _floor(memory: StageMemory) -> int:
+    """What a stage holds whatever it recomputes or offloads: every term of its memory but the activations and
+    the transient (see :meth:`StageModel.floor`)."""
+    return memory.total - memory.activations - memory.recomputation
 
 
 class _Values:
@@ -501,11 +505,16 @@ class _Path:
         self._offloaded: list[Segment] = []
         self._offload_bytes = 0  # X: what the chosen offloaded segments move per micro-batch
         self._transient = 0
+        self._hold = False  # inside _holding: keep the candidate arrays built (_held) for the next step
+        self._held: tuple[np.ndarray, ...] | None = None
 
     def _candidates(self) -> tuple[np.ndarray, ...]:
         # Every run [i, j) of the stage, as arrays: first node, end, saved bytes, input kept, forward seconds,
-        # and whether it overlaps no chosen segment. Built anew at each step rather than kept: a planner visits
-        # thousands of stage ranges, and O(L^2) arrays for each would hold gigabytes for graphs of 500 nodes.
+        # and whether it overlaps no chosen segment. Held only while the path is being extended (see
+        # _holding): a planner visits thousands of stage ranges, and O(L^2) arrays kept for each would hold
+        # gigabytes for graphs of 500 nodes.
+        if self._held is not None:
+            return self._held
         m, a, b = self.model, self.start, self.end
         first, stop = np.triu_indices(b - a + 1, k=1)
         first, stop = first + a, stop + a
@@ -517,7 +526,22 @@ class _Path:
         free = np.ones(len(first), dtype=bool)
         for i, j in (*self._recomputed, *self._offloaded):
             free &= (stop <= i) | (first >= j)
-        return first, stop, saved, keeps, seconds, free
+        arrays = first, stop, saved, keeps, seconds, free
+        if self._hold:
+            self._held = arrays
+        return arrays
+
+    @contextmanager
+    def _holding(self) -> Iterator[None]:
+        """Within the block, the candidate arrays are built at most once and kept up to date step by step."""
+        if self._hold:
+            yield
+            return
+        self._hold = True
+        try:
+            yield
+        finally:
+            self._hold, self._held = False, None
 
     def _scores(self, candidates: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
         """Bytes freed and seconds added by every candidate: the recomputed runs, then (with a host bandwidth)
@@ -528,20 +552,28 @@ class _Path:
         growth = np.maximum(0, saved - self._transient)
         # max(T + f, X / bw) - max(T, X / bw), written so that it is f exactly while the link is idle.
         freed = [self.k * (saved - keeps) - growth]
-        seconds = [forward - np.clip(link - compute, 0.0, forward)]
-        if self.bandwidth > 0:
-            freed.append(self.k * saved - growth)
-            seconds.append(np.maximum(compute, (self._offload_bytes + saved) / self.bandwidth) - max(compute, link))
+        seconds = [forward if link <= compute else forward - np.clip(link - compute, 0.0, forward)]
+        if self.bandwidth <= 0:
+            return freed[0], seconds[0]
+        freed.append(self.k * saved - growth)
+        seconds.append(np.maximum(compute, (self._offload_bytes + saved) / self.bandwidth) - max(compute, link))
         return np.concatenate(freed), np.concatenate(seconds)
 
     def first_within(self, memory_limit: float) -> Choice | None:
         """The first step whose peak is within ``memory_limit`` (extending the path as needed), or None."""
         index = 0
-        while self.steps[index].memory.total > memory_limit:
-            index += 1
-            if index == len(self.steps) and not self.extend():
-                return None
+        with self._holding():
+            while self.steps[index].memory.total > memory_limit:
+                index += 1
+                if index == len(self.steps) and not self.extend():
+                    return None
         return self.steps[index]
+
+    def extend_all(self) -> None:
+        """Extend the path to its end."""
+        with self._holding():
+            while self.extend():
+                pass
 
     def extend(self) -> bool:
         """Take one more step; False when the path has ended."""
@@ -550,25 +582,34 @@ class _Path:
         candidates = self._candidates()
         first, stop, saved, _, _, free = candidates
         freed, seconds = self._scores(candidates)
-        kinds = len(freed) // len(first)
-        open_ = np.tile(free, kinds) & (freed > 0)
-        if not open_.any():
+        runs_count = len(first)
+        kinds = len(freed) // runs_count
+        # The open candidates' indices (kind-major: a recomputation comes before the offload of the same run),
+        # narrowed below by each criterion in turn.
+        index = np.flatnonzero((np.tile(free, kinds) if kinds > 1 else free) & (freed > 0))
+        if not len(index):
             self.done = True
             return False
+        freed, seconds = freed[index], seconds[index]
         with np.errstate(divide="ignore"):
             rate = np.where(seconds > 0, freed / np.where(seconds > 0, seconds, 1.0), np.inf)
         # Most bytes per second; then more bytes; then the shorter run; then the earlier one; then fewer
         # seconds; then the recomputation (the first of the two kinds).
-        open_ &= rate == rate[open_].max()
-        open_ &= freed == freed[open_].max()
-        length, firsts = np.tile(stop - first, kinds), np.tile(first, kinds)
-        open_ &= length == length[open_].min()
-        open_ &= firsts == firsts[open_].min()
-        open_ &= seconds == seconds[open_].min()
-        kind, run = divmod(int(np.flatnonzero(open_)[0]), len(first))
+        keep = rate == rate.max()
+        index, freed, seconds = index[keep], freed[keep], seconds[keep]
+        keep = freed == freed.max()
+        index, seconds = index[keep], seconds[keep]
+        length = (stop - first)[index % runs_count]
+        keep = length == length.min()
+        index, seconds = index[keep], seconds[keep]
+        firsts = first[index % runs_count]
+        keep = firsts == firsts.min()
+        index, seconds = index[keep], seconds[keep]
+        kind, run = divmod(int(index[seconds == seconds.min()][0]), runs_count)
         i, j = int(first[run]), int(stop[run])
         self._transient = max(self._transient, int(saved[run]))
         (self._offloaded if kind else self._recomputed).append((i, j))
+        free &= (stop <= i) | (first >= j)  # in place: the held arrays stay up to date
         m = self.model
         recomputed, offloaded = tuple(sorted(self._recomputed)), tuple(sorted(self._offloaded))
         self._offload_bytes = m._segment_bytes(self.start, self.end, (), offloaded)[2]

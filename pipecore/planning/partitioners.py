@@ -132,9 +132,10 @@ def smallest_memory_limit(costs: GraphCosts, num_stages: int, objective: str, si
                           allowed_cuts: Iterable[int] | None = None) -> int:
     """The smallest per-stage limit (bytes) under which :func:`partition` finds a partition for
     ``objective``: for ``"time"`` the least largest stage peak over all partitions (dynamic programming);
-    for ``"memory"`` the same with the cost model's recomputation and offload (bisection over the limit, each
-    step an exact feasibility search); for ``"parameters"`` the largest stage peak of the parameter-balanced
-    cuts."""
+    for ``"memory"`` the least largest stage minimum (:meth:`StageModel.smallest_memory`: with the cost
+    model's recomputation and offload) over all partitions (bisection over the limit, each step an exact
+    search for any partition that fits); for ``"parameters"`` the largest stage peak of the
+    parameter-balanced cuts."""
     positions = _check(costs, num_stages, objective, sizing, None, allowed_cuts)
     return _smallest_limit(StageModel(costs, sizing), positions, num_stages, objective)
 
@@ -198,14 +199,23 @@ def _smallest_limit(model: StageModel, positions: Sequence[int], num_stages: int
         lambda u, v, s: _weights_floor(model, positions[u], positions[v], s))[0])
     if objective == "time":
         return no_recompute
-    # With it: feasibility grows with the limit, and is exact at each limit (see _BinarySearch).
-    infeasible, feasible = 0, no_recompute
+    # With it: a stage fits a limit exactly when its least memory (StageModel.smallest_memory) does, so the
+    # answer is the least, over partitions, of the largest stage's least memory. Bisection over the limit
+    # between the weights' own floor and the answer without recomputation; each step asks whether any
+    # partition fits (_FitSearch), and a partition that fits lowers the upper end to what it needs.
+    def weights(u: int, v: int, s: int) -> float:
+        return _weights_floor(model, positions[u], positions[v], s)
+
+    infeasible = int(_minimax(len(positions), num_stages, weights, weights)[0]) - 1
+    feasible = no_recompute
     while feasible - infeasible > 1:
         middle = (infeasible + feasible) // 2
-        if _BinarySearch(model, positions, middle).solve(0, last, 0, num_stages)[0][0] < math.inf:
-            feasible = middle
-        else:
+        cuts = _FitSearch(model, positions, middle).solve(0, last, 0, num_stages)
+        if cuts is None:
             infeasible = middle
+        else:
+            feasible = max(model.smallest_memory(positions[u], positions[v], s)
+                           for s, (u, v) in enumerate(zip(cuts, cuts[1:])))
     return feasible
 
 
@@ -258,19 +268,61 @@ def _minimax(num_positions: int, num_stages: int, cost: Callable[[int, int, int]
 Key = tuple[float, int]  # (slowest stage's seconds, inf when a stage cannot fit; largest stage's bytes)
 
 
-class _BinarySearch:
-    """DawnPiper-style binary partitioning under a memory limit, over position indices (see
-    :func:`partition`)."""
+class _Halving:
+    """The recursion of DawnPiper-style binary partitioning under a memory limit, over position indices (see
+    :func:`partition`): the stage set and the node range split in halves."""
 
     def __init__(self, model: StageModel, positions: Sequence[int], memory_limit: float):
         self.model = model
         self.positions = positions
         self.limit = memory_limit
-        self._solved: dict[tuple[int, int, int, int], tuple[Key, list[int]]] = {}
         z = model.sizing
         # Per stage, the bytes one parameter byte and one saved byte cost there.
         self._per_param = [z.versions[s] + 1 + z.derived[s] + z.velocity[s] for s in range(z.num_stages)]
         self._per_saved = list(z.in_flight)
+
+    def _cut_range(self, u: int, v: int, s0: int, s1: int) -> tuple[int, int, int]:
+        """Where stages ``s0..s1-1`` over ``[u, v]`` split (the first stage of the right half), and the
+        lowest and highest cuts worth judging (lowest > highest: none)."""
+        mid = s0 + (s1 - s0) // 2  # an odd count of stages: the right half gets one more, and nodes in proportion
+        k_left, k_right = mid - s0, s1 - mid
+        # Cuts where a side cannot fit whatever it recomputes are not judged: too long a left side (high
+        # cuts) or right side (low cuts).
+        lowest = _first(u + k_left, v - k_right + 1, lambda c: self._may_fit(c, v, mid, s1))
+        highest = _first(u + k_left, v - k_right + 1, lambda c: not self._may_fit(u, c, s0, mid)) - 1
+        return mid, lowest, highest
+
+    def _memory_balanced(self, u: int, v: int, s0: int, mid: int, s1: int, lowest: int, highest: int) -> int:
+        """The cut that balances memory per stage (estimated, see :meth:`_memory`)."""
+        return _balanced(lowest, highest, lambda c: self._memory(u, c, s0, mid) / (mid - s0),
+                         lambda c: self._memory(c, v, mid, s1) / (s1 - mid))
+
+    def _may_fit(self, x: int, y: int, s0: int, s1: int) -> bool:
+        """Whether stages ``s0..s1-1`` over positions ``[x, y]`` may fit the limit: each holds its
+        parameters and their optimizer state ``mult_s * params_s + opt_s <= limit`` whatever it recomputes
+        (with ``mult_s`` the copies of its weights), so ``params + opt / max(mult) <= limit * sum 1/mult_s``
+        and ``opt <= limit * stages``. Once false for a range, false for every range holding it."""
+        a, b, m, limit = self.positions[x], self.positions[y], self.model, self.limit
+        per_param = self._per_param[s0:s1]
+        params, optimizer = m.params(a, b), m.optimizer(a, b)
+        return params + optimizer / max(per_param) <= limit * sum(1 / w for w in per_param) and \
+            optimizer <= limit * (s1 - s0)
+
+    def _memory(self, x: int, y: int, s0: int, s1: int) -> float:
+        """Estimated bytes of nodes ``[x, y)`` spread over stages ``s0..s1-1``, at those stages' average
+        multipliers; boundary buffers left out."""
+        a, b, m = self.positions[x], self.positions[y], self.model
+        n = s1 - s0
+        per_param, per_saved = sum(self._per_param[s0:s1]) / n, sum(self._per_saved[s0:s1]) / n
+        return per_param * m.params(a, b) + m.optimizer(a, b) + per_saved * m.saved(a, b)
+
+
+class _BinarySearch(_Halving):
+    """The fastest partition under the limit that the recursion can express (see :func:`partition`)."""
+
+    def __init__(self, model: StageModel, positions: Sequence[int], memory_limit: float):
+        super().__init__(model, positions, memory_limit)
+        self._solved: dict[tuple[int, int, int, int], tuple[Key, list[int]]] = {}
 
     def leaf(self, u: int, v: int, s: int) -> Key:
         fit = self.model.fit(self.positions[u], self.positions[v], s, self.limit)
@@ -284,14 +336,10 @@ class _BinarySearch:
         return self._solved[memo]
 
     def _split(self, u: int, v: int, s0: int, s1: int) -> tuple[Key, list[int]]:
-        mid = s0 + (s1 - s0) // 2  # an odd count of stages: the right half gets one more, and nodes in proportion
-        k_left, k_right = mid - s0, s1 - mid
-        # Cuts where a side cannot fit whatever it recomputes are not judged: too long a left side (high
-        # cuts) or right side (low cuts).
-        lowest = _first(u + k_left, v - k_right + 1, lambda c: self._may_fit(c, v, mid, s1))
-        highest = _first(u + k_left, v - k_right + 1, lambda c: not self._may_fit(u, c, s0, mid)) - 1
+        mid, lowest, highest = self._cut_range(u, v, s0, s1)
         if lowest > highest:
             return (math.inf, 0), [*range(u, u + s1 - s0), v]
+        k_left, k_right = mid - s0, s1 - mid
 
         def share(x: int, y: int, k: int) -> float:
             return self.model.time(self.positions[x], self.positions[y]) / k
@@ -299,8 +347,7 @@ class _BinarySearch:
         # The reduced search space: between the cut that balances compute per stage (where the lower bound
         # below is least, too) and the cut that balances memory per stage.
         c_time = _balanced(lowest, highest, lambda c: share(u, c, k_left), lambda c: share(c, v, k_right))
-        c_memory = _balanced(lowest, highest, lambda c: self._memory(u, c, s0, mid) / k_left,
-                             lambda c: self._memory(c, v, mid, s1) / k_right)
+        c_memory = self._memory_balanced(u, v, s0, mid, s1, lowest, highest)
         lo, hi = min(c_time, c_memory), max(c_time, c_memory)
         best = min((self._judge(u, v, s0, mid, s1, c), c) for c in range(lo, hi + 1))
         # Widening: the next cut outside on either side is judged while a lower bound of its slowest stage
@@ -325,24 +372,39 @@ class _BinarySearch:
         left, right = self.solve(u, c, s0, mid)[0], self.solve(c, v, mid, s1)[0]
         return (max(left[0], right[0]), max(left[1], right[1]))
 
-    def _may_fit(self, x: int, y: int, s0: int, s1: int) -> bool:
-        """Whether stages ``s0..s1-1`` over positions ``[x, y]`` may fit the limit: each holds its
-        parameters and their optimizer state ``mult_s * params_s + opt_s <= limit`` whatever it recomputes
-        (with ``mult_s`` the copies of its weights), so ``params + opt / max(mult) <= limit * sum 1/mult_s``
-        and ``opt <= limit * stages``. Once false for a range, false for every range holding it."""
-        a, b, m, limit = self.positions[x], self.positions[y], self.model, self.limit
-        per_param = self._per_param[s0:s1]
-        params, optimizer = m.params(a, b), m.optimizer(a, b)
-        return params + optimizer / max(per_param) <= limit * sum(1 / w for w in per_param) and \
-            optimizer <= limit * (s1 - s0)
 
-    def _memory(self, x: int, y: int, s0: int, s1: int) -> float:
-        """Estimated bytes of nodes ``[x, y)`` spread over stages ``s0..s1-1``, at those stages' average
-        multipliers; boundary buffers left out."""
-        a, b, m = self.positions[x], self.positions[y], self.model
-        n = s1 - s0
-        per_param, per_saved = sum(self._per_param[s0:s1]) / n, sum(self._per_saved[s0:s1]) / n
-        return per_param * m.params(a, b) + m.optimizer(a, b) + per_saved * m.saved(a, b)
+class _FitSearch(_Halving):
+    """Some partition that fits the limit, or None when none does: the recursion of :class:`_BinarySearch`
+    asking only whether each side fits (not how fast), so it stops at the first cut where both do, trying
+    cuts from the memory-balanced one outwards. It judges every cut worth judging before it answers None,
+    and any partition can be expressed by the recursion, so None means that no partition fits."""
+
+    def __init__(self, model: StageModel, positions: Sequence[int], memory_limit: float):
+        super().__init__(model, positions, memory_limit)
+        self._solved: dict[tuple[int, int, int, int], list[int] | None] = {}
+
+    def solve(self, u: int, v: int, s0: int, s1: int) -> list[int] | None:
+        """Position cuts (``u`` first, ``v`` last) of stages ``s0..s1-1`` over ``[u, v]`` that fit, or None."""
+        memo = (u, v, s0, s1)
+        if memo not in self._solved:
+            if s1 - s0 == 1:
+                fits = self.model.fit(self.positions[u], self.positions[v], s0, self.limit).fits
+                self._solved[memo] = [u, v] if fits else None
+            else:
+                self._solved[memo] = self._split(u, v, s0, s1)
+        return self._solved[memo]
+
+    def _split(self, u: int, v: int, s0: int, s1: int) -> list[int] | None:
+        mid, lowest, highest = self._cut_range(u, v, s0, s1)
+        if lowest > highest:
+            return None
+        balanced = self._memory_balanced(u, v, s0, mid, s1, lowest, highest)
+        for c in sorted(range(lowest, highest + 1), key=lambda c: (abs(c - balanced), c)):
+            left = self.solve(u, c, s0, mid)
+            right = self.solve(c, v, mid, s1) if left is not None else None
+            if right is not None:
+                return left[:-1] + right
+        return None
 
 
 def _first(lo: int, hi: int, holds: Callable[[int], bool]) -> int:

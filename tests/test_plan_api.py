@@ -177,6 +177,19 @@ def test_cli_errors(capsys, argv, error):
     assert error in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", [["--save", "x.pt"], ["--resume", "x.pt"], ["--no-progress"],
+                                  ["--profile", "trace.json"], ["--profile-steps", "3"], ["--steps-per-epoch", "5"],
+                                  ["--eval-windows", "8"]])
+def test_cli_refuses_the_flags_of_a_training_run(capsys, flag):
+    # They size or steer `pipecore train`'s run, which `plan` does not make: accepted, they would do nothing.
+    assert main(["plan", "--model", "gpt", "--objective", "time", *flag]) == 2
+    assert f"unrecognized arguments: {flag[0]}" in capsys.readouterr().err
+    assert main(["plan", "--help"]) == 0
+    assert flag[0] not in capsys.readouterr().out
+    assert main(["train", "--help"]) == 0  # where they belong
+    assert flag[0] in capsys.readouterr().out
+
+
 # -- measured memory (stats()[s]["peak_bytes"]) and the plan's prediction -----------------------------
 
 

@@ -153,7 +153,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "float32)")
     parser.add_argument("--optimizer", choices=("sgd", "adamw"),
                         help="sgd (momentum 0.9) or adamw (default sgd for mlp and resnet, adamw for gpt)")
-    add_model_arguments(parser)
+    _add_run_arguments(parser, add_model_arguments(parser)["gpt"])
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the split, the weights and the shuffling or sampling (default 0)")
     parser.add_argument("-o", "--option", type=algorithm_option, action="append", default=[], metavar="KEY=VALUE",
@@ -165,8 +165,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plot loss and test accuracy (gpt: held-out perplexity) per epoch to a PNG file")
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags that size ``--model`` (shared with ``pipecore plan``)."""
+def add_model_arguments(parser: argparse.ArgumentParser) -> dict[str, "argparse._ArgumentGroup"]:
+    """The flags that size ``--model`` (shared with ``pipecore plan``); returns the argument groups by model,
+    for flags of one command to join."""
     mlp = parser.add_argument_group("mlp")
     mlp.add_argument("--hidden", type=positive_int, metavar="H",
                      help="width of the hidden layers (default 128)")
@@ -186,6 +187,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                      help="attention heads; must divide --embd (default 4)")
     gpt.add_argument("--embd", type=positive_int, metavar="D",
                      help="embedding width (default 64)")
+    return {"mlp": mlp, "resnet and gpt": sized, "gpt": gpt}
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser, gpt: "argparse._ArgumentGroup") -> None:
+    """The flags of a training run (``train`` only): epochs of the text task, checkpoints, progress, profiling."""
     gpt.add_argument("--steps-per-epoch", type=positive_int, metavar="S",
                      help="mini-batches of random windows per epoch (default 50)")
     gpt.add_argument("--eval-windows", type=positive_int, metavar="N",

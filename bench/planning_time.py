@@ -1,6 +1,6 @@
 """How long planning takes: ``plan_costs`` per objective, and the smallest-limit search, on profiled GPTs.
 
-``python bench/planning_time.py [--layers 4,8] [--out bench/results/planning-time-cpu.json]``
+``python bench/planning_time.py [--layers 4,8] [--costs-dir DIR] [--out bench/results/planning-time-cpu.json]``
 
 For each GPT (width 64, 64-token windows, a vocabulary of 96, ``--layers`` blocks), profiled once on the CPU
 (the profile's own time is reported too), 4 stages, 4 micro-batches of 16 samples, pipedream: the seconds of
@@ -13,13 +13,17 @@ For each GPT (width 64, 64-token windows, a vocabulary of 96, ``--layers`` block
 
 Each figure is the median of ``--repeats`` runs, each on a fresh ``StageModel`` (nothing cached between
 runs). Planning is pure Python and numpy on one thread: the figures do not depend on the device the costs
-were measured on.
+were measured on. They do depend on the profile (its measured times decide what the memory paths recompute),
+which differs from run to run: ``--costs-dir DIR`` saves each profile on the first run and loads it on later
+ones, so that two versions of the planner can be timed on the same costs, e.g. an earlier commit's through
+``PYTHONPATH=<its built checkout> python bench/planning_time.py --costs-dir DIR``.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,12 +56,26 @@ def seconds(work: Callable[[], object], repeats: int) -> float:
     return round(statistics.median(times), 3)
 
 
+def planner_commit() -> str | None:
+    """The git commit of the checkout the timed pipecore was imported from (None outside a git checkout): a
+    run with ``PYTHONPATH`` pointing at another checkout times that checkout's planner."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(pipecore.__file__).resolve().parent,
+                              capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return done.stdout.strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", default="4,8", help="comma-separated block counts (default 4,8)")
     parser.add_argument("--algorithm", default="pipedream")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--node-cuts-up-to", type=int, default=400, help="largest graph (nodes) timed with node cuts")
+    parser.add_argument("--costs-dir", metavar="DIR",
+                        help="keep each GPT's profile in DIR: saved there by the first run, loaded by the next (so "
+                             "that two versions of the planner are timed on the same costs)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "planning-time-cpu.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -68,8 +86,18 @@ def main(argv: list[str] | None = None) -> int:
         model = GPT(VOCAB, BLOCK, n_layer=layers, n_head=4, n_embd=64)
         x = torch.randint(0, VOCAB, (4, BLOCK))
         start = time.perf_counter()
-        costs = profile(model, x, optimizer=pipecore.SGD(lr=0.01, momentum=0.9), loss_fn=loss_fn, example_target=x)
-        row: dict = {"layers": layers, "nodes": len(costs), "profile_seconds": round(time.perf_counter() - start, 2)}
+        saved = Path(args.costs_dir) / f"gpt-{layers}-blocks.pt" if args.costs_dir else None
+        loaded = saved is not None and saved.exists()
+        if loaded:
+            costs = torch.load(saved, weights_only=False)
+        else:
+            costs = profile(model, x, optimizer=pipecore.SGD(lr=0.01, momentum=0.9), loss_fn=loss_fn,
+                            example_target=x)
+            if saved is not None:
+                saved.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(costs, saved)
+        row: dict = {"layers": layers, "nodes": len(costs), "profile_loaded": loaded,
+                     "profile_seconds": None if loaded else round(time.perf_counter() - start, 2)}
         module_cuts = [a for a, _ in module_units(CapturedModel(model, (), x))][1:]
         scaled = costs.at_microbatch_size(SAMPLES)
         for name, cuts in (("modules", module_cuts), ("nodes", None)):
@@ -92,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
               "machine": machine(), "device": "cpu", "dtype": "float32", "algorithm": args.algorithm,
               "stages": STAGES, "microbatches": M, "samples_per_microbatch": SAMPLES,
               "model": f"GPT width 64, {BLOCK} tokens, vocabulary {VOCAB}", "repeats": args.repeats,
-              "node_cuts_up_to": args.node_cuts_up_to, "results": rows}
+              "node_cuts_up_to": args.node_cuts_up_to, "planner_commit": planner_commit(), "results": rows}
     print(f"wrote {write_report(report, args.out)}")
     return 0
 

@@ -24,8 +24,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .. import ops
 from ..algorithms.base import Algorithm, WeightRead
+from ..algorithms.derivations import derive
 from ..ring import WeightRing
 from ..runtime.worker import ActionRecord, Message, StageWorker
 from ..schedule.ir import Action, traced
@@ -242,19 +242,13 @@ class TensorStage(StageWorker):
 
     def materialize(self, read: WeightRead) -> torch.Tensor:
         """The flat weights a read names; derived weights are written into the scratch buffer."""
-        base = self.slot_of(read.version)
         if read.derivation is None:
-            return base
-        assert self.scratch is not None, "derived reads need the scratch buffer the simulation sized"
-        if read.derivation == "interpolate":
-            return ops.interpolate(base, self.slot_of(read.other), read.coef, out=self.scratch)
-        if read.derivation == "predict":
-            direction = self.optimizer.direction(base).to(base.dtype)
-            return ops.predict(base, direction, read.coef * self.next_lr(), out=self.scratch)
-        if read.derivation == "correct":
-            assert self.velocity is not None
-            return ops.predict(base, self.velocity.to(base.dtype), read.coef, out=self.scratch)
-        raise ValueError(f"unknown weight derivation {read.derivation!r}")
+            return self.slot_of(read.version)
+        return derive(self, read)
+
+    def update_direction(self, weights: torch.Tensor) -> torch.Tensor:
+        """The optimizer's next update direction for ``weights`` (what a predicted read extrapolates along)."""
+        return self.optimizer.direction(weights)
 
     def sync_ring(self) -> None:
         """Pin exactly the non-live versions the version book still holds; the rest become reusable."""

@@ -214,6 +214,36 @@ def ties_undo(rank: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def ties_last_message(rank: int, out: str) -> None:
+    """The ``ties-last`` mode: 2 owners of tie ``w`` exchange group 0. Rank 0 reduces it, closes and leaves;
+    rank 1 reduces it only once rank 0 has closed its connection. Taking a message posts the receive of the
+    next one ahead, which then cannot be posted: no error until a next message is waited for. Rank 1 then
+    posts group 1 and reduces it, which must raise a PeerError (there is no rank 0 to answer). Saves the sums
+    and that error."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from pipecore.runtime.ties import DistributedTiedGradients
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    ties = DistributedTiedGradients({"w": (0, 1)}, rank, timeout=20, shapes={"w": ((3, 4), torch.float64)})
+    ties.post(rank, 0, {"w": tie_gradient(rank, 0, 0)})
+    record: dict = {}
+    if rank == 1:
+        time.sleep(3)  # rank 0 reduces, closes and leaves meanwhile
+    record["sum"] = ties.reduce(rank, 0)["w"]
+    if rank == 1:
+        try:
+            ties.post(rank, 1, {"w": tie_gradient(rank, 1, 0)})
+            ties.reduce(rank, 1)
+        except pipecore.PeerError as exc:
+            record["error"] = str(exc)
+    ties.close(deliver=rank == 0)
+    torch.save(record, os.path.join(out, f"ties-last-{rank}.pt"))
+    dist.destroy_process_group()
+
+
 def train(pipe: pipecore.Pipeline, data, first: bool, last: bool) -> list[float]:
     losses = [pipe.step(x if first else None, y if last else None) for x, y in data]
     pipe.flush()
@@ -367,6 +397,8 @@ def main() -> None:
             pipe.close()
     elif mode == "ties-undo":
         ties_undo(rank, out)
+    elif mode == "ties-last":
+        ties_last_message(rank, out)
     elif mode == "die":
         timeout, how = float(sys.argv[3]), sys.argv[4]
         pipe = make_pipeline(world, "pipedream", timeout=timeout)

@@ -420,6 +420,19 @@ def test_a_failed_step_with_global_norm_clipping_is_taken_back_on_every_rank(tmp
                                            dist_run.batches(dist_run.STEPS + 2))
 
 
+def test_the_last_tied_gradient_is_taken_after_its_sender_has_left(tmp_path):
+    """Taking a message posts the receive of the next one ahead; a peer that has finished and closed its
+    connection makes that post fail, which is no error until a next message is waited for
+    (dist_run.ties_last_message)."""
+    _check_ok(launch(2, "ties-last", str(tmp_path)))
+    records = [torch.load(tmp_path / f"ties-last-{rank}.pt", weights_only=False) for rank in range(2)]
+    expected = dist_run.tie_gradient(0, 0, 0) + dist_run.tie_gradient(1, 0, 0)
+    for rank, record in enumerate(records):
+        assert_same(record["sum"], expected, f"rank {rank}")
+    assert "error" not in records[0]
+    assert "rank 0" in records[1]["error"], records[1]["error"]
+
+
 def test_the_tied_gradient_exchange_is_taken_back_after_a_failure(tmp_path):
     """Two owners of a tie (dist_run.ties_undo): a failure notice ends the other owner's wait in reduce with the
     cause; after withdraw, unreduce and resync, the groups before the first undone one are reduced from what

@@ -286,6 +286,14 @@ def _readable(posted: Mapping[int, torch.Tensor], events: Mapping[int, Any], own
 
 
 @dataclass
+class _FailedReceive:
+    """A receive posted ahead that could not be posted (the peer had closed its connection): what the take
+    waiting for that message raises."""
+
+    error: PeerError
+
+
+@dataclass
 class _Sent:
     """A posted send; its buffer lives until the send is completed."""
 
@@ -370,7 +378,7 @@ class DistributedTiedGradients:
         # how many of them were completed; how many messages were received; its gradients taken off the stream
         # and not reduced yet, by update group (taken by a reduce that then failed, kept by resync, or given
         # back by unreduce).
-        self._posted_recv: dict[tuple[str, int], tuple[torch.Tensor, Any]] = {}
+        self._posted_recv: dict[tuple[str, int], tuple[torch.Tensor, Any]] = {}  # the work, or a _FailedReceive
         self._sends: dict[tuple[str, int], deque[_Sent]] = {}
         self._completed: dict[tuple[str, int], int] = {}
         self._received: dict[tuple[str, int], int] = {}
@@ -503,14 +511,22 @@ class DistributedTiedGradients:
         for peer in tie.peers:
             self._post_receive(tie, peer)
 
-    def _post_receive(self, tie: _Tie, peer: int) -> None:
+    def _post_receive(self, tie: _Tie, peer: int, ahead: bool = False) -> None:
+        """Post the receive of ``peer``'s next message on ``tie``. ``ahead``: posted as soon as the previous
+        message is taken, before anyone waits for this one, so a peer that has finished and closed its
+        connection is no error yet: the failure is kept, and raised by the take that waits for the message
+        (if one ever does)."""
         buffer = torch.empty(tie.size, dtype=torch.uint8, device=self.device)
         group, peer_in_group = tie.sources[peer]
         try:
             with _C.RecordingOff():  # as the transport's messages (DistributedTransport._post_receive)
                 work = group.recv([buffer], peer_in_group, _TIE_TAG)
         except RuntimeError as exc:
-            raise self._failed(tie.name, peer, "posting the receive from", exc) from exc
+            error = self._failed(tie.name, peer, "posting the receive from", exc)
+            if not ahead:
+                raise error from exc
+            error.__cause__ = exc
+            work = _FailedReceive(error)
         self._posted_recv[tie.name, peer] = (buffer, work)
 
     def ready(self, stage: int, group: int) -> bool:
@@ -569,6 +585,8 @@ class DistributedTiedGradients:
             raise RuntimeError(f"rank {self.rank}: tie {tie.name!r} has no shape yet (no shapes given, nothing "
                                f"posted), so the message from rank {peer} cannot be received")
         buffer, work = self._posted_recv.pop((tie.name, peer))
+        if isinstance(work, _FailedReceive):
+            raise work.error
         try:
             ok = work.wait(self.timeout)
         except RuntimeError as exc:
@@ -579,7 +597,7 @@ class DistributedTiedGradients:
             raise PeerError(f"rank {self.rank}: no answer from rank {peer} within "
                             f"{self.timeout.total_seconds():g} s while waiting for {what}")
         self._received[tie.name, peer] += 1
-        self._post_receive(tie, peer)  # before anything else: the peer's next send finds its receive posted
+        self._post_receive(tie, peer, ahead=True)  # before anything else: the peer's next send finds it posted
         words = buffer[_padded(tie.nbytes):].view(torch.int64).tolist()
         self._acknowledge(tie.name, peer, words[1 + tie.me])
         return words[0], buffer

@@ -214,6 +214,28 @@ def _ties_dead(rank: int, world: int, out: str, timeout: float, how: str) -> Non
     os._exit(0)  # a gloo group with a dead member can hang in teardown; the record is written
 
 
+def _last_message(rank: int, world: int, out: str) -> None:
+    """Rank 0 sends one activation, closes and leaves; rank 1 takes it only once rank 0 has closed its
+    connection (taking a message posts the receive of the next one ahead, which then cannot be posted), then
+    waits for a second one that never comes. Saves what rank 1 received and the error of the second wait."""
+    transport = DistributedTransport(rank, world, timeout=20)
+    if rank == 0:
+        transport.send(1, F, 0, Message(_t(7, (5, 3), torch.float64), 3))
+        transport.close()
+        dist.destroy_process_group()
+        return
+    time.sleep(3)  # rank 0 sends, closes and leaves meanwhile
+    message = transport.receive(1, F, 0)
+    record: dict[str, Any] = {"payload": message.payload, "tag": message.tag}
+    try:
+        transport.receive(1, F, 1)
+    except PeerError as exc:
+        record["error"] = str(exc)
+    transport.close(deliver=False)
+    torch.save(record, os.path.join(out, "last-message-1.pt"))
+    dist.destroy_process_group()
+
+
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
@@ -225,6 +247,9 @@ def main() -> None:
         _ties(rank, world, out, sys.argv[3])
     elif mode == "ties-dead":
         _ties_dead(rank, world, out, float(sys.argv[3]), sys.argv[4])
+        return
+    elif mode == "last-message":
+        _last_message(rank, world, out)
         return
     else:
         raise SystemExit(f"unknown mode {mode}")

@@ -203,3 +203,15 @@ def test_a_dead_or_silent_owner_is_reported_by_name_within_the_timeout(how, tmp_
     if how == "stall":  # nothing breaks: only the timeout can tell
         assert float(elapsed) > 0.9 * timeout, elapsed
     assert time.monotonic() - start < 90
+
+
+def test_the_last_message_is_taken_after_its_sender_has_left(tmp_path):
+    """Taking a message posts the receive of the next one ahead; a sender that has finished and closed its
+    connection makes that post fail, which is no error until a next message is waited for
+    (msg_run._last_message)."""
+    results = launch(2, "last-message", str(tmp_path), timeout=90)
+    for r in results:
+        assert r.returncode == 0, r.stdout
+    record = torch.load(tmp_path / "last-message-1.pt", weights_only=False)
+    assert torch.equal(record["payload"], msg_run._t(7, (5, 3), torch.float64)) and record["tag"] == 3
+    assert "rank 0" in record["error"], record["error"]

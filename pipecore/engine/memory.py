@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .saved import saving
+from .saved import identity, saving
 
 # The account of the forward (``account``) or backward (``backward``) running on this thread, if counted.
 _COUNTING = threading.local()
@@ -88,10 +88,6 @@ class _NothingKept(Kept):
 _NOTHING_KEPT = _NothingKept()
 
 
-def _same(t: Any) -> Any:
-    return t
-
-
 class MemoryAccount:
     """The per-micro-batch part of a stage's account (see the module docstring); :func:`static_bytes` is the
     rest."""
@@ -122,7 +118,7 @@ class MemoryAccount:
     def hooks(self) -> Any:
         """Around a forward inside :meth:`counting`: the saved-tensor hooks that count what it saves (none when
         not enabled)."""
-        return saving(self.pack, _same) if self.enabled else nullcontext()
+        return saving(self.pack, identity) if self.enabled else nullcontext()
 
     @contextmanager
     def counting(self, kept: Iterable[Any] = ()) -> Iterator[Kept]:

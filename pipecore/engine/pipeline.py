@@ -953,7 +953,8 @@ class Pipeline:
         backward), the learning rate of the stage's next update (``lr``, before per-stage scaling), the peak
         memory measured while training (``peak_bytes``: on CUDA the allocator's peak of the stage's device, on
         the CPU the stage's account of what it allocates and what its micro-batches in flight keep, see
-        ``pipecore.engine.memory``; None with ``track_memory=False``), and the median seconds of the stage's recent actions of each kind."""
+        ``pipecore.engine.memory``; None with ``track_memory=False``), and the median seconds of the stage's
+        recent actions of each kind."""
         if all_stages:
             return sorted((st for part in self._gather(self.stats()) for st in part), key=lambda st: st["stage"])
         self.synchronize()

@@ -20,7 +20,8 @@ Unpack = Callable[[Any], torch.Tensor]
 _STACK = threading.local()
 
 
-def _identity(value: Any) -> Any:
+def identity(value: Any) -> Any:
+    """A hook that packs or unpacks a saved tensor as itself."""
     return value
 
 
@@ -41,4 +42,4 @@ def saving(pack: Pack, unpack: Unpack) -> Iterator[None]:
 def outer_hooks() -> tuple[Pack, Unpack]:
     """The innermost pair installed by :func:`saving` on this thread (identities when there is none)."""
     stack = getattr(_STACK, "hooks", None)
-    return stack[-1] if stack else (_identity, _identity)
+    return stack[-1] if stack else (identity, identity)

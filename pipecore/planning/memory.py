@@ -599,10 +599,11 @@ class _Path:
         index, freed, seconds = index[keep], freed[keep], seconds[keep]
         keep = freed == freed.max()
         index, seconds = index[keep], seconds[keep]
-        length = (stop - first)[index % runs_count]
+        runs = index % runs_count
+        length = stop[runs] - first[runs]
         keep = length == length.min()
-        index, seconds = index[keep], seconds[keep]
-        firsts = first[index % runs_count]
+        index, seconds, runs = index[keep], seconds[keep], runs[keep]
+        firsts = first[runs]
         keep = firsts == firsts.min()
         index, seconds = index[keep], seconds[keep]
         kind, run = divmod(int(index[seconds == seconds.min()][0]), runs_count)

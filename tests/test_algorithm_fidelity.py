@@ -9,15 +9,17 @@ have a closed form.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
 from torch import nn
 
-from pipecore import SGD, Pipeline
+from pipecore import SGD, AdamW, Pipeline
 from pipecore.engine.flat import FlatLayout
-from pipecore.engine.optim import SGD as SGDConfig, uniform_scale
+from pipecore.engine.optim import SGD as SGDConfig, build_optimizer, uniform_scale
+from pipecore.engine.weight_change import ChangeAverage
 
 
 class Shift(nn.Module):
@@ -131,7 +133,7 @@ def test_sgd_direction_is_the_next_step_of_torch_sgd_with_the_last_gradient_agai
                           weight_decay=config.weight_decay, nesterov=config.nesterov)
     assert torch.equal(ours.direction(w), torch.zeros(7, dtype=torch.float64))  # nothing known yet
     for g in grads:
-        ours.step(w, g, w, uniform_scale(7, 1.0), None, None)
+        ours.step(w, g, w, uniform_scale(7, 1.0))
         p.grad = g.clone()
         ref.step()
     torch.testing.assert_close(w, p.detach(), rtol=0, atol=1e-14)
@@ -222,13 +224,19 @@ def test_pipemare_first_update_of_each_stage_is_the_plain_gradient_over_its_dela
         torch.testing.assert_close(got_bias, bias - lr / tau * layer.bias.grad, rtol=0, atol=1e-12)
 
 
-def test_pipemare_velocity_is_the_moving_average_of_weight_changes():
+@pytest.mark.parametrize("optimizer", [
+    SGD(lr=0.1, momentum=0.9),  # the fused kernel adds the change in its own pass
+    AdamW(lr=0.01),  # the default: the change is added after the step
+    functools.partial(torch.optim.RMSprop, lr=0.01),  # a torch optimizer, over views of the new weights
+], ids=["fused-sgd", "adamw", "torch-rmsprop"])
+def test_pipemare_velocity_is_the_moving_average_of_weight_changes(optimizer):
     """T2's velocity, rebuilt from the recorded weight history: delta <- g*delta + (1-g)*(W_new - W_old) with
-    g = D^(1/tau_s); the backward then reads W_live - tau*delta."""
-    P, m, n, lr = 3, 2, 4, 0.1
+    g = D^(1/tau_s); the backward then reads W_live - tau*delta. PipeMare keeps one version, so every update
+    overwrites the weights it changes, whichever optimizer runs it."""
+    P, m, n = 3, 2, 4
     torch.manual_seed(4)
     model = nn.Sequential(*[nn.Linear(3, 3, bias=False) for _ in range(P)]).double()
-    pipe = Pipeline(model, P, "pipemare", m, optimizer=SGD(lr=lr, momentum=0.9),
+    pipe = Pipeline(model, P, "pipemare", m, optimizer=optimizer,
                     loss_fn=lambda y, t: ((y - t) ** 2).mean(), warmup_steps=4)
     spy = ReadSpy(pipe)
     velocities = {s: {0: torch.zeros(9, dtype=torch.float64)} for s in range(P)}
@@ -257,6 +265,43 @@ def test_pipemare_velocity_is_the_moving_average_of_weight_changes():
             torch.testing.assert_close(weights, expected, rtol=0, atol=1e-14)
             corrected += 1
     assert corrected > 0
+
+
+@pytest.mark.parametrize("config", [
+    SGD(lr=0.1, momentum=0.9, weight_decay=0.01),
+    AdamW(lr=0.01),
+    functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
+], ids=["fused-sgd", "adamw", "torch-sgd"])
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "next-slot"])
+def test_a_step_averaging_the_change_makes_the_plain_step_and_adds_its_change(config, in_place):
+    """step_averaging_change = step + (avg <- d*avg + (1-d)*(new - old)), whether the step overwrites the
+    weights (one version: the old ones must be kept first) or writes the next slot; the fused SGD kernel
+    folds the average into its pass and must give the same numbers."""
+    torch.manual_seed(5)
+    layout = FlatLayout.of(nn.Linear(6, 1, bias=False).double(), 0)
+    plain, averaging = (build_optimizer(config, layout, torch.device("cpu")) for _ in range(2))
+    w = torch.randn(6, dtype=torch.float64)
+    w_plain, w_avg = w.clone(), w.clone()
+    change = ChangeAverage(torch.randn(6, dtype=torch.float64), decay=0.3)
+    expected = change.buffer.clone()
+    for _ in range(3):
+        g = torch.randn(6, dtype=torch.float64)
+        old = w_plain.clone()
+        out_plain = w_plain if in_place else torch.empty_like(w_plain)
+        plain.step(w_plain, g, out_plain, uniform_scale(6, 1.0))
+        out_avg = w_avg if in_place else torch.empty_like(w_avg)
+        averaging.step_averaging_change(w_avg, g, out_avg, uniform_scale(6, 1.0), change)
+        if not in_place:
+            torch.testing.assert_close(w_avg, old, rtol=0, atol=0)  # the old weights are left as they were
+        w_plain, w_avg = out_plain, out_avg
+        expected = 0.3 * expected + 0.7 * (w_plain - old)
+        torch.testing.assert_close(w_avg, w_plain, rtol=0, atol=0)
+        torch.testing.assert_close(change.buffer, expected, rtol=0, atol=1e-15)
+
+
+def test_the_change_average_refuses_a_decay_outside_zero_to_one():
+    with pytest.raises(ValueError, match=r"0 <= decay < 1, got 1.0"):
+        ChangeAverage(torch.zeros(2), decay=1.0)
 
 
 @pytest.mark.parametrize("correction", [True, False])

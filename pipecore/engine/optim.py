@@ -16,6 +16,7 @@ import torch
 
 from .. import ops
 from .flat import FlatLayout
+from .weight_change import ChangeAverage
 
 
 @dataclass(frozen=True)
@@ -55,12 +56,20 @@ class StageOptimizer(ABC):
         self.lr = lr
 
     @abstractmethod
-    def step(self, w: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, lr_scales: "LrScales",
-             velocity: torch.Tensor | None, velocity_decay: float | None) -> None:
-        """Write the updated weights to ``out`` (which may be ``w``); update ``velocity`` if given.
+    def step(self, w: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, lr_scales: "LrScales") -> None:
+        """Write the updated weights to ``out`` (which may be ``w``).
 
         ``lr_scales`` are ``(start, stop, scale)`` ranges covering the flat buffer in order: the learning
         rate of each range is multiplied by its scale (one range unless tied weights take a shared scale)."""
+
+    def step_averaging_change(self, w: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, lr_scales: "LrScales",
+                              change: ChangeAverage) -> None:
+        """:meth:`step`, and add the change it makes to the weights to ``change``. The old weights are copied
+        only when the step overwrites them (``out`` is ``w``); an optimizer whose pass can fold the average in
+        overrides this."""
+        old = w.clone() if out.data_ptr() == w.data_ptr() else w
+        self.step(w, grad, out, lr_scales)
+        change.add(old, out)
 
     def track_direction(self) -> None:
         """Keep what :meth:`direction` needs from every step on. Stages whose reads predict weights call
@@ -118,14 +127,22 @@ class FusedSGD(StageOptimizer):
         if self.next_direction is None:
             self.next_direction = _state_tensor(self._layout, self._device)  # zero before the first step
 
-    def step(self, w, grad, out, lr_scales, velocity, velocity_decay):
+    def step(self, w, grad, out, lr_scales):
+        self._step(w, grad, out, lr_scales, None)
+
+    def step_averaging_change(self, w, grad, out, lr_scales, change):
+        self._step(w, grad, out, lr_scales, change)  # the kernel adds the change in its own pass
+
+    def _step(self, w: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, lr_scales: "LrScales",
+              change: ChangeAverage | None) -> None:
         c = self.config
+        delta = None if change is None else change.buffer
         for start, stop, scale in lr_scales:
             ops.sgd_step(
                 w[start:stop], grad[start:stop], _part(self.momentum_buf, start, stop), lr=self.lr * scale,
                 momentum=c.momentum, dampening=c.dampening, weight_decay=c.weight_decay, nesterov=c.nesterov,
-                first_step=self.steps == 0, out=out[start:stop], delta=_part(velocity, start, stop),
-                delta_decay=velocity_decay,
+                first_step=self.steps == 0, out=out[start:stop], delta=_part(delta, start, stop),
+                delta_decay=None if change is None else change.decay,
             )
         if self.next_direction is not None:
             self._estimate_next_direction(grad, out)
@@ -183,9 +200,8 @@ class FusedAdamW(StageOptimizer):
         self.exp_avg_sq = _state_tensor(layout, device)
         self.steps = 0
 
-    def step(self, w, grad, out, lr_scales, velocity, velocity_decay):
+    def step(self, w, grad, out, lr_scales):
         c = self.config
-        old = w.clone() if velocity is not None else None
         self.steps += 1
         for start, stop, scale in lr_scales:
             ops.adamw_step(
@@ -193,8 +209,6 @@ class FusedAdamW(StageOptimizer):
                 step=self.steps, lr=self.lr * scale, beta1=c.betas[0], beta2=c.betas[1], eps=c.eps,
                 weight_decay=c.weight_decay, out=out[start:stop],
             )
-        if velocity is not None:
-            _update_velocity(velocity, velocity_decay, out, old)
 
     def track_direction(self):
         pass  # the moments are all the direction needs
@@ -217,11 +231,6 @@ class FusedAdamW(StageOptimizer):
         self.exp_avg_sq.copy_(state["exp_avg_sq"])
 
 
-def _update_velocity(velocity: torch.Tensor, decay: float | None, new: torch.Tensor, old: torch.Tensor) -> None:
-    assert decay is not None
-    velocity.mul_(decay).add_(new.to(velocity.dtype) - old.to(velocity.dtype), alpha=1.0 - decay)
-
-
 class TorchOptimizer(StageOptimizer):
     """Any torch optimizer, unfused, over parameter views of the slot being written."""
 
@@ -239,7 +248,7 @@ class TorchOptimizer(StageOptimizer):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def step(self, w, grad, out, lr_scales, velocity, velocity_decay):
+    def step(self, w, grad, out, lr_scales):
         scales = {scale for _, _, scale in lr_scales}
         if len(scales) != 1:
             raise ValueError(
@@ -248,7 +257,6 @@ class TorchOptimizer(StageOptimizer):
                 "rate: use pipecore.SGD or pipecore.AdamW, or turn the scaling off (lr_rescheduling=False)"
             )
         (lr_scale,) = scales
-        old = w.clone() if velocity is not None else None
         if out.data_ptr() != w.data_ptr():
             out.copy_(w)
         for p, view, g in zip(self.params, self.layout.views(out).values(), self.layout.views(grad).values()):
@@ -262,8 +270,6 @@ class TorchOptimizer(StageOptimizer):
             group["lr"] = lr
         for p in self.params:
             p.grad = None
-        if velocity is not None:
-            _update_velocity(velocity, velocity_decay, out, old)
 
     def state_dict(self):
         return {"torch": self.optimizer.state_dict()}

@@ -41,6 +41,7 @@ from .split_backward import PendingWeightGradients, input_gradient, weight_gradi
 from .memory import MemoryAccount
 from .saved import saving
 from .undo import StageSnapshot, UndoPoint
+from .weight_change import ChangeAverage
 
 
 # Stage threads share torch's global random generator. The recompute rule saves its state before a
@@ -129,9 +130,10 @@ class TensorStage(StageWorker):
         self.layout.gather(module, flat)
         self.ring = WeightRing.from_flat(flat, num_slots, version=0)
         self.scratch = torch.empty_like(flat) if derived else None
+        # PipeMare's weight velocity, where the algorithm keeps one: the average of the updates' weight changes.
         decay = algorithm.velocity_decay(stage)
         self.velocity = torch.zeros(self.layout.buffer_numel, dtype=_state_dtype(flat.dtype), device=device) if decay is not None else None
-        self.velocity_decay = decay
+        self._weight_change = None if self.velocity is None else ChangeAverage(self.velocity, decay)
         self.optimizer = optimizer
         # The learning rate by update index (Pipeline's lr_scheduler); None: the optimizer's own rate.
         self.lr_schedule: LrSchedule | None = None
@@ -593,7 +595,10 @@ class TensorStage(StageWorker):
         else:
             if self.lr_schedule is not None:
                 self.optimizer.set_lr(self._scheduled_lr)
-            self.optimizer.step(w, self.grad, out, self._lr_scales(info), self.velocity, self.velocity_decay)
+            if self._weight_change is None:
+                self.optimizer.step(w, self.grad, out, self._lr_scales(info))
+            else:
+                self.optimizer.step_averaging_change(w, self.grad, out, self._lr_scales(info), self._weight_change)
         if target_slot == live_slot:
             self.ring.advance(info.new_version)
         else:

@@ -38,7 +38,8 @@ from .optim import SGD, build_optimizer
 from .partition import stage_starts
 from .offload import offload_segments
 from .recompute import recompute_segments
-from .stage import _GLOBAL_RANDOM, TensorStage, buffer_copies
+from .backward_rules import GLOBAL_RANDOM, buffer_copies
+from .stage import TensorStage
 from .undo import Unrecoverable, UndoPoint, minibatches_in_flight, release, undo
 from .tied import StageTies
 
@@ -476,7 +477,7 @@ class Pipeline:
             oldest = self._undo_steps[0][2] if self._undo_steps else None
             epoch = self._tie_exchange.new_epoch(forget_before=oldest)
         cuda = sorted({st.device.index or 0 for st in self.stages.values() if st.device.type == "cuda"})
-        with _GLOBAL_RANDOM:  # not halfway through a recomputation's replay of a forward's random state
+        with GLOBAL_RANDOM:  # not halfway through a recomputation's replay of a forward's random state
             random = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in cuda], cuda)
         self._undo_steps.append((minibatch, random, epoch))
         kept = {j * m for j, _, _ in self._undo_steps}

@@ -1,28 +1,22 @@
 """The tensor stage: a :class:`~pipecore.runtime.StageWorker` whose hooks run a module chunk on real tensors.
 
 Weights live in a :class:`~pipecore.ring.WeightRing`: each version is a slot; a forward runs the module
-with its parameters as views of the slot (or of a scratch buffer holding derived weights). Saved weight
-tensors are packed as references (``saved_tensors_hooks``), so at backward time the graph reads whichever
-weights the version policy chose: the forward's own (``stash``), the backward read substituted into the
-forward's graph (``swap``), or a fresh forward with the backward read on the saved input (``recompute``).
+with its parameters as views of the slot (or of a scratch buffer holding derived weights). How a backward
+reads the weights the version policy chose (the forward's own, or others) is its backward rule
+(:mod:`pipecore.engine.backward_rules`); the stage runs the rest the same for every rule.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-import threading
 import time
 from array import array
 from collections import defaultdict
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
-import torch.utils._pytree as pytree
-from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from ..algorithms.base import Algorithm, WeightRead
 from ..algorithms.derivations import derive
@@ -30,6 +24,7 @@ from ..ring import WeightRing
 from ..runtime.worker import ActionRecord, Message, StageWorker
 from ..schedule.ir import Action, traced
 from ..versions import UpdateInfo
+from .backward_rules import RULES, BackwardRule, InFlight
 from .flat import FlatLayout
 from .graph import StageGraph
 from .inputs import as_payload, from_payload, to_device
@@ -39,16 +34,8 @@ from .lr import LrSchedule
 from .optim import LrScales, StageOptimizer, uniform_scale
 from .split_backward import PendingWeightGradients, input_gradient, weight_gradients
 from .memory import MemoryAccount
-from .saved import saving
 from .undo import StageSnapshot, UndoPoint
 from .weight_change import ChangeAverage
-
-
-# Stage threads share torch's global random generator. The recompute rule saves its state before a
-# forward and replays it to recompute that forward in the backward: no other stage may draw in between
-# (the saved state would not be the one the forward drew from), and the replay, which restores the state
-# afterwards, must not rewind another stage's draws.
-_GLOBAL_RANDOM = threading.Lock()
 
 
 class _RecentSeconds:
@@ -70,27 +57,6 @@ class _RecentSeconds:
 
     def median(self) -> float:
         return statistics.median(self.values[: min(self.count, len(self.values))])
-
-
-@dataclass
-class _InFlight:
-    """What a forward leaves for its backward."""
-
-    inputs: tuple[Any, ...]               # the stage's arguments (those that carry a gradient require grad)
-    leaves: list[torch.Tensor] | None     # per-parameter autograd leaves (views of the weights read)
-    outputs: Any                          # the values sent (a tuple), or the last stage's loss
-    forward_weights: torch.Tensor | None  # kept only under the stash rule
-    rng_state: Any                        # kept only under the recompute rule: (CPU state, CUDA state or None)
-    target: torch.Tensor | None = None    # last stage, recompute rule: the loss is recomputed too
-
-
-class _WeightRef:
-    """A saved weight tensor, recorded as its layout inside the flat weights it was a view of."""
-
-    __slots__ = ("size", "stride", "offset")
-
-    def __init__(self, size: torch.Size, stride: tuple[int, ...], offset: int):
-        self.size, self.stride, self.offset = size, stride, offset
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -163,17 +129,13 @@ class TensorStage(StageWorker):
         self.target = target
         self.on_nonfinite = on_nonfinite
         self.is_last = stage == algorithm.num_stages - 1
-        self.in_flight: dict[int, _InFlight] = {}
+        self.in_flight: dict[int, InFlight] = {}
         self.losses: dict[int, float] = {}
         self._unread_losses: dict[int, torch.Tensor] = {}  # last stage: losses not read from the device yet
         self.pinned_versions: set[int] = set()
         self.seconds: dict[str, float] = defaultdict(float)
         self.recent_seconds: dict[str, _RecentSeconds] = defaultdict(_RecentSeconds)
-        self._packing: torch.Tensor | None = None
-        # The swap rule's check for weights transformed before they are saved: on the first forward only.
-        self._weight_tracker: _WeightDerived | None = None
-        self._swap_checked = False
-        self._unpack_target: torch.Tensor | None = None
+        self._rules: dict[str, BackwardRule] = {}  # see rule: one instance per rule this stage has used
         # Send the input gradient before computing weight gradients (see split_backward); the pipeline's
         # split_backward option sets it for every stage but the first.
         self.split_backward = False
@@ -273,57 +235,19 @@ class TensorStage(StageWorker):
         rule = self.algorithm.backward_rule
         return "recompute" if rule == "swap" and self.autocast is not None else rule
 
+    @property
+    def rule(self) -> BackwardRule:
+        """The :class:`~pipecore.engine.backward_rules.BackwardRule` that :attr:`backward_rule` names."""
+        name = self.backward_rule
+        rule = self._rules.get(name)
+        if rule is None:
+            rule = self._rules[name] = RULES[name]()
+        return rule
+
     def _autocast(self) -> AbstractContextManager:
         if self.autocast is None:
             return nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast)
-
-    def _random_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        return torch.get_rng_state(), cuda
-
-    def _set_random_state(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-        cpu, cuda = state
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, self.device)
-
-    # -- saved-tensor hooks: weights are saved as references ------------------------------------
-
-    def _pack(self, t: torch.Tensor) -> Any:
-        self.memory.note(t)
-        flat = self._packing
-        if flat is not None and t.device == flat.device and t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
-            offset = t.storage_offset() - flat.storage_offset()
-            if 0 <= offset < flat.numel():
-                return _WeightRef(t.size(), t.stride(), offset)
-        self._check_saved(t)
-        return t
-
-    def _check_saved(self, t: torch.Tensor) -> None:
-        """Under the swap rule, a saved tensor computed from the weights alone (a cast, a parametrization)
-        would keep the forward's values: the backward could not swap it. Checked on the first forward."""
-        tracker = self._weight_tracker
-        if tracker is None:
-            return
-        # Operators save views (a linear saves its weight transposed): the view's base is what was recorded.
-        sources = tracker.derived.get(id(t)) or (tracker.derived.get(id(t._base)) if t._base is not None else None)
-        if sources:
-            params = [self.layout.names[i] for i in sorted(sources)]
-            modules = sorted({name.rpartition(".")[0] or "(the stage's top module)" for name in params})
-            raise ValueError(
-                f"stage {self.stage}: module(s) {', '.join(modules)} transform their weights before autograd saves "
-                f"them (a cast, a parametrization or a compiled module; parameters {', '.join(params)}), so the "
-                "'swap' backward rule cannot give the backward other weights than the forward's; pass "
-                "backward_rule='recompute' (or 'stash')"
-            )
-
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, _WeightRef):
-            target = self._unpack_target
-            assert target is not None, "a saved weight was unpacked outside a backward"
-            return target.as_strided(packed.size, packed.stride, target.storage_offset() + packed.offset)
-        return packed
 
     def _views(self, weights: torch.Tensor) -> list[torch.Tensor]:
         """Parameter-shaped views of ``weights``, cached for ring slots and the scratch buffer (they never move)."""
@@ -398,115 +322,67 @@ class TensorStage(StageWorker):
     def compute_forward(self, action: Action, read: WeightRead, payload: Any) -> Any:
         t0 = time.perf_counter()
         k = action.index
-        rule = self.backward_rule
         weights = self.materialize(read)
-        if rule == "stash" and read.derivation is not None:
-            weights = weights.clone()  # the scratch is reused; the backward needs these exact values
         inputs = self._stage_inputs(payload)
         target = self.target(k) if self.is_last else None
         self.mutated = True  # the module may update buffers (BatchNorm) and draws random numbers
         with self.memory.counting((*inputs, target)) as kept:
-            if rule == "recompute":
-                with _GLOBAL_RANDOM, torch.no_grad():
-                    rng = self._random_state()
-                    with self._autocast():
-                        y = self._forward_checked(self._views(weights), inputs)
-                        if self.is_last:
-                            self._loss(k, y, target)
-                    if not self.is_last:
-                        y = self._stage_outputs(y)
-                record = _InFlight(inputs, None, None, None, rng, target)
-            else:
-                leaves = self._leaves(weights)
-                if rule == "swap":
-                    # Saved weights become references, resolved to the backward's weights when it runs.
-                    self._packing = weights
-                    tracker = self._weight_tracker = None if self._swap_checked else _WeightDerived(leaves, inputs)
-                    try:
-                        with saving(self._pack, self._unpack), \
-                                (tracker if tracker is not None else nullcontext()):
-                            y = self._forward_checked(leaves, inputs)
-                            loss = self._loss(k, y, target) if self.is_last else None
-                    finally:
-                        self._packing = self._weight_tracker = None
-                    self._swap_checked = True
-                else:
-                    # stash: the graph keeps the forward's own weights, which stay pinned until the backward.
-                    with self._autocast(), self.memory.hooks():
-                        y = self._forward_checked(leaves, inputs)
-                        loss = self._loss(k, y, target) if self.is_last else None
-                if not self.is_last:
-                    y = self._stage_outputs(y)
-                stashed = weights if rule == "stash" else None
-                record = _InFlight(inputs, leaves, loss if self.is_last else y, stashed, None)
+            y, record = self.rule.forward(self, k, weights, read.derivation is not None, inputs, target)
         self.memory.forwarded(k, kept, () if self.is_last else y)
         self.in_flight[k] = record
         self.sync_ring()
         self._timed("F", t0)
         return None if self.is_last else as_payload(tuple(t.detach() for t in y))
 
+    def _run_forward(self, k: int, params: Sequence[torch.Tensor], inputs: tuple[Any, ...],
+                     target: torch.Tensor | None) -> Any:
+        """The module on ``inputs`` with ``params`` as its parameters: the loss at the last stage, the checked
+        outputs before it (what every backward rule runs in its forward)."""
+        y = self._forward_checked(params, inputs)
+        return self._loss(k, y, target) if self.is_last else self._stage_outputs(y)
+
     def compute_backward(self, action: Action, reads: Sequence[WeightRead], forward_reads: Sequence[WeightRead],
                          payloads: Sequence[Any]) -> list[Any]:
         t0 = time.perf_counter()
         self._last_backward_count = len(action.microbatches)
+        rule = self.rule
         outs = []
         # A recomputed segment's transient counts against this stage (on the CPU; CUDA's allocator sees it).
         with self.memory.backward():
             for k, read, grad_out in zip(action.microbatches, reads, payloads):
                 self.memory.released()  # the action's previous micro-batch, if any, is done
-                rec = self.in_flight[k]  # taken out once the backward starts changing state (see _committed)
-                if self.backward_rule == "recompute":
-                    params = self._leaves(self.materialize(read))
-                    inputs = tuple(x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.requires_grad
-                                   else x for x in rec.inputs)
-                    cuda = [self.device] if self.device.type == "cuda" else []
-                    # The forward's random state (dropout masks) and buffers: the recomputation must draw the
-                    # same masks, and BatchNorm must not count the micro-batch in its running statistics twice.
-                    with _GLOBAL_RANDOM, torch.random.fork_rng(devices=cuda), buffer_copies([self.module]), \
-                            self._autocast(), self.memory.counting() as recomputed, self.memory.hooks():
-                        self._set_random_state(rec.rng_state)
-                        y = self._run_module(params, inputs)
-                        output = (self._loss_fn(y, rec.target) / self.algorithm.update_every if self.is_last
-                                  else tuple(y))
-                    self.memory.transient(recomputed.nbytes())
-                    leaves = params
-                else:
-                    leaves, output, inputs = rec.leaves, rec.outputs, rec.inputs
-                    if rec.forward_weights is None:
-                        self._unpack_target = self.materialize(read)
+                # Taken out of in_flight once the backward starts changing state (see _committed).
+                graph = rule.graph(self, self.in_flight[k], read)
+                inputs = graph.inputs
                 # The first stage has no upstream neighbour: a user input that requires grad gets nothing.
                 wanted = ([x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad] if self.stage > 0
                           else [])
                 if self.is_last:
-                    tensors, grads = [output], None
+                    tensors, grads = [graph.outputs], None
                 else:
-                    pairs = [(y, g) for y, g in zip(output, from_payload(grad_out, len(output)))
+                    pairs = [(y, g) for y, g in zip(graph.outputs, from_payload(grad_out, len(graph.outputs)))
                              if g is not None and y.requires_grad]
                     tensors, grads = [y for y, _ in pairs], [g for _, g in pairs]
-                if not (leaves or wanted) or not tensors:  # nothing to differentiate, or no gradient arrived
-                    self._unpack_target = None
+                if not (graph.leaves or wanted) or not tensors:  # nothing to differentiate, or no gradient arrived
                     self._committed(k)
                     outs.append(None if self.stage == 0 else as_payload((None,) * len(inputs)))
                     continue
                 # Only the action's last micro-batch defers: an earlier one's derived weights (scratch) are
                 # overwritten by the next micro-batch's read. Split backwards take one tensor in and one out.
-                if (self.split_backward and len(wanted) == 1 and len(inputs) == 1 and len(tensors) == 1 and leaves
-                        and k == action.microbatches[-1]):
+                if (self.split_backward and len(wanted) == 1 and len(inputs) == 1 and len(tensors) == 1
+                        and graph.leaves and k == action.microbatches[-1]):
                     self._committed(k)
-                    try:
-                        dx, pending = input_gradient(tensors[0], None if grads is None else grads[0], wanted[0], leaves)
-                        self._deferred = (pending, self._unpack_target)
-                    finally:
-                        self._unpack_target = None
+                    with rule.reading(graph.weights):
+                        dx, pending = input_gradient(tensors[0], None if grads is None else grads[0], wanted[0],
+                                                     graph.leaves)
+                    self._deferred = (pending, graph.weights)
                     outs.append(dx)
                     continue
                 # Weight gradients accumulate into the leaves' .grad, the gradient buffer (see _leaves); a
                 # parameter that takes no part gets nothing added.
                 self._committed(k)
-                try:
-                    torch.autograd.backward(tensors, grad_tensors=grads, inputs=leaves + wanted)
-                finally:
-                    self._unpack_target = None
+                with rule.reading(graph.weights):
+                    torch.autograd.backward(tensors, grad_tensors=grads, inputs=graph.leaves + wanted)
                 if self.stage == 0:
                     outs.append(None)
                 else:
@@ -532,11 +408,9 @@ class TensorStage(StageWorker):
         if self._deferred is None:
             return
         t0 = time.perf_counter()
-        (pending, self._unpack_target), self._deferred = self._deferred, None
-        try:
+        (pending, weights), self._deferred = self._deferred, None
+        with self.rule.reading(weights):
             self._accumulate(weight_gradients(pending, len(self._grad_views)))
-        finally:
-            self._unpack_target = None
         seconds = time.perf_counter() - t0
         self.seconds["B"] += seconds
         self.recent_seconds["B"].add_to_last(seconds)  # the rest of the backward whose input gradient went first
@@ -813,60 +687,3 @@ def _describe(value: Any, names: Sequence[str] = ()) -> str:
 
 def _state_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-class _WeightDerived(TorchFunctionMode):
-    """Records, during one forward, which tensors are computed from the weights alone (a cast, a
-    parametrization, ``weight * mask``): outputs of torch functions that take a weight or such a tensor and no
-    value computed from the stage's inputs. Constants (buffers, numbers) do not count either way."""
-
-    def __init__(self, weights: Sequence[torch.Tensor], inputs: Sequence[Any]):
-        super().__init__()
-        self.weight_index = {id(w): i for i, w in enumerate(weights)}
-        self.data = {id(x) for x in inputs if isinstance(x, torch.Tensor)}
-        self.derived: dict[int, set[int]] = {}  # id of a weight-derived tensor -> the weights it comes from
-        self._keep: list[torch.Tensor] = []  # the tensors recorded, kept alive so that their ids stay theirs
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if any(id(t) in self.data for t in tensors):
-            self.data.update(id(t) for t in outputs)
-            self._keep += outputs
-            return out
-        sources: set[int] = set()
-        for t in tensors:
-            if id(t) in self.weight_index:
-                sources.add(self.weight_index[id(t)])
-            sources |= self.derived.get(id(t), set())
-        if sources:
-            for t in outputs:
-                self.derived[id(t)] = sources
-            self._keep += outputs
-        return out
-
-
-@contextmanager
-def buffer_copies(modules: Sequence[nn.Module]) -> Iterator[None]:
-    """Inside the block, every buffer of ``modules`` and their submodules is a copy (one per tensor, so a
-    buffer held in several places stays shared); the originals come back after it, untouched by what the block
-    did (BatchNorm updating its running statistics). Copies rather than restoring the values afterwards: a
-    graph in flight may have saved the buffers, and autograd refuses a backward through a tensor modified in
-    place since, even back to its old values."""
-    unique = {id(m): m for root in modules for m in root.modules()}
-    copies: dict[int, torch.Tensor] = {}
-    swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
-    for m in unique.values():
-        for name, b in list(m._buffers.items()):
-            if b is None:
-                continue
-            if id(b) not in copies:
-                copies[id(b)] = b.detach().clone()
-            m._buffers[name] = copies[id(b)]
-            swapped.append((m, name, b))
-    try:
-        yield
-    finally:
-        for m, name, original in swapped:
-            m._buffers[name] = original

@@ -1,0 +1,290 @@
+"""Backward rules: how a stage's backward differentiates with the weights its read names.
+
+A forward reads one weight version and a backward may read another (the version policy decides). Each rule
+is one way to give the backward its weights, chosen by the algorithm's ``backward_rule`` option:
+
+* ``stash`` (:class:`Stash`): the forward's graph keeps the forward's own weights, pinned until the backward.
+  Only right when the backward reads what the forward read (or the policy pins it: PipeDream).
+* ``swap`` (:class:`Swap`): the forward's graph saves its weights as references (``saved_tensors_hooks``),
+  resolved to the backward's read when the backward runs. One forward, no copy of the weights.
+* ``recompute`` (:class:`Recompute`): the forward keeps only its inputs; the backward runs the forward again
+  with its own read, replaying the forward's random state (dropout masks) on copies of the buffers
+  (BatchNorm's running statistics count each micro-batch once).
+
+A rule builds the :class:`InFlight` record of a forward, turns it into what the backward differentiates
+(:meth:`BackwardRule.graph`), and wraps every autograd pass of that backward (:meth:`BackwardRule.reading`).
+The stage runs the rest (inputs, outputs, the loss, gradients), the same for every rule.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ..algorithms.base import WeightRead
+from .saved import saving
+
+if TYPE_CHECKING:
+    from .stage import TensorStage
+
+# Stage threads share torch's global random generator. The recompute rule saves its state before a
+# forward and replays it to recompute that forward in the backward: no other stage may draw in between
+# (the saved state would not be the one the forward drew from), and the replay, which restores the state
+# afterwards, must not rewind another stage's draws.
+GLOBAL_RANDOM = threading.Lock()
+
+
+@dataclass
+class InFlight:
+    """What a forward leaves for its backward."""
+
+    inputs: tuple[Any, ...]               # the stage's arguments (those that carry a gradient require grad)
+    leaves: list[torch.Tensor] | None     # per-parameter autograd leaves (views of the weights read)
+    outputs: Any                          # the values sent (a tuple), or the last stage's loss
+    forward_weights: torch.Tensor | None  # kept only under the stash rule
+    rng_state: Any                        # kept only under the recompute rule: (CPU state, CUDA state or None)
+    target: torch.Tensor | None = None    # last stage, recompute rule: the loss is recomputed too
+
+
+@dataclass
+class BackwardGraph:
+    """What one micro-batch's backward differentiates: the output (the loss, or the values sent), the leaves
+    its weight gradients go to, the stage's inputs, and the weights its autograd passes read (see
+    :meth:`BackwardRule.reading`; None where the graph already holds them)."""
+
+    leaves: list[torch.Tensor]
+    outputs: Any
+    inputs: tuple[Any, ...]
+    weights: torch.Tensor | None = None
+
+
+class BackwardRule:
+    """One way to give a backward its weights (see the module docstring). One instance per stage."""
+
+    name: str
+
+    def forward(self, stage: "TensorStage", k: int, weights: torch.Tensor, derived: bool, inputs: tuple[Any, ...],
+                target: torch.Tensor | None) -> tuple[Any, InFlight]:
+        """Run micro-batch ``k``'s forward on ``weights`` (``derived``: the scratch buffer, which the next
+        derived read overwrites); return the stage's output (checked outputs, or the loss at the last stage)
+        and what the backward needs."""
+        raise NotImplementedError
+
+    def graph(self, stage: "TensorStage", record: InFlight, read: WeightRead) -> BackwardGraph:
+        """What the backward of ``record``'s micro-batch differentiates, reading the weights ``read`` names."""
+        raise NotImplementedError
+
+    def reading(self, weights: torch.Tensor | None) -> AbstractContextManager[Any]:
+        """Around each autograd pass of a backward: the saved weights it unpacks are ``weights``."""
+        return nullcontext()
+
+
+class Stash(BackwardRule):
+    """The graph keeps the forward's own weights; the backward differentiates it as it is."""
+
+    name = "stash"
+
+    def forward(self, stage, k, weights, derived, inputs, target):
+        if derived:
+            weights = weights.clone()  # the scratch is reused; the backward needs these exact values
+        leaves = stage._leaves(weights)
+        with stage._autocast(), stage.memory.hooks():
+            y = stage._run_forward(k, leaves, inputs, target)
+        return y, InFlight(inputs, leaves, y, weights, None)
+
+    def graph(self, stage, record, read):
+        return BackwardGraph(record.leaves, record.outputs, record.inputs)  # the read is the forward's
+
+
+class _WeightRef:
+    """A saved weight tensor, recorded as its layout inside the flat weights it was a view of."""
+
+    __slots__ = ("size", "stride", "offset")
+
+    def __init__(self, size: torch.Size, stride: tuple[int, ...], offset: int):
+        self.size, self.stride, self.offset = size, stride, offset
+
+
+class Swap(BackwardRule):
+    """Saved weights are references into the flat weights, resolved to the backward's read when it unpacks
+    them. A saved tensor is one of the weights when it shares the flat buffer's storage: autograd hands the
+    pack hook new tensor objects, so only the memory they view identifies them."""
+
+    name = "swap"
+
+    def __init__(self) -> None:
+        self._packing: torch.Tensor | None = None  # the forward's flat weights, while it runs
+        self._memory: Any = None  # the stage's memory account, while a forward runs
+        self._unpack_target: torch.Tensor | None = None  # the backward's flat weights, while it runs
+        # The check for weights transformed before they are saved runs on the first forward only.
+        self._tracker: _WeightDerived | None = None
+        self._checked = False
+        self._names: Sequence[str] = ()
+        self._stage = -1
+
+    def forward(self, stage, k, weights, derived, inputs, target):
+        leaves = stage._leaves(weights)
+        self._packing, self._memory, self._names, self._stage = weights, stage.memory, stage.layout.names, stage.stage
+        tracker = self._tracker = None if self._checked else _WeightDerived(leaves, inputs)
+        try:
+            with saving(self._pack, self._unpack), (tracker if tracker is not None else nullcontext()):
+                y = stage._run_forward(k, leaves, inputs, target)
+        finally:
+            self._packing = self._memory = self._tracker = None
+        self._checked = True
+        return y, InFlight(inputs, leaves, y, None, None)
+
+    def graph(self, stage, record, read):
+        return BackwardGraph(record.leaves, record.outputs, record.inputs, stage.materialize(read))
+
+    @contextmanager
+    def reading(self, weights: torch.Tensor | None) -> Iterator[None]:
+        self._unpack_target = weights
+        try:
+            yield
+        finally:
+            self._unpack_target = None
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        self._memory.note(t)
+        flat = self._packing
+        if flat is not None and t.device == flat.device and t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
+            offset = t.storage_offset() - flat.storage_offset()
+            if 0 <= offset < flat.numel():
+                return _WeightRef(t.size(), t.stride(), offset)
+        self._check_saved(t)
+        return t
+
+    def _check_saved(self, t: torch.Tensor) -> None:
+        """A saved tensor computed from the weights alone (a cast, a parametrization) would keep the forward's
+        values: the backward could not swap it. Checked on the first forward."""
+        tracker = self._tracker
+        if tracker is None:
+            return
+        # Operators save views (a linear saves its weight transposed): the view's base is what was recorded.
+        sources = tracker.derived.get(id(t)) or (tracker.derived.get(id(t._base)) if t._base is not None else None)
+        if sources:
+            params = [self._names[i] for i in sorted(sources)]
+            modules = sorted({name.rpartition(".")[0] or "(the stage's top module)" for name in params})
+            raise ValueError(
+                f"stage {self._stage}: module(s) {', '.join(modules)} transform their weights before autograd saves them (a cast, a "
+                f"parametrization or a compiled module; parameters {', '.join(params)}), so the 'swap' backward "
+                "rule cannot give the backward other weights than the forward's; pass backward_rule='recompute' "
+                "(or 'stash')"
+            )
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _WeightRef):
+            target = self._unpack_target
+            assert target is not None, "a saved weight was unpacked outside a backward"
+            return target.as_strided(packed.size, packed.stride, target.storage_offset() + packed.offset)
+        return packed
+
+
+class Recompute(BackwardRule):
+    """The forward keeps its inputs and random state; the backward recomputes it with its own read."""
+
+    name = "recompute"
+
+    def forward(self, stage, k, weights, derived, inputs, target):
+        with GLOBAL_RANDOM, torch.no_grad():
+            rng = _random_state(stage.device)
+            with stage._autocast():
+                y = stage._run_forward(k, stage._views(weights), inputs, target)
+        return y, InFlight(inputs, None, None, None, rng, target)
+
+    def graph(self, stage, record, read):
+        params = stage._leaves(stage.materialize(read))
+        inputs = tuple(x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.requires_grad else x
+                       for x in record.inputs)
+        cuda = [stage.device] if stage.device.type == "cuda" else []
+        # The forward's random state (dropout masks) and buffers: the recomputation must draw the same masks,
+        # and BatchNorm must not count the micro-batch in its running statistics twice.
+        with GLOBAL_RANDOM, torch.random.fork_rng(devices=cuda), buffer_copies([stage.module]), \
+                stage._autocast(), stage.memory.counting() as recomputed, stage.memory.hooks():
+            _set_random_state(record.rng_state, stage.device)
+            y = stage._run_module(params, inputs)
+            outputs = (stage._loss_fn(y, record.target) / stage.algorithm.update_every if stage.is_last
+                       else tuple(y))
+        stage.memory.transient(recomputed.nbytes())  # counts against the stage on the CPU (CUDA's allocator sees it)
+        return BackwardGraph(params, outputs, inputs)
+
+
+#: The rules by the names ``backward_rule`` takes.
+RULES: dict[str, type[BackwardRule]] = {rule.name: rule for rule in (Stash, Swap, Recompute)}
+
+
+def _random_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_random_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+
+
+class _WeightDerived(TorchFunctionMode):
+    """Records, during one forward, which tensors are computed from the weights alone (a cast, a
+    parametrization, ``weight * mask``): outputs of torch functions that take a weight or such a tensor and no
+    value computed from the stage's inputs. Constants (buffers, numbers) do not count either way."""
+
+    def __init__(self, weights: Sequence[torch.Tensor], inputs: Sequence[Any]):
+        super().__init__()
+        self.weight_index = {id(w): i for i, w in enumerate(weights)}
+        self.data = {id(x) for x in inputs if isinstance(x, torch.Tensor)}
+        self.derived: dict[int, set[int]] = {}  # id of a weight-derived tensor -> the weights it comes from
+        self._keep: list[torch.Tensor] = []  # the tensors recorded, kept alive so that their ids stay theirs
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if any(id(t) in self.data for t in tensors):
+            self.data.update(id(t) for t in outputs)
+            self._keep += outputs
+            return out
+        sources: set[int] = set()
+        for t in tensors:
+            if id(t) in self.weight_index:
+                sources.add(self.weight_index[id(t)])
+            sources |= self.derived.get(id(t), set())
+        if sources:
+            for t in outputs:
+                self.derived[id(t)] = sources
+            self._keep += outputs
+        return out
+
+
+@contextmanager
+def buffer_copies(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Inside the block, every buffer of ``modules`` and their submodules is a copy (one per tensor, so a
+    buffer held in several places stays shared); the originals come back after it, untouched by what the block
+    did (BatchNorm updating its running statistics). Copies rather than restoring the values afterwards: a
+    graph in flight may have saved the buffers, and autograd refuses a backward through a tensor modified in
+    place since, even back to its old values."""
+    unique = {id(m): m for root in modules for m in root.modules()}
+    copies: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+    for m in unique.values():
+        for name, b in list(m._buffers.items()):
+            if b is None:
+                continue
+            if id(b) not in copies:
+                copies[id(b)] = b.detach().clone()
+            m._buffers[name] = copies[id(b)]
+            swapped.append((m, name, b))
+    try:
+        yield
+    finally:
+        for m, name, original in swapped:
+            m._buffers[name] = original

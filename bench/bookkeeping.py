@@ -4,8 +4,10 @@
 ``python bench/bookkeeping.py [--batches 256,1024] [--algorithms 1f1b,2bw,pipedream] [--rounds 9]
 [--out bench/results/bookkeeping-cpu.json]``
 
-* ``recover=True`` (default): each stage copies its live weights and optimizer state once per step (before its
-  first update of the step) and its buffers, so that a failed step can be undone.
+* ``recover=True`` (default): each stage copies its optimizer state once per step (before its first
+  update of the step), its live weights of then unless the weight ring still holds them when the step
+  completes (1f1b updates in place and always copies them; 2bw mostly does not), and its buffers, so that a
+  failed step can be undone.
 * ``track_memory=True`` (default): each CPU stage counts what its forwards save for the backward
   (``stats()[s]["peak_bytes"]``) through saved-tensor hooks: a Python call per saved tensor in every forward
   and backward, and with stages on threads a wait for the GIL inside the backward.

@@ -168,6 +168,56 @@ def test_the_first_step_failing_leaves_a_fresh_pipeline(algorithm):
     assert_same((losses, state), train(algorithm, flush_at=0, steps=4)[:2])
 
 
+@pytest.mark.parametrize("algorithm,in_place", [("1f1b", True), ("2bw", False), ("i-timeprest", False)])
+def test_undo_snapshots_copy_the_weights_only_before_the_ring_loses_them(algorithm, in_place, monkeypatch):
+    """A step's snapshot copies the stage's weights only when their ring slot is about to be written: 1f1b
+    updates in place (a copy at every snapshot), 2bw and i-timeprest write the next version into another slot,
+    so most snapshots are dropped before their version's slot is reused. A step that fails after stage 0's
+    update is undone exactly as with snapshots that copy at once: from the copies (1f1b), from the ring (2bw),
+    or both (i-timeprest's last stage keeps one version)."""
+    import pipecore.engine.pipeline as pipeline_module
+    from pipecore.engine.undo import StageSnapshot
+
+    def run(copy_at_once: bool) -> tuple:
+        taken, copied, undone_from = [], [], []
+        with monkeypatch.context() as patch:
+            original_of, original_keep = StageSnapshot.of.__func__, StageSnapshot.keep_weights
+
+            def of(cls, stage, *args, **kwargs):
+                snapshot = original_of(cls, stage, *args, **kwargs)
+                if copy_at_once:
+                    snapshot.keep_weights(stage.ring.live)
+                taken.append(snapshot)
+                return snapshot
+
+            def keep_weights(self, slot):
+                if self.weights is None:
+                    copied.append(self)
+                original_keep(self, slot)
+
+            original_undo = pipeline_module.undo
+
+            def undo(stage, point):
+                if point.snapshot is not None:  # whether the weights come back from a copy (or the ring)
+                    undone_from.append(point.snapshot.weights is not None)
+                original_undo(stage, point)
+
+            patch.setattr(StageSnapshot, "of", classmethod(of))
+            patch.setattr(StageSnapshot, "keep_weights", keep_weights)
+            patch.setattr(pipeline_module, "undo", undo)
+            losses, state, failed = train(algorithm, Fault(0, "U", when="end", target="first"), steps=6)
+        return (losses, state, failed), len({id(s) for s in taken}), len(copied), undone_from
+
+    result, snapshots, copies, undone_from = run(copy_at_once=False)
+    reference, _, _, _ = run(copy_at_once=True)
+    assert result[2] is not None and undone_from
+    if in_place:
+        assert copies == snapshots and all(undone_from)
+    else:
+        assert 0 < copies < snapshots / 2 and not all(undone_from)
+    assert_same(result, reference)
+
+
 @pytest.mark.parametrize("algorithm", ["1f1b", "2bw", "pipedream"])
 def test_a_nonfinite_loss_drops_its_minibatch(algorithm):
     batches = data(6)

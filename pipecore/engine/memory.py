@@ -255,7 +255,7 @@ def static_bytes(stage: "TensorStage") -> int:
     snapshots = {id(p.snapshot): p.snapshot for p in stage.undo_points if p.snapshot is not None}
     snapshots.update((id(s), s) for s in stage.snapshot_pool)
     for snap in snapshots.values():
-        tensors += [snap.weights, snap.grad, snap.optimizer, snap.velocity]
+        tensors += [snap.weights, snap.spare_weights, snap.grad, snap.optimizer, snap.velocity]
     seen: dict[int, int] = {}
     _collect(tensors, seen)
     return sum(seen.values())

@@ -110,9 +110,11 @@ class Pipeline:
             dtype. Activations that cross a cut may then be in either dtype. The ``swap`` backward rule
             becomes ``recompute`` under autocast (its weight casts are copies a swap cannot replace).
             Default None.
-        recover: take a failed step back (see :meth:`step`). It costs, per step and stage, a copy of the live
-            weights and the optimizer state (before the stage's first update of the step) and of the buffers.
-            False skips the copies; a failed step then leaves the pipeline unusable. Default True.
+        recover: take a failed step back (see :meth:`step`). It costs, per step and stage, a copy of the
+            optimizer state (before the stage's first update of the step), of the buffers, and of the live
+            weights unless the ring still holds them when the step completes (algorithms that keep the previous
+            version, such as 2bw, mostly skip that copy). False skips the copies; a failed step then leaves the
+            pipeline unusable. Default True.
         track_memory: keep each CPU stage's memory account (``stats()[s]["peak_bytes"]``). It sees the saved
             tensors through saved-tensor hooks, a Python call per saved tensor in every forward and backward,
             which with stages on threads also waits for the GIL inside the backward. False skips them;

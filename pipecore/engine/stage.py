@@ -34,7 +34,7 @@ from .lr import LrSchedule
 from .optim import LrScales, StageOptimizer, uniform_scale
 from .split_backward import PendingWeightGradients, input_gradient, weight_gradients
 from .memory import MemoryAccount
-from .undo import StageSnapshot, UndoPoint
+from .undo import StageSnapshot, UndoPoint, slot_for_update
 from .weight_change import ChangeAverage
 
 
@@ -453,7 +453,7 @@ class TensorStage(StageWorker):
         self.sync_ring()
         live_slot = self.ring.live_slot
         w = self.ring.slot(live_slot)
-        target_slot = self.ring.acquire() if info.keeps_previous else live_slot
+        target_slot = slot_for_update(self, in_place=not info.keeps_previous)  # undo snapshots copy what it held
         out = self.ring.slot(target_slot)
         group = action.index - 1
         if self.clip is not None:

@@ -5,13 +5,15 @@ updates. The pipeline undoes that mini-batch and every later one, and completes 
 flight, as ``flush()`` would have done in place of the failed mini-batch. At every step each stage gets an
 :class:`UndoPoint`: the first micro-batch of the new mini-batch, the version book's newest tag and copies of
 the module's buffers (its forwards update BatchNorm statistics); before the stage's first update of that
-mini-batch it also keeps a :class:`StageSnapshot` of its weights and optimizer state. The point is dropped
+mini-batch it also keeps a :class:`StageSnapshot` of its optimizer state, and of its weights once the ring
+is about to lose them (an update in place, or a later update reusing their slot: algorithms that keep the
+previous version write the next one elsewhere, and most snapshots are dropped first). The point is dropped
 once the mini-batch is complete on every stage. Earlier mini-batches' actions at a stage all come before the
 later one's updates (each stage runs its backwards and updates in micro-batch order), so going back to the
 snapshot undoes only the later mini-batches.
 
-The memory this costs: a copy of each stage's live weights and optimizer state per mini-batch that has
-updated the stage and is not complete everywhere (one or two: asynchronous schedules keep about one
+The memory this costs: a copy of each stage's optimizer state, and of its live weights, per mini-batch that
+has updated the stage and is not complete everywhere (one or two: asynchronous schedules keep about one
 mini-batch in flight), and a copy of its buffers per step.
 """
 
@@ -40,29 +42,52 @@ class StageSnapshot:
     """A stage's state before its first update of the mini-batch being undone."""
 
     update: int  # the update it was taken before (its index in the schedule)
-    live: int
+    live: int  # the live version then: the ring holds it until a slot write replaces it (see keep_weights)
     updates: int
-    weights: torch.Tensor
+    weights: torch.Tensor | None  # version ``live``, copied only when its ring slot was about to be written
     grad: torch.Tensor | None  # kept when the update it precedes belongs to an earlier mini-batch (see of)
     grad_span: tuple[int, int] | None
     optimizer: dict[str, Any]
     lr: float
     velocity: torch.Tensor | None
     ties: tuple[int, int] | None  # the tied-gradient groups posted and applied
+    spare_weights: torch.Tensor | None = None  # a pooled snapshot's buffer for the weights, until they are kept
 
     @classmethod
     def of(cls, stage: "TensorStage", update: int, with_grad: bool) -> "StageSnapshot":
         """The stage's state now, copied into the buffers of a snapshot it no longer needs if it has one (a
-        step's copies then cost no allocation: fresh pages of a large tensor cost more than the copy)."""
+        step's copies then cost no allocation: fresh pages of a large tensor cost more than the copy). The
+        weights stay in the ring until :meth:`keep_weights`."""
         spare = stage.snapshot_pool.pop() if stage.snapshot_pool else None
         ties = stage.ties
         return cls(
-            update, stage.book.live, stage.book.updates, _copy(stage.ring.live, spare and spare.weights),
+            update, stage.book.live, stage.book.updates, None,
             _copy(stage.grad, spare and spare.grad) if with_grad else None, stage.grad_span,
             _copy_state(stage.optimizer.state_dict(), spare and spare.optimizer), stage.optimizer.lr,
             None if stage.velocity is None else _copy(stage.velocity, spare and spare.velocity),
             None if ties is None else ties.counts(),
+            spare_weights=spare and (spare.weights if spare.weights is not None else spare.spare_weights),
         )
+
+    def keep_weights(self, slot: torch.Tensor) -> None:
+        """Copy version ``live`` out of ``slot``, the ring slot holding it, which is about to be written."""
+        if self.weights is None:
+            self.weights = _copy(slot, self.spare_weights)
+            self.spare_weights = None
+
+
+def slot_for_update(stage: "TensorStage", in_place: bool) -> int:
+    """The ring slot ``stage``'s next update writes: the live one (``in_place``) or a newly acquired one, once
+    every undo snapshot of the version it holds has copied it (acquiring a slot forgets its version, so the
+    slots are looked up before)."""
+    waiting = {id(p.snapshot): p.snapshot for p in stage.undo_points
+               if p.snapshot is not None and p.snapshot.weights is None}.values()
+    held = [(snapshot, stage.ring.find(snapshot.live)) for snapshot in waiting]
+    slot = stage.ring.live_slot if in_place else stage.ring.acquire()
+    for snapshot, where in held:
+        if where == slot:
+            snapshot.keep_weights(stage.ring.slot(slot))
+    return slot
 
 
 def release(stage: "TensorStage", points: Sequence["UndoPoint"], kept: Sequence["UndoPoint"] = ()) -> None:
@@ -133,6 +158,9 @@ def undo(stage: "TensorStage", point: UndoPoint) -> None:
     stage.sync_ring()  # unpins the versions only the discarded micro-batches held
     if snap is not None:
         if not stage.ring.rewind(snap.live):
+            if snap.weights is None:
+                raise Unrecoverable(f"stage {stage.stage}: weight version {snap.live} is neither in the ring nor "
+                                    "copied by its undo snapshot")
             slot = stage.ring.acquire()
             stage.ring.slot(slot).copy_(snap.weights)
             stage.ring.publish(slot, snap.live)

@@ -48,7 +48,11 @@ in one process), so the ideal ratio to sequential training stays 1.0.
   and 1f1b at least 0.8 of the limit; at batch 256 1f1b and 2bw at least the two-process gloo figures of
   ``bench/results/pipeline-cpu.json`` (``vs_single_process`` of its 1f1b and 2bw rows). Before timing, every
   algorithm's threaded pipelines and its ``concurrent=False`` one train 3 steps on the same data and must end
-  bit-identical (so must the timed ones after the run; the exit status is 1 otherwise).
+  bit-identical (so must the timed ones after the run; the exit status is 1 otherwise). Where the time goes
+  (``stage_time``, per pipeline configuration): each stage's seconds in its actions per step, and the speedup
+  over sequential as the product of ``sequential_over_actions`` (what the actions cost against the plain
+  step), ``balance`` (the busiest stage's share) and ``busiest_busy`` (how much of the step the busiest stage
+  computes).
   Where ``torch.cuda.is_available()``, the same comparison also runs on one GPU (key ``gpu``): 4 stages on
   ``cuda:0`` of ``--layers`` x ``--gpu-width`` blocks, batch ``--gpu-batch``, windows timed between
   ``torch.cuda.synchronize()`` calls, sequential reading its loss once per step.
@@ -263,17 +267,28 @@ def mlp_data(batch: int, width: int, window: int) -> list[tuple[torch.Tensor, to
             for _ in range(window)]
 
 
+def stage_busy_seconds(pipe: pipecore.Pipeline) -> list[float]:
+    """Seconds each stage has spent in its actions' compute so far (``TensorStage.seconds``), in stage order;
+    read when the pipeline is settled."""
+    return [sum(st.seconds.values()) for _, st in sorted(pipe.stages.items())]
+
+
 def measure(configs: list[Config], data: list[tuple[torch.Tensor, torch.Tensor]], warmup: int, rounds: int,
             order: Callable[[int], list[Config]] | None = None,
-            sync: Callable[[], None] | None = None) -> dict[str, list[float]]:
+            sync: Callable[[], None] | None = None,
+            busy: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
     """Samples/s of every window (one pass over ``data``) of every configuration, windows interleaved round by
     round (in ``order(round)`` if given, else in list order). ``sync`` (e.g. ``torch.cuda.synchronize``) runs
-    before a window's clock starts and before it stops."""
+    before a window's clock starts and before it stops. With ``busy``, it receives per pipeline configuration
+    each stage's seconds in its actions per timed step (:func:`stage_busy_seconds` over the windows)."""
     window, batch = len(data), len(data[0][0])
     wait = sync or (lambda: None)
     for c in configs:
         for i in range(warmup):
             c.step(*data[i % window])
+        if c.pipe is not None:
+            c.pipe.synchronize()
+    busy_before = {c.name: stage_busy_seconds(c.pipe) for c in configs if c.pipe is not None}
     rates: dict[str, list[float]] = {c.name: [] for c in configs}
     for r in range(rounds):
         for c in (order(r) if order else configs):
@@ -285,6 +300,11 @@ def measure(configs: list[Config], data: list[tuple[torch.Tensor, torch.Tensor]]
                 c.pipe.synchronize()  # a window ends when its work is done (overlap_steps goes on after step())
             wait()
             rates[c.name].append(window * batch / (time.perf_counter() - start))
+    if busy is not None:
+        for c in configs:
+            if c.pipe is not None:
+                busy[c.name] = [(after - before) / (rounds * window)
+                                for before, after in zip(busy_before[c.name], stage_busy_seconds(c.pipe))]
     return rates
 
 
@@ -630,7 +650,8 @@ def run_concurrent_batch(names: list[str], width: int, layers: int, batch: int, 
     configs = build_concurrent(names, make_model(width, layers), CONCURRENT_STAGES, m)
     limits = limit_configs(batch, width, layers, CONCURRENT_STAGES, m)
     every = configs + limits
-    rates = measure(every, mlp_data(batch, width, window), warmup, rounds, rotating(every))
+    busy: dict[str, list[float]] = {}
+    rates = measure(every, mlp_data(batch, width, window), warmup, rounds, rotating(every), busy=busy)
     out = compare_to_sequential(configs, rates, names, batch)
     limit = machine_limit(rates)
     out["machine_limit"] = {**median_range(limit), "per_round": [round(v, 3) for v in limit]}
@@ -639,11 +660,32 @@ def run_concurrent_batch(names: list[str], width: int, layers: int, batch: int, 
         c: {"of_medians": round(results[c]["vs_sequential"]["median"] / statistics.median(limit), 3),
             **median_range([r / b / lim for r, b, lim in zip(rates[c], rates["sequential"], limit)])}
         for c in (n + x for n in names for x in THREADED)}
+    out["stage_time"] = stage_time(busy, rates, batch)
     for c in configs:  # the timed threaded ones trained on the same data in the same order as their in-turn one
         partner_name = in_turn_name(c.name)
         if c.pipe is not None and partner_name is not None:
             partner = next(p.pipe for p in configs if p.name == partner_name)
             results[c.name]["max_weight_diff_vs_in_turn"] = weights_diff(c.pipe, partner)
+    return out
+
+
+def stage_time(busy: dict[str, list[float]], rates: dict[str, list[float]], batch: int) -> dict[str, object]:
+    """Where each pipeline's step time goes, from its stages' seconds in their actions (the hooks' compute,
+    ``busy``) and the mean step times over the same windows (``rates``). The speedup over sequential is the
+    product of three factors: ``sequential_over_actions`` (the sequential step / the sum of the stages' action
+    time: below 1 the actions cost more than the plain step), ``balance`` (that sum / the busiest stage's
+    time: at most the number of stages) and ``busiest_busy`` (the busiest stage's action time / the step: the
+    rest of its step it waits for messages or runs the executor's own work)."""
+    def mean_step(name: str) -> float:
+        return statistics.fmean(batch / r for r in rates[name])
+
+    sequential = mean_step("sequential")
+    out: dict[str, object] = {}
+    for name, seconds in busy.items():
+        total, busiest, step = sum(seconds), max(seconds), mean_step(name)
+        out[name] = {"busy_ms_per_step": [round(1e3 * b, 2) for b in seconds], "step_ms": round(1e3 * step, 2),
+                     "sequential_over_actions": round(sequential / total, 3), "balance": round(total / busiest, 3),
+                     "busiest_busy": round(busiest / step, 3)}
     return out
 
 
@@ -821,6 +863,11 @@ def concurrent_description(args: argparse.Namespace, results: dict[str, object])
                                             for x in THREADED},
             f"batch {GLOO_TARGET_BATCH}": {n + x: "vs_sequential >= the two-process gloo vs_single_process"
                                            for n in GLOO_ALGORITHMS for x in THREADED}},
+        "stage_time": "per pipeline configuration and batch: busy_ms_per_step = each stage's seconds in its "
+                      "actions (TensorStage.seconds: forward, backward and update hooks) per timed step; the "
+                      "speedup over sequential (mean step times over the timed windows) = sequential_over_actions "
+                      "(sequential step / sum of busy) x balance (sum of busy / busiest stage's busy) x "
+                      "busiest_busy (busiest stage's busy / step)",
         "weights": "max_weight_diff_vs_in_turn (top level): per algorithm and threaded configuration, after 3 "
                    "steps on the same data, before timing (0: bit-identical); in each batch's results: the timed "
                    "configuration against its in-turn one after the run",
@@ -845,6 +892,7 @@ def print_concurrent(conc: dict[str, object], m: int) -> None:
         print(f"\nbatch {batch} ({int(batch) // m} rows per micro-batch); machine limit (two threads of independent "
               f"stage matmuls / one): {lim['median']:.2f} [{lim['range'][0]:.2f}, {lim['range'][1]:.2f}]")
         print_concurrent_table(b)
+        print_stage_time(b["stage_time"])
     print_identity(conc["max_weight_diff_vs_in_turn"])
     print_targets(conc["targets"], conc["gloo_reference"])
 
@@ -870,6 +918,16 @@ def print_concurrent_table(b: dict[str, object]) -> None:
         share = f"{f['of_medians']:.3f} [{f['range'][0]:.3f}, {f['range'][1]:.3f}]" if f else "-"
         print(f"{name:<17}  {r['samples_per_s']:>9,.0f}  {r['ms_per_step']:>8.2f}  {span(r['vs_sequential']):<22}  "
               f"{ratio:<23}  {share:<26}")
+
+
+def print_stage_time(stage_time: dict[str, dict[str, object]]) -> None:
+    """Per pipeline configuration: its stages' action time per step and the three factors of its speedup."""
+    print(f"\n{'configuration':<17}  {'busy ms/step per stage':<24}  {'step ms':>8}  {'seq/actions':>11}  "
+          f"{'balance':>7}  {'busiest busy':>12}")
+    for name, t in stage_time.items():
+        busy = ", ".join(f"{b:.1f}" for b in t["busy_ms_per_step"])
+        print(f"{name:<17}  {busy:<24}  {t['step_ms']:>8.2f}  {t['sequential_over_actions']:>11.3f}  "
+              f"{t['balance']:>7.3f}  {t['busiest_busy']:>12.3f}")
 
 
 def print_targets(targets: list[dict[str, object]], gloo: dict[str, object] | None) -> None:

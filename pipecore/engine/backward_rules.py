@@ -3,8 +3,9 @@
 A forward reads one weight version and a backward may read another (the version policy decides). Each rule
 is one way to give the backward its weights, chosen by the algorithm's ``backward_rule`` option:
 
-* ``stash`` (:class:`Stash`): the forward's graph keeps the forward's own weights, pinned until the backward.
-  Only right when the backward reads what the forward read (or the policy pins it: PipeDream).
+* ``stash`` (:class:`Stash`): the forward's graph keeps the forward's own weights, pinned until the backward,
+  which reads them whatever else the read rule names (PipeDream's weight stashing; for another algorithm
+  this changes what its backwards read, and the simulator's trace shows it).
 * ``swap`` (:class:`Swap`): the forward's graph saves its weights as references (``saved_tensors_hooks``),
   resolved to the backward's read when the backward runs. One forward, no copy of the weights.
 * ``recompute`` (:class:`Recompute`): the forward keeps only its inputs; the backward runs the forward again
@@ -19,6 +20,7 @@ The stage runs the rest (inputs, outputs, the loss, gradients), the same for eve
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
@@ -65,21 +67,21 @@ class BackwardGraph:
     weights: torch.Tensor | None = None
 
 
-class BackwardRule:
+class BackwardRule(ABC):
     """One way to give a backward its weights (see the module docstring). One instance per stage."""
 
     name: str
 
+    @abstractmethod
     def forward(self, stage: "TensorStage", k: int, weights: torch.Tensor, derived: bool, inputs: tuple[Any, ...],
                 target: torch.Tensor | None) -> tuple[Any, InFlight]:
         """Run micro-batch ``k``'s forward on ``weights`` (``derived``: the scratch buffer, which the next
         derived read overwrites); return the stage's output (checked outputs, or the loss at the last stage)
         and what the backward needs."""
-        raise NotImplementedError
 
+    @abstractmethod
     def graph(self, stage: "TensorStage", record: InFlight, read: WeightRead) -> BackwardGraph:
         """What the backward of ``record``'s micro-batch differentiates, reading the weights ``read`` names."""
-        raise NotImplementedError
 
     def reading(self, weights: torch.Tensor | None) -> AbstractContextManager[Any]:
         """Around each autograd pass of a backward: the saved weights it unpacks are ``weights``."""

@@ -168,11 +168,12 @@ def test_the_first_step_failing_leaves_a_fresh_pipeline(algorithm):
     assert_same((losses, state), train(algorithm, flush_at=0, steps=4)[:2])
 
 
-@pytest.mark.parametrize("algorithm,in_place", [("1f1b", True), ("2bw", False), ("i-timeprest", False)])
-def test_undo_snapshots_copy_the_weights_only_before_the_ring_loses_them(algorithm, in_place, monkeypatch):
+@pytest.mark.parametrize("algorithm,most_copied", [("1f1b", 1.0), ("2bw", 0.5), ("i-timeprest", 0.75)])
+def test_undo_snapshots_copy_the_weights_only_before_the_ring_loses_them(algorithm, most_copied, monkeypatch):
     """A step's snapshot copies the stage's weights only when their ring slot is about to be written: 1f1b
     updates in place (a copy at every snapshot), 2bw and i-timeprest write the next version into another slot,
-    so most snapshots are dropped before their version's slot is reused. A step that fails after stage 0's
+    so most snapshots are dropped before their version's slot is reused (at most half of 2bw's copy, three in
+    four of i-timeprest's, whose last stage keeps one version). A step that fails after stage 0's
     update is undone exactly as with snapshots that copy at once: from the copies (1f1b), from the ring (2bw),
     or both (i-timeprest's last stage keeps one version)."""
     import pipecore.engine.pipeline as pipeline_module
@@ -205,16 +206,18 @@ def test_undo_snapshots_copy_the_weights_only_before_the_ring_loses_them(algorit
             patch.setattr(StageSnapshot, "of", classmethod(of))
             patch.setattr(StageSnapshot, "keep_weights", keep_weights)
             patch.setattr(pipeline_module, "undo", undo)
-            losses, state, failed = train(algorithm, Fault(0, "U", when="end", target="first"), steps=6)
+            # In turn: with stage threads, when a snapshot is dropped against its stage's next update varies.
+            losses, state, failed = train(algorithm, Fault(0, "U", when="end", target="first"), steps=6,
+                                          concurrent=False)
         return (losses, state, failed), len({id(s) for s in taken}), len(copied), undone_from
 
     result, snapshots, copies, undone_from = run(copy_at_once=False)
     reference, _, _, _ = run(copy_at_once=True)
     assert result[2] is not None and undone_from
-    if in_place:
+    if most_copied == 1.0:  # in place: every snapshot copies, and the undo takes the copies
         assert copies == snapshots and all(undone_from)
-    else:
-        assert 0 < copies < snapshots / 2 and not all(undone_from)
+    else:  # i-timeprest's last stage keeps one version: its snapshots all copy, the other stages' few
+        assert 0 < copies <= most_copied * snapshots and not all(undone_from)
     assert_same(result, reference)
 
 

@@ -159,6 +159,10 @@ class Pipeline:
             raise TypeError(f"recover must be True or False, got {recover!r}")
         if not isinstance(track_memory, bool):
             raise TypeError(f"track_memory must be True or False, got {track_memory!r}")
+        if not isinstance(split_backward, bool):
+            raise TypeError(f"split_backward must be True or False, got {split_backward!r}")
+        if autocast is not None and not (isinstance(autocast, torch.dtype) and autocast.is_floating_point):
+            raise TypeError(f"autocast must be a floating torch dtype such as torch.bfloat16 (or None), got {autocast!r}")
         self.recover = recover
         if on_nonfinite not in _NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {_NONFINITE}, got {on_nonfinite!r}")
@@ -197,15 +201,14 @@ class Pipeline:
             # stage on another device, has already been copied into this stage's own buffer.
             graphs[s].module.to(device)
             layout = FlatLayout.of(graphs[s].module, s)
+            stage_optimizer = build_optimizer(optimizer, layout, device)
             self.stages[s] = TensorStage(
-                self.algorithm, s, graphs[s], build_optimizer(optimizer, layout, device),
+                self.algorithm, s, graphs[s], stage_optimizer,
                 sizing.weight_versions(s), sizing.derived_weights(s), loss_fn, self._targets.pop, on_nonfinite,
-                device=device,
+                device=device, state_keys=self._stage_keys[s], track_memory=track_memory, autocast=autocast,
+                split_backward=split_backward and s > 0,  # stage 0 sends no input gradient
+                lr_schedule=None if lr_scheduler is None else LrSchedule(lr_scheduler, stage_optimizer.lr),
             )
-            self.stages[s].state_keys = self._stage_keys[s]
-            self.stages[s].memory.enabled &= track_memory
-            if lr_scheduler is not None:
-                self.stages[s].lr_schedule = LrSchedule(lr_scheduler, self.stages[s].optimizer.lr)
         self.lr_scheduler = lr_scheduler
         if self.rank is not None:
             _release_other_stages(captured.model, graphs[self.rank].module)
@@ -214,15 +217,7 @@ class Pipeline:
         self._tie_exchange: Any = None
         if self.ties:
             self._tie_sync = self._tie_stages(timeout)
-        if not isinstance(split_backward, bool):
-            raise TypeError(f"split_backward must be True or False, got {split_backward!r}")
-        for s, st in self.stages.items():
-            st.split_backward = split_backward and s > 0  # stage 0 sends no input gradient
-        if autocast is not None and not (isinstance(autocast, torch.dtype) and autocast.is_floating_point):
-            raise TypeError(f"autocast must be a floating torch dtype such as torch.bfloat16 (or None), got {autocast!r}")
         self.autocast = autocast
-        for st in self.stages.values():
-            st.autocast = autocast
         self.clip_grad_norm = check_max_norm(clip_grad_norm)
         self._global_norm: GlobalNorm | None = None
         if self.clip_grad_norm is not None:

@@ -78,13 +78,23 @@ class TensorStage(StageWorker):
         target: Callable[[int], torch.Tensor] | None,
         on_nonfinite: str,
         device: torch.device | None = None,
+        *,
+        state_keys: Sequence[str] | None = None,
+        track_memory: bool = True,
+        autocast: torch.dtype | None = None,
+        split_backward: bool = False,
+        lr_schedule: LrSchedule | None = None,
     ):
+        """``state_keys``: the model's state_dict keys this stage holds (default: its module's; the generated
+        module may hold more, e.g. constants). ``track_memory``: keep the CPU memory account. ``autocast``: the
+        dtype forwards run in (weights and optimizer state keep theirs). ``split_backward``: send the input
+        gradient before computing the weight gradients. ``lr_schedule``: the learning rate by update index (None:
+        the optimizer's own rate)."""
         super().__init__(algorithm, stage)
         module = graph.module
         self.module = module
         self.boundary = graph
-        # The model's state_dict keys this stage holds (the generated module may hold more, e.g. constants).
-        self.state_keys: list[str] = list(module.state_dict())
+        self.state_keys: list[str] = list(module.state_dict()) if state_keys is None else list(state_keys)
         self.layout = FlatLayout.of(module, stage)
         if device is None:
             device = next((p.device for p in module.parameters()), torch.device("cpu"))
@@ -101,12 +111,11 @@ class TensorStage(StageWorker):
         self.velocity = torch.zeros(self.layout.buffer_numel, dtype=_state_dtype(flat.dtype), device=device) if decay is not None else None
         self._weight_change = None if self.velocity is None else ChangeAverage(self.velocity, decay)
         self.optimizer = optimizer
-        # The learning rate by update index (Pipeline's lr_scheduler); None: the optimizer's own rate.
-        self.lr_schedule: LrSchedule | None = None
+        self.lr_schedule = lr_schedule
         self._scheduled_lr = 0.0  # the rate of the update being applied, when lr_schedule is set
         self.clip: GradClip | None = None  # Pipeline's clip_grad_norm
-        # Pipeline's autocast: the dtype forwards run in (weights and optimizer state keep theirs).
-        self.autocast: torch.dtype | None = None
+        self.autocast = autocast
+        self.rule: BackwardRule = RULES[self.backward_rule]()  # how its backwards read their weights
         if algorithm.needs_update_direction:
             optimizer.track_direction()
         self.grad = torch.zeros_like(flat)
@@ -117,7 +126,7 @@ class TensorStage(StageWorker):
         if self.scratch is not None:
             self._stable_storages.add(self.scratch.untyped_storage().data_ptr())
         # The weights' storages count once. On CUDA the allocator measures, so the account keeps nothing.
-        self.memory = MemoryAccount(self._stable_storages, module, enabled=device.type == "cpu")
+        self.memory = MemoryAccount(self._stable_storages, module, enabled=track_memory and device.type == "cpu")
         index = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
         named = dict(module.named_parameters())
         self._module_params = [named[name] for name in self.layout.names]  # in the flat layout's order
@@ -135,10 +144,7 @@ class TensorStage(StageWorker):
         self.pinned_versions: set[int] = set()
         self.seconds: dict[str, float] = defaultdict(float)
         self.recent_seconds: dict[str, _RecentSeconds] = defaultdict(_RecentSeconds)
-        self._rules: dict[str, BackwardRule] = {}  # see rule: one instance per rule this stage has used
-        # Send the input gradient before computing weight gradients (see split_backward); the pipeline's
-        # split_backward option sets it for every stage but the first.
-        self.split_backward = False
+        self.split_backward = split_backward  # see split_backward: the input gradient first
         self._deferred: tuple[PendingWeightGradients, torch.Tensor | None] | None = None
         # Tied weights this stage shares with others (set by the pipeline); None when it shares none.
         self.ties: StageTies | None = None
@@ -234,15 +240,6 @@ class TensorStage(StageWorker):
         weight casts are copies that a swap cannot replace, while a recomputation casts the backward's weights."""
         rule = self.algorithm.backward_rule
         return "recompute" if rule == "swap" and self.autocast is not None else rule
-
-    @property
-    def rule(self) -> BackwardRule:
-        """The :class:`~pipecore.engine.backward_rules.BackwardRule` that :attr:`backward_rule` names."""
-        name = self.backward_rule
-        rule = self._rules.get(name)
-        if rule is None:
-            rule = self._rules[name] = RULES[name]()
-        return rule
 
     def _autocast(self) -> AbstractContextManager:
         if self.autocast is None:

@@ -18,7 +18,7 @@ import torch
 from pipecore.runtime.ties import LocalTiedGradients
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _ranks import free_port, launch_ranks  # noqa: E402
+from _ranks import launch_ranks  # noqa: E402
 import msg_run  # noqa: E402
 
 SCRIPT = str(Path(__file__).parent / "msg_run.py")

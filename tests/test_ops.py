@@ -486,17 +486,17 @@ def test_native_fast_check_agrees_with_detailed_checks(specs):
 
     pool = torch.zeros(64, dtype=torch.float64)
     tensors = []
-    for kind, dtype, ref in specs:
+    for kind, dtype, index in specs:
         if kind == "alias" and tensors:
-            t = tensors[ref % len(tensors)]
-        elif kind == "shifted" and tensors and tensors[ref % len(tensors)].dtype == torch.float64:
+            t = tensors[index % len(tensors)]
+        elif kind == "shifted" and tensors and tensors[index % len(tensors)].dtype == torch.float64:
             t = pool[1:9]
         elif kind == "strided":
             t = torch.zeros(16, dtype=dtype)[::2]
         elif kind == "long":
             t = torch.zeros(9, dtype=dtype)
         else:
-            t = pool[:8] if dtype == torch.float64 and ref == 0 else torch.zeros(8, dtype=dtype)
+            t = pool[:8] if dtype == torch.float64 and index == 0 else torch.zeros(8, dtype=dtype)
         tensors.append(t)
     n_weights = 3
     names = ("w", "grad", "out", "momentum_buf", "delta")[:len(tensors)]

@@ -50,8 +50,7 @@ class InFlight:
     inputs: tuple[Any, ...]               # the stage's arguments (those that carry a gradient require grad)
     leaves: list[torch.Tensor] | None     # per-parameter autograd leaves (views of the weights read)
     outputs: Any                          # the values sent (a tuple), or the last stage's loss
-    forward_weights: torch.Tensor | None  # kept only under the stash rule
-    rng_state: Any                        # kept only under the recompute rule: (CPU state, CUDA state or None)
+    rng_state: Any = None                 # kept only under the recompute rule: (CPU state, CUDA state or None)
     target: torch.Tensor | None = None    # last stage, recompute rule: the loss is recomputed too
 
 
@@ -95,11 +94,13 @@ class Stash(BackwardRule):
 
     def forward(self, stage, k, weights, derived, inputs, target):
         if derived:
-            weights = weights.clone()  # the scratch is reused; the backward needs these exact values
+            # The scratch is reused; the backward needs these exact values (the leaves, views of the copy,
+            # keep it alive until then).
+            weights = weights.clone()
         leaves = stage._leaves(weights)
         with stage._autocast(), stage.memory.hooks():
             y = stage._run_forward(k, leaves, inputs, target)
-        return y, InFlight(inputs, leaves, y, weights, None)
+        return y, InFlight(inputs, leaves, y)
 
     def graph(self, stage, record, read):
         return BackwardGraph(record.leaves, record.outputs, record.inputs)  # the read is the forward's
@@ -141,7 +142,7 @@ class Swap(BackwardRule):
         finally:
             self._packing = self._memory = self._tracker = None
         self._checked = True
-        return y, InFlight(inputs, leaves, y, None, None)
+        return y, InFlight(inputs, leaves, y)
 
     def graph(self, stage, record, read):
         return BackwardGraph(record.leaves, record.outputs, record.inputs, stage.materialize(read))
@@ -200,7 +201,7 @@ class Recompute(BackwardRule):
             rng = _random_state(stage.device)
             with stage._autocast():
                 y = stage._run_forward(k, stage._views(weights), inputs, target)
-        return y, InFlight(inputs, None, None, None, rng, target)
+        return y, InFlight(inputs, None, None, rng, target)
 
     def graph(self, stage, record, read):
         params = stage._leaves(stage.materialize(read))

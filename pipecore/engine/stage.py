@@ -108,8 +108,8 @@ class TensorStage(StageWorker):
         self.scratch = torch.empty_like(flat) if derived else None
         # PipeMare's weight velocity, where the algorithm keeps one: the average of the updates' weight changes.
         decay = algorithm.velocity_decay(stage)
-        self.velocity = torch.zeros(self.layout.buffer_numel, dtype=_state_dtype(flat.dtype), device=device) if decay is not None else None
-        self._weight_change = None if self.velocity is None else ChangeAverage(self.velocity, decay)
+        self._weight_change = None if decay is None else ChangeAverage(
+            torch.zeros(self.layout.buffer_numel, dtype=_state_dtype(flat.dtype), device=device), decay)
         self.optimizer = optimizer
         self.lr_schedule = lr_schedule
         self._scheduled_lr = 0.0  # the rate of the update being applied, when lr_schedule is set
@@ -215,6 +215,12 @@ class TensorStage(StageWorker):
         if read.derivation is None:
             return self.slot_of(read.version)
         return derive(self, read)
+
+    @property
+    def velocity(self) -> torch.Tensor | None:
+        """PipeMare's weight velocity (the average of the updates' weight changes), where the algorithm keeps
+        one."""
+        return None if self._weight_change is None else self._weight_change.buffer
 
     def update_direction(self, weights: torch.Tensor) -> torch.Tensor:
         """The optimizer's next update direction for ``weights`` (what a predicted read extrapolates along)."""

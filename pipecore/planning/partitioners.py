@@ -193,19 +193,18 @@ def _smallest_limit(model: StageModel, positions: Sequence[int], num_stages: int
     if objective == "parameters":
         cuts = _cuts(model, positions, num_stages, objective, None)
         return max(model.memory(positions[u], positions[v], s).total for s, (u, v) in enumerate(zip(cuts, cuts[1:])))
+    def weights(u: int, v: int, s: int) -> float:
+        return _weights_floor(model, positions[u], positions[v], s)
+
     # Without recomputation or offload: the least largest stage peak, exactly.
     no_recompute = int(_minimax(
-        len(positions), num_stages, lambda u, v, s: model.memory(positions[u], positions[v], s).total,
-        lambda u, v, s: _weights_floor(model, positions[u], positions[v], s))[0])
+        len(positions), num_stages, lambda u, v, s: model.memory(positions[u], positions[v], s).total, weights)[0])
     if objective == "time":
         return no_recompute
     # With it: a stage fits a limit exactly when its least memory (StageModel.smallest_memory) does, so the
     # answer is the least, over partitions, of the largest stage's least memory. Bisection over the limit
     # between the weights' own floor and the answer without recomputation; each step asks whether any
     # partition fits (_FitSearch), and a partition that fits lowers the upper end to what it needs.
-    def weights(u: int, v: int, s: int) -> float:
-        return _weights_floor(model, positions[u], positions[v], s)
-
     infeasible = int(_minimax(len(positions), num_stages, weights, weights)[0]) - 1
     feasible = no_recompute
     while feasible - infeasible > 1:

@@ -52,7 +52,10 @@ in one process), so the ideal ratio to sequential training stays 1.0.
   (``stage_time``, per pipeline configuration): each stage's seconds in its actions per step, and the speedup
   over sequential as the product of ``sequential_over_actions`` (what the actions cost against the plain
   step), ``balance`` (the busiest stage's share) and ``busiest_busy`` (how much of the step the busiest stage
-  computes).
+  computes); ``schedule_step_ms``, the step the simulator gives the schedule with those action times, and
+  ``executor_efficiency`` = schedule_step_ms / step. Each threaded configuration's ``ceiling`` is the fraction
+  of the limit it would reach if its threads ran every action as fast as in turn, slowed only as much as the
+  limit's threads, and lost nothing between actions: sequential step / (2 x the in-turn schedule_step_ms).
   Where ``torch.cuda.is_available()``, the same comparison also runs on one GPU (key ``gpu``): 4 stages on
   ``cuda:0`` of ``--layers`` x ``--gpu-width`` blocks, batch ``--gpu-batch``, windows timed between
   ``torch.cuda.synchronize()`` calls, sequential reading its loss once per step.
@@ -267,20 +270,21 @@ def mlp_data(batch: int, width: int, window: int) -> list[tuple[torch.Tensor, to
             for _ in range(window)]
 
 
-def stage_busy_seconds(pipe: pipecore.Pipeline) -> list[float]:
-    """Seconds each stage has spent in its actions' compute so far (``TensorStage.seconds``), in stage order;
-    read when the pipeline is settled."""
-    return [sum(st.seconds.values()) for _, st in sorted(pipe.stages.items())]
+def stage_busy_seconds(pipe: pipecore.Pipeline) -> list[dict[str, float]]:
+    """Seconds each stage has spent in its actions' compute so far, per action kind (``TensorStage.seconds``:
+    ``F``, ``B``, ``U``), in stage order; read when the pipeline is settled."""
+    return [{kind: st.seconds.get(kind, 0.0) for kind in "FBU"} for _, st in sorted(pipe.stages.items())]
 
 
 def measure(configs: list[Config], data: list[tuple[torch.Tensor, torch.Tensor]], warmup: int, rounds: int,
             order: Callable[[int], list[Config]] | None = None,
             sync: Callable[[], None] | None = None,
-            busy: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+            busy: dict[str, list[dict[str, float]]] | None = None) -> dict[str, list[float]]:
     """Samples/s of every window (one pass over ``data``) of every configuration, windows interleaved round by
     round (in ``order(round)`` if given, else in list order). ``sync`` (e.g. ``torch.cuda.synchronize``) runs
     before a window's clock starts and before it stops. With ``busy``, it receives per pipeline configuration
-    each stage's seconds in its actions per timed step (:func:`stage_busy_seconds` over the windows)."""
+    each stage's seconds in its actions per timed step, per action kind (:func:`stage_busy_seconds` over the
+    windows)."""
     window, batch = len(data), len(data[0][0])
     wait = sync or (lambda: None)
     for c in configs:
@@ -303,7 +307,7 @@ def measure(configs: list[Config], data: list[tuple[torch.Tensor, torch.Tensor]]
     if busy is not None:
         for c in configs:
             if c.pipe is not None:
-                busy[c.name] = [(after - before) / (rounds * window)
+                busy[c.name] = [{kind: (after[kind] - before[kind]) / (rounds * window) for kind in after}
                                 for before, after in zip(busy_before[c.name], stage_busy_seconds(c.pipe))]
     return rates
 
@@ -656,11 +660,13 @@ def run_concurrent_batch(names: list[str], width: int, layers: int, batch: int, 
     limit = machine_limit(rates)
     out["machine_limit"] = {**median_range(limit), "per_round": [round(v, 3) for v in limit]}
     results = out["results"]
+    out["stage_time"] = stage_time(busy, rates, batch, {c.name: c.pipe for c in configs if c.pipe is not None})
+    ceiling = ceilings(out["stage_time"], 1e3 * mean_step(rates, "sequential", batch), names)
     out["fraction_of_limit"] = {
         c: {"of_medians": round(results[c]["vs_sequential"]["median"] / statistics.median(limit), 3),
-            **median_range([r / b / lim for r, b, lim in zip(rates[c], rates["sequential"], limit)])}
+            **median_range([r / b / lim for r, b, lim in zip(rates[c], rates["sequential"], limit)]),
+            "ceiling": ceiling[c]}
         for c in (n + x for n in names for x in THREADED)}
-    out["stage_time"] = stage_time(busy, rates, batch)
     for c in configs:  # the timed threaded ones trained on the same data in the same order as their in-turn one
         partner_name = in_turn_name(c.name)
         if c.pipe is not None and partner_name is not None:
@@ -669,24 +675,57 @@ def run_concurrent_batch(names: list[str], width: int, layers: int, batch: int, 
     return out
 
 
-def stage_time(busy: dict[str, list[float]], rates: dict[str, list[float]], batch: int) -> dict[str, object]:
+def stage_time(busy: dict[str, list[dict[str, float]]], rates: dict[str, list[float]], batch: int,
+               pipes: dict[str, pipecore.Pipeline]) -> dict[str, object]:
     """Where each pipeline's step time goes, from its stages' seconds in their actions (the hooks' compute,
-    ``busy``) and the mean step times over the same windows (``rates``). The speedup over sequential is the
-    product of three factors: ``sequential_over_actions`` (the sequential step / the sum of the stages' action
-    time: below 1 the actions cost more than the plain step), ``balance`` (that sum / the busiest stage's
-    time: at most the number of stages) and ``busiest_busy`` (the busiest stage's action time / the step: the
-    rest of its step it waits for messages or runs the executor's own work)."""
-    def mean_step(name: str) -> float:
-        return statistics.fmean(batch / r for r in rates[name])
-
-    sequential = mean_step("sequential")
+    ``busy``, per action kind) and the mean step times over the same windows (``rates``). The speedup over
+    sequential is the product of three factors: ``sequential_over_actions`` (the sequential step / the sum of
+    the stages' action time: below 1 the actions cost more than the plain step), ``balance`` (that sum / the
+    busiest stage's time: at most the number of stages) and ``busiest_busy`` (the busiest stage's action time
+    / the step: the rest of its step it waits for messages or runs the executor's own work).
+    ``schedule_step_ms`` is the step the simulator gives the pipeline's schedule with these action times (each
+    stage's mean forward, backward and update; steps overlapping): the step of an executor that loses nothing
+    between actions. ``executor_efficiency`` = schedule_step_ms / step_ms."""
+    sequential = mean_step(rates, "sequential", batch)
     out: dict[str, object] = {}
-    for name, seconds in busy.items():
-        total, busiest, step = sum(seconds), max(seconds), mean_step(name)
+    for name, per_kind in busy.items():
+        seconds = [sum(kinds.values()) for kinds in per_kind]
+        total, busiest, step = sum(seconds), max(seconds), mean_step(rates, name, batch)
+        scheduled = schedule_step(pipes[name], per_kind)
         out[name] = {"busy_ms_per_step": [round(1e3 * b, 2) for b in seconds], "step_ms": round(1e3 * step, 2),
                      "sequential_over_actions": round(sequential / total, 3), "balance": round(total / busiest, 3),
-                     "busiest_busy": round(busiest / step, 3)}
+                     "busiest_busy": round(busiest / step, 3), "schedule_step_ms": round(1e3 * scheduled, 2),
+                     "executor_efficiency": round(scheduled / step, 3)}
     return out
+
+
+SCHEDULE_STEPS = (4, 12)  # mini-batches simulated: the steady step is the makespan's growth between the two
+
+
+def schedule_step(pipe: pipecore.Pipeline, per_kind: list[dict[str, float]]) -> float:
+    """Seconds per step of ``pipe``'s schedule in the simulator, its stages' actions taking the measured time
+    (``per_kind``: per stage, seconds per step in forwards, backwards and updates): the steady-state step, the
+    makespan's growth per mini-batch between ``SCHEDULE_STEPS`` mini-batches."""
+    m = pipe.n_microbatches
+    updates = m // pipe.algorithm.update_every
+    costs = {"forward": [k["F"] / m for k in per_kind], "backward": [k["B"] / m for k in per_kind],
+             "update": [k["U"] / updates for k in per_kind]}
+    first, last = (pipecore.simulate(pipe.algorithm.name, len(per_kind), m, n, costs=costs).makespan
+                   for n in SCHEDULE_STEPS)
+    return (last - first) / (SCHEDULE_STEPS[1] - SCHEDULE_STEPS[0])
+
+
+def mean_step(rates: dict[str, list[float]], name: str, batch: int) -> float:
+    """Mean seconds per step of configuration ``name`` over its windows."""
+    return statistics.fmean(batch / r for r in rates[name])
+
+
+def ceilings(stage_times: dict[str, dict[str, object]], sequential_ms: float, names: list[str]) -> dict[str, float]:
+    """Per threaded configuration: the fraction of the machine's limit it would reach if its stage threads ran
+    each action as fast as the in-turn pipeline does, slowed only as much as the limit's two threads are
+    (t_two / t_one = 2 / limit), and lost nothing between actions: speedup = sequential step / (in-turn
+    schedule_step_ms x 2 / limit), so the fraction is sequential step / (2 x in-turn schedule_step_ms)."""
+    return {n + x: round(sequential_ms / (2 * stage_times[n]["schedule_step_ms"]), 3) for n in names for x in THREADED}
 
 
 def gloo_reference(path: Path = GLOO_RESULTS) -> dict[str, object] | None:
@@ -867,7 +906,13 @@ def concurrent_description(args: argparse.Namespace, results: dict[str, object])
                       "actions (TensorStage.seconds: forward, backward and update hooks) per timed step; the "
                       "speedup over sequential (mean step times over the timed windows) = sequential_over_actions "
                       "(sequential step / sum of busy) x balance (sum of busy / busiest stage's busy) x "
-                      "busiest_busy (busiest stage's busy / step)",
+                      "busiest_busy (busiest stage's busy / step); schedule_step_ms = the steady-state step the "
+                      "simulator gives the schedule with the stages' measured mean forward, backward and update "
+                      "times (mini-batches 4 to 12), executor_efficiency = schedule_step_ms / step_ms",
+        "ceiling": "fraction_of_limit[c].ceiling, per threaded configuration: sequential step / (2 x schedule_step_ms "
+                   "of the in-turn pipeline): what it would reach if each stage thread ran every action as fast as "
+                   "in turn, slowed only as much as the limit's threads (t_two / t_one = 2 / limit), losing "
+                   "nothing between actions; with steps overlapping (an upper bound for +threads)",
         "weights": "max_weight_diff_vs_in_turn (top level): per algorithm and threaded configuration, after 3 "
                    "steps on the same data, before timing (0: bit-identical); in each batch's results: the timed "
                    "configuration against its in-turn one after the run",
@@ -910,24 +955,26 @@ def print_concurrent_table(b: dict[str, object]) -> None:
         return f"{r['median']:.3f} [{r['range'][0]:.3f}, {r['range'][1]:.3f}]"
 
     print(f"{'configuration':<17}  {'samples/s':>9}  {'ms/step':>8}  {'vs sequential [range]':<22}  "
-          f"{'vs in turn [range]':<23}  {'of limit [per-round range]':<26}")
+          f"{'vs in turn [range]':<23}  {'of limit [per-round range]':<26}  {'ceiling':>7}")
     fractions = b.get("fraction_of_limit", {})
     for name, r in b["results"].items():
         ratio = span(b["over_in_turn"][name]) if name in b["over_in_turn"] else "-"
         f = fractions.get(name)
         share = f"{f['of_medians']:.3f} [{f['range'][0]:.3f}, {f['range'][1]:.3f}]" if f else "-"
+        ceiling = f"{f['ceiling']:.3f}" if f and "ceiling" in f else "-"
         print(f"{name:<17}  {r['samples_per_s']:>9,.0f}  {r['ms_per_step']:>8.2f}  {span(r['vs_sequential']):<22}  "
-              f"{ratio:<23}  {share:<26}")
+              f"{ratio:<23}  {share:<26}  {ceiling:>7}")
 
 
 def print_stage_time(stage_time: dict[str, dict[str, object]]) -> None:
     """Per pipeline configuration: its stages' action time per step and the three factors of its speedup."""
     print(f"\n{'configuration':<17}  {'busy ms/step per stage':<24}  {'step ms':>8}  {'seq/actions':>11}  "
-          f"{'balance':>7}  {'busiest busy':>12}")
+          f"{'balance':>7}  {'busiest busy':>12}  {'schedule ms':>11}  {'executor eff.':>13}")
     for name, t in stage_time.items():
         busy = ", ".join(f"{b:.1f}" for b in t["busy_ms_per_step"])
         print(f"{name:<17}  {busy:<24}  {t['step_ms']:>8.2f}  {t['sequential_over_actions']:>11.3f}  "
-              f"{t['balance']:>7.3f}  {t['busiest_busy']:>12.3f}")
+              f"{t['balance']:>7.3f}  {t['busiest_busy']:>12.3f}  {t['schedule_step_ms']:>11.2f}  "
+              f"{t['executor_efficiency']:>13.3f}")
 
 
 def print_targets(targets: list[dict[str, object]], gloo: dict[str, object] | None) -> None:

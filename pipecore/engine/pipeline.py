@@ -38,7 +38,8 @@ from .optim import SGD, build_optimizer
 from .partition import stage_starts
 from .offload import offload_segments
 from .recompute import recompute_segments
-from .backward_rules import GLOBAL_RANDOM, buffer_copies
+from .backward_rules import GLOBAL_RANDOM
+from .buffers import buffer_copies
 from .stage import TensorStage
 from .undo import Unrecoverable, UndoPoint, minibatches_in_flight, release, undo
 from .tied import StageTies

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from .memory import counting_recomputation, note_kept
 from .segments import replace_segments
-from .backward_rules import buffer_copies
+from .buffers import buffer_copies
 
 
 class Recomputed(nn.Module):

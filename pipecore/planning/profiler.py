@@ -56,7 +56,7 @@ from torch import nn
 from ..engine.graph import CapturedModel
 from ..engine.inputs import as_model_inputs
 from ..engine.optim import SGD, AdamW
-from ..engine.backward_rules import buffer_copies
+from ..engine.buffers import buffer_copies
 from .costs import GraphCosts, TiedParameter, ValueCost
 
 __all__ = ["profile"]

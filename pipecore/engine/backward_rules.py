@@ -14,7 +14,8 @@ is one way to give the backward its weights, chosen by the algorithm's ``backwar
 
 A rule builds the :class:`InFlight` record of a forward, turns it into what the backward differentiates
 (:meth:`BackwardRule.graph`), and wraps every autograd pass of that backward (:meth:`BackwardRule.reading`).
-The stage runs the rest (inputs, outputs, the loss, gradients), the same for every rule.
+The stage runs the rest (inputs, outputs, the loss, gradients), the same for every rule. A rule sees its stage
+only through :class:`RuleStage`.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ import threading
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 
 import torch
 import torch.utils._pytree as pytree
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..algorithms.base import WeightRead
@@ -34,13 +36,45 @@ from .buffers import buffer_copies
 from .saved import saving
 
 if TYPE_CHECKING:
-    from .stage import TensorStage
+    from .flat import FlatLayout
+    from .memory import MemoryAccount
 
 # Stage threads share torch's global random generator. The recompute rule saves its state before a
 # forward and replays it to recompute that forward in the backward: no other stage may draw in between
 # (the saved state would not be the one the forward drew from), and the replay, which restores the state
 # afterwards, must not rewind another stage's draws.
 GLOBAL_RANDOM = threading.Lock()
+
+
+class RuleStage(Protocol):
+    """What a backward rule uses of its stage (a :class:`~pipecore.engine.stage.TensorStage`)."""
+
+    stage: int
+    device: torch.device
+    module: nn.Module
+    layout: "FlatLayout"
+    memory: "MemoryAccount"
+
+    def materialize(self, read: WeightRead) -> torch.Tensor:
+        """The flat weights ``read`` names."""
+
+    def weight_views(self, weights: torch.Tensor) -> list[torch.Tensor]:
+        """Parameter-shaped views of the flat ``weights``."""
+
+    def weight_leaves(self, weights: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter autograd leaves viewing ``weights``, accumulating into the stage's gradient buffer."""
+
+    def autocasting(self) -> AbstractContextManager[Any]:
+        """Where a forward runs (autocast, if the stage has a dtype for it)."""
+
+    def run_forward(self, k: int, params: Sequence[torch.Tensor], inputs: tuple[Any, ...],
+                    target: torch.Tensor | None) -> Any:
+        """Micro-batch ``k``'s forward with ``params``: the loss at the last stage (recorded), the checked
+        outputs before it."""
+
+    def rerun_forward(self, params: Sequence[torch.Tensor], inputs: tuple[Any, ...],
+                      target: torch.Tensor | None) -> Any:
+        """The same forward run again for its backward, recording nothing."""
 
 
 @dataclass
@@ -72,14 +106,14 @@ class BackwardRule(ABC):
     name: str
 
     @abstractmethod
-    def forward(self, stage: "TensorStage", k: int, weights: torch.Tensor, derived: bool, inputs: tuple[Any, ...],
+    def forward(self, stage: RuleStage, k: int, weights: torch.Tensor, derived: bool, inputs: tuple[Any, ...],
                 target: torch.Tensor | None) -> tuple[Any, InFlight]:
         """Run micro-batch ``k``'s forward on ``weights`` (``derived``: the scratch buffer, which the next
         derived read overwrites); return the stage's output (checked outputs, or the loss at the last stage)
         and what the backward needs."""
 
     @abstractmethod
-    def graph(self, stage: "TensorStage", record: InFlight, read: WeightRead) -> BackwardGraph:
+    def graph(self, stage: RuleStage, record: InFlight, read: WeightRead) -> BackwardGraph:
         """What the backward of ``record``'s micro-batch differentiates, reading the weights ``read`` names."""
 
     def reading(self, weights: torch.Tensor | None) -> AbstractContextManager[Any]:
@@ -97,9 +131,9 @@ class Stash(BackwardRule):
             # The scratch is reused; the backward needs these exact values (the leaves, views of the copy,
             # keep it alive until then).
             weights = weights.clone()
-        leaves = stage._leaves(weights)
-        with stage._autocast(), stage.memory.hooks():
-            y = stage._run_forward(k, leaves, inputs, target)
+        leaves = stage.weight_leaves(weights)
+        with stage.autocasting(), stage.memory.hooks():
+            y = stage.run_forward(k, leaves, inputs, target)
         return y, InFlight(inputs, leaves, y)
 
     def graph(self, stage, record, read):
@@ -133,12 +167,12 @@ class Swap(BackwardRule):
         self._stage = -1
 
     def forward(self, stage, k, weights, derived, inputs, target):
-        leaves = stage._leaves(weights)
+        leaves = stage.weight_leaves(weights)
         self._packing, self._memory, self._names, self._stage = weights, stage.memory, stage.layout.names, stage.stage
         tracker = self._tracker = None if self._checked else _WeightDerived(leaves, inputs)
         try:
             with saving(self._pack, self._unpack), (tracker if tracker is not None else nullcontext()):
-                y = stage._run_forward(k, leaves, inputs, target)
+                y = stage.run_forward(k, leaves, inputs, target)
         finally:
             self._packing = self._memory = self._tracker = None
         self._checked = True
@@ -199,23 +233,21 @@ class Recompute(BackwardRule):
     def forward(self, stage, k, weights, derived, inputs, target):
         with GLOBAL_RANDOM, torch.no_grad():
             rng = _random_state(stage.device)
-            with stage._autocast():
-                y = stage._run_forward(k, stage._views(weights), inputs, target)
+            with stage.autocasting():
+                y = stage.run_forward(k, stage.weight_views(weights), inputs, target)
         return y, InFlight(inputs, None, None, rng, target)
 
     def graph(self, stage, record, read):
-        params = stage._leaves(stage.materialize(read))
+        params = stage.weight_leaves(stage.materialize(read))
         inputs = tuple(x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.requires_grad else x
                        for x in record.inputs)
         cuda = [stage.device] if stage.device.type == "cuda" else []
         # The forward's random state (dropout masks) and buffers: the recomputation must draw the same masks,
         # and BatchNorm must not count the micro-batch in its running statistics twice.
         with GLOBAL_RANDOM, torch.random.fork_rng(devices=cuda), buffer_copies([stage.module]), \
-                stage._autocast(), stage.memory.counting() as recomputed, stage.memory.hooks():
+                stage.autocasting(), stage.memory.counting() as recomputed, stage.memory.hooks():
             _set_random_state(record.rng_state, stage.device)
-            y = stage._run_module(params, inputs)
-            outputs = (stage._loss_fn(y, record.target) / stage.algorithm.update_every if stage.is_last
-                       else tuple(y))
+            outputs = stage.rerun_forward(params, inputs, record.target)
         stage.memory.transient(recomputed.nbytes())  # counts against the stage on the CPU (CUDA's allocator sees it)
         return BackwardGraph(params, outputs, inputs)
 

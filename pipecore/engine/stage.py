@@ -237,7 +237,7 @@ class TensorStage(StageWorker):
 
     def _bind_module_to_live(self) -> None:
         # The user's modules see the latest weights (e.g. for evaluation), without a copy.
-        for param, view in zip(self._module_params, self._views(self.ring.live)):
+        for param, view in zip(self._module_params, self.weight_views(self.ring.live)):
             param.data = view
 
     @property
@@ -247,12 +247,13 @@ class TensorStage(StageWorker):
         rule = self.algorithm.backward_rule
         return "recompute" if rule == "swap" and self.autocast is not None else rule
 
-    def _autocast(self) -> AbstractContextManager:
+    def autocasting(self) -> AbstractContextManager:
+        """Where a forward runs: under ``torch.autocast`` to the stage's ``autocast`` dtype, if it has one."""
         if self.autocast is None:
             return nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast)
 
-    def _views(self, weights: torch.Tensor) -> list[torch.Tensor]:
+    def weight_views(self, weights: torch.Tensor) -> list[torch.Tensor]:
         """Parameter-shaped views of ``weights``, cached for ring slots and the scratch buffer (they never move)."""
         key = weights.data_ptr()
         views = self._view_cache.get(key)
@@ -262,7 +263,7 @@ class TensorStage(StageWorker):
                 self._view_cache[key] = views
         return views
 
-    def _leaves(self, weights: torch.Tensor) -> list[torch.Tensor]:
+    def weight_leaves(self, weights: torch.Tensor) -> list[torch.Tensor]:
         """One autograd leaf per parameter, each a view of ``weights``, whose ``.grad`` is the parameter's
         slice of the stage's gradient buffer: a backward accumulates into it in place, inside autograd, as
         each gradient is produced (summing afterwards would hold all of a micro-batch's weight gradients
@@ -272,7 +273,7 @@ class TensorStage(StageWorker):
         key = weights.data_ptr()
         leaves = self._leaf_cache.get(key)
         if leaves is None:
-            leaves = [view.detach().requires_grad_(True) for view in self._views(weights)]
+            leaves = [view.detach().requires_grad_(True) for view in self.weight_views(weights)]
             for leaf, accumulator in zip(leaves, self._grad_views):
                 leaf.grad = accumulator
             if weights.untyped_storage().data_ptr() in self._stable_storages:
@@ -337,12 +338,23 @@ class TensorStage(StageWorker):
         self._timed("F", t0)
         return None if self.is_last else as_payload(tuple(t.detach() for t in y))
 
-    def _run_forward(self, k: int, params: Sequence[torch.Tensor], inputs: tuple[Any, ...],
-                     target: torch.Tensor | None) -> Any:
-        """The module on ``inputs`` with ``params`` as its parameters: the loss at the last stage, the checked
-        outputs before it (what every backward rule runs in its forward)."""
+    def run_forward(self, k: int, params: Sequence[torch.Tensor], inputs: tuple[Any, ...],
+                    target: torch.Tensor | None) -> Any:
+        """Micro-batch ``k``'s forward: the module on ``inputs`` with ``params`` as its parameters; the loss at
+        the last stage (recorded, see :meth:`_loss`), the checked outputs before it (what every backward rule
+        runs in its forward)."""
         y = self._forward_checked(params, inputs)
         return self._loss(k, y, target) if self.is_last else self._stage_outputs(y)
+
+    def rerun_forward(self, params: Sequence[torch.Tensor], inputs: tuple[Any, ...],
+                      target: torch.Tensor | None) -> Any:
+        """A forward run again for its backward (the recompute rule): what :meth:`run_forward` returned, the
+        loss or the outputs, but nothing recorded; the first run already checked them."""
+        y = self._run_module(params, inputs)
+        if not self.is_last:
+            return tuple(y)
+        assert self.loss_fn is not None
+        return self.loss_fn(y, target) / self.algorithm.update_every
 
     def compute_backward(self, action: Action, reads: Sequence[WeightRead], forward_reads: Sequence[WeightRead],
                          payloads: Sequence[Any]) -> list[Any]:
@@ -381,7 +393,7 @@ class TensorStage(StageWorker):
                     self._deferred = (pending, graph.weights)
                     outs.append(dx)
                     continue
-                # Weight gradients accumulate into the leaves' .grad, the gradient buffer (see _leaves); a
+                # Weight gradients accumulate into the leaves' .grad, the gradient buffer (see weight_leaves); a
                 # parameter that takes no part gets nothing added.
                 self._committed(k)
                 with rule.reading(graph.weights):
@@ -529,9 +541,9 @@ class TensorStage(StageWorker):
             for value, wants_grad in zip(values, self.boundary.grad_inputs):
                 if wants_grad and isinstance(value, torch.Tensor) and value.is_floating_point():
                     self._check_input(value)  # the dtype error training would give, not a matmul's
-        with torch.no_grad(), self._autocast():
+        with torch.no_grad(), self.autocasting():
             # The newest version (what the next update starts from), whatever stale one a schedule would read.
-            y = self._forward_checked(self._views(self.slot_of(self.book.live)), values)
+            y = self._forward_checked(self.weight_views(self.slot_of(self.book.live)), values)
         return y if self.is_last else as_payload(self._stage_outputs(y))
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -563,15 +575,12 @@ class TensorStage(StageWorker):
             exc.add_note(f"raised by stage {self.stage}'s forward, given {source} {_describe(inputs, self.boundary.inputs)}")
             raise
 
-    def _loss_fn(self, y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        assert self.loss_fn is not None
-        return self.loss_fn(y, target)
-
     def _loss(self, k: int, y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The micro-batch loss divided by the micro-batches per update (so accumulated gradients are a
         mean, like plain training); records the undivided value and handles non-finite losses."""
+        assert self.loss_fn is not None
         try:
-            loss = self._loss_fn(y, target)
+            loss = self.loss_fn(y, target)
         except Exception as exc:
             # The loss function's own error, as itself (its type is what the caller may catch), with what it got.
             exc.add_note(f"raised by loss_fn, given the last stage's output {_describe(y)} and the target "

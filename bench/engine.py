@@ -654,7 +654,7 @@ def run_concurrent_batch(names: list[str], width: int, layers: int, batch: int, 
     configs = build_concurrent(names, make_model(width, layers), CONCURRENT_STAGES, m)
     limits = limit_configs(batch, width, layers, CONCURRENT_STAGES, m)
     every = configs + limits
-    busy: dict[str, list[float]] = {}
+    busy: dict[str, list[dict[str, float]]] = {}
     rates = measure(every, mlp_data(batch, width, window), warmup, rounds, rotating(every), busy=busy)
     out = compare_to_sequential(configs, rates, names, batch)
     limit = machine_limit(rates)

@@ -49,7 +49,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipecore  # noqa: E402
 from _machine import machine, write_report  # noqa: E402
-from engine import LR, Config, make_model, measure, mlp_data, rotating, sequential_trainer, torch_threads  # noqa: E402
+from engine import (LR, Config, make_model, measure, median_range, mlp_data, rotating,  # noqa: E402
+                    sequential_trainer, torch_threads)
 from pipecore.algorithms import get_algorithm  # noqa: E402
 from pipecore.schedule.ir import B, F, U, Kind  # noqa: E402
 from pipecore.schedule.schedule import upstream  # noqa: E402
@@ -191,8 +192,7 @@ def largest_weight_diff(configs: list[Config], models: dict[str, nn.Module],
 
 def ratios(rates: dict[str, list[float]], slower: str, faster: str) -> dict[str, object]:
     """Per round, ``slower``'s step time over ``faster``'s (samples/s of ``faster`` over ``slower``)."""
-    values = [f / s for s, f in zip(rates[slower], rates[faster])]
-    return {"median": round(statistics.median(values), 3), "range": [round(min(values), 3), round(max(values), 3)]}
+    return median_range([f / s for s, f in zip(rates[slower], rates[faster])])
 
 
 def run_batch(names: list[str], width: int, layers: int, batch: int, stages: int, m: int, warmup: int,

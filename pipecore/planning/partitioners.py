@@ -193,6 +193,7 @@ def _smallest_limit(model: StageModel, positions: Sequence[int], num_stages: int
     if objective == "parameters":
         cuts = _cuts(model, positions, num_stages, objective, None)
         return max(model.memory(positions[u], positions[v], s).total for s, (u, v) in enumerate(zip(cuts, cuts[1:])))
+
     def weights(u: int, v: int, s: int) -> float:
         return _weights_floor(model, positions[u], positions[v], s)
 

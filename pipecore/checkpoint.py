@@ -24,7 +24,7 @@ import json
 import os
 import re
 import secrets
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 import torch
 
@@ -190,10 +190,72 @@ class _NoAnswer(CheckpointError):
 
 
 def load(pipe: Pipeline, directory: str | os.PathLike) -> None:
-    """Read this process's stages from a checkpoint written by :func:`save` (by any number of processes)."""
+    """Read a checkpoint written by :func:`save` (by any number of processes) into ``pipe``: this process's
+    stages when ``pipe`` has the checkpoint's stages and partition, else every stage file, mapped by parameter
+    name into ``pipe``'s stages (another number of stages, partition, micro-batches or algorithm; see
+    :meth:`Pipeline.load_state_dict`)."""
+    manifest = _read_manifest(directory, pipe.rank is not None)
+    same = (manifest["num_stages"] == pipe.num_stages and manifest["stage_layers"] == pipe.stage_layers
+            and manifest["algorithm"] == pipe.algorithm.name)
+    stages = list(pipe.stages) if same else range(manifest["num_stages"])
+    pipe.load_state_dict(merge_state_dicts(_read_stages(directory, manifest, stages)))
+
+
+def load_state(path: str | os.PathLike) -> dict[str, Any]:
+    """The whole pipeline state a checkpoint holds, tensors on the CPU, as :meth:`Pipeline.full_state_dict`
+    gives it: from a :func:`save` directory, a ``pipecore train --save`` file, or a file holding a
+    :meth:`Pipeline.state_dict` (``torch.save(pipe.state_dict(), path)``)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        manifest = _read_manifest(path, False)
+        return merge_state_dicts(_read_stages(path, manifest, range(manifest["num_stages"])))
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no such checkpoint: {path}") from None
+    except Exception as error:  # unpickling problems: not a checkpoint
+        raise ValueError(f"cannot read {path} as a checkpoint: {error}") from None
+    if isinstance(state, dict) and "pipeline" in state and "pipecore" not in state:
+        state = state["pipeline"]  # a `pipecore train --save` file: the pipeline's state and the run's
+    if not isinstance(state, dict) or "pipecore" not in state:
+        raise ValueError(f"{path} is not a pipecore checkpoint (a checkpoint.save directory, a `pipecore train "
+                         "--save` file or a saved Pipeline.state_dict())")
+    return state
+
+
+def model_state_dict(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The plain model's ``state_dict`` in a pipeline state (:meth:`Pipeline.full_state_dict`, :func:`load_state`):
+    the live weights and buffers by the model's names."""
+    return {k: v for k, v in state.items() if k != "pipecore"}
+
+
+def load_model_weights(path: str | os.PathLike, model: torch.nn.Module, strict: bool = True) -> torch.nn.Module:
+    """Fill a plain ``model`` (the model the pipeline was built from, not split) with a checkpoint's live
+    weights and buffers, by name; ``path`` is what :func:`load_state` reads. With ``strict`` (the default), a
+    name of the model that the checkpoint lacks, or the reverse, is an error that lists them; without it, only
+    the names both have are loaded. Returns ``model``.
+
+    Example: ``load_model_weights("ckpt.pt", GPT(vocab, 64))`` then evaluate the model without a pipeline."""
+    weights = model_state_dict(load_state(path))
+    wanted = model.state_dict()
+    missing = [k for k in wanted if k not in weights]
+    unexpected = [k for k in weights if k not in wanted]
+    if strict and (missing or unexpected):
+        raise ValueError(f"{os.fspath(path)} does not fit {type(model).__name__}: missing from the checkpoint "
+                         f"{missing}, not in the model {unexpected} (pass strict=False to load the names both have)")
+    shapes = [f"{k} {tuple(weights[k].shape)} vs {tuple(v.shape)}" for k, v in wanted.items()
+              if k in weights and weights[k].shape != v.shape]
+    if shapes:
+        raise ValueError(f"{os.fspath(path)} does not fit {type(model).__name__}: shapes differ (checkpoint vs "
+                         f"model) for {', '.join(shapes)}")
+    model.load_state_dict({k: v for k, v in weights.items() if k in wanted}, strict=False)
+    return model
+
+
+def _read_manifest(directory: str | os.PathLike, several_processes: bool) -> dict[str, Any]:
     path = os.path.join(directory, MANIFEST)
     if not os.path.exists(path):
-        hint = "" if pipe.rank is None else (
+        hint = "" if not several_processes else (
             "; with one process per stage on several machines, the directory must be on a file system that every "
             "rank sees")
         raise FileNotFoundError(
@@ -203,11 +265,12 @@ def load(pipe: Pipeline, directory: str | os.PathLike) -> None:
         manifest = json.load(f)
     if manifest.get("format") != FORMAT:
         raise ValueError(f"checkpoint format {manifest.get('format')} is not supported (expected {FORMAT})")
-    if manifest["num_stages"] != pipe.num_stages:
-        raise ValueError(f"checkpoint in {directory} has {manifest['num_stages']} stages, this pipeline has "
-                         f"{pipe.num_stages}")
+    return manifest
+
+
+def _read_stages(directory: str | os.PathLike, manifest: dict[str, Any], stages: Iterable[int]) -> list[dict[str, Any]]:
     parts = []
-    for s in pipe.stages:
-        part = torch.load(os.path.join(directory, manifest["files"][s]), weights_only=False)
+    for s in stages:
+        part = torch.load(os.path.join(directory, manifest["files"][s]), map_location="cpu", weights_only=False)
         parts.append({**part["tensors"], "pipecore": part["pipecore"]})
-    pipe.load_state_dict(merge_state_dicts(parts))
+    return parts

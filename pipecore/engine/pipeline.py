@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Sequence
 
@@ -38,6 +39,7 @@ from .optim import SGD, build_optimizer
 from .partition import stage_starts
 from .offload import offload_segments
 from .recompute import recompute_segments
+from .reshard import canonical_names, has_parameter_names, parameter_states, stage_state
 from .backward_rules import GLOBAL_RANDOM
 from .buffers import buffer_copies
 from .stage import TensorStage
@@ -45,6 +47,13 @@ from .undo import Unrecoverable, UndoPoint, minibatches_in_flight, release, undo
 from .tied import StageTies
 
 _NONFINITE = ("raise", "skip")
+#: The format of :meth:`Pipeline.state_dict`'s ``"pipecore"`` entry: 2 names the parameters each stage's flat
+#: buffers hold (format 1, without the names, loads only into the same layout).
+STATE_FORMAT = 2
+
+
+class CheckpointNote(UserWarning):
+    """A checkpoint was loaded into another layout or algorithm and some state was dropped or started at zero."""
 
 
 class Pipeline:
@@ -865,7 +874,9 @@ class Pipeline:
 
     def state_dict(self) -> dict[str, Any]:
         """This process's stages: the model's ``state_dict`` keys (live weights, buffers) plus ``"pipecore"``
-        (versions and optimizer state per stage). In one process that is the whole model."""
+        (versions and optimizer state per stage, and the names and shapes of the parameters each stage's flat
+        buffers hold, in order, so that :meth:`load_state_dict` can map it to any other pipeline of the model).
+        In one process that is the whole model."""
         if self.in_flight:
             raise RuntimeError(
                 f"{self.in_flight} micro-batch backwards are in flight; call flush() before state_dict() so the "
@@ -881,8 +892,10 @@ class Pipeline:
                 "optimizer": _clone(st.optimizer.state_dict()),
                 "velocity": None if st.velocity is None else st.velocity.clone(),
                 "lr": st.optimizer.lr,
+                "params": [[name, list(shape)] for name, shape in zip(st.layout.names, st.layout.shapes)],
             }
         state["pipecore"] = {
+            "format": STATE_FORMAT,
             "algorithm": self.algorithm.name,
             "num_stages": self.num_stages,
             "n_microbatches": self.n_microbatches,
@@ -902,34 +915,93 @@ class Pipeline:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this process's stages from a :meth:`state_dict` that holds them: this process's own, a
         :meth:`full_state_dict`, or a merge of the ranks' (:func:`merge_state_dicts`). Keys of other stages
-        are ignored; a missing key of this process's stages, or a key of no stage, is an error."""
+        are ignored; a missing key of this process's stages, or a key of no stage, is an error.
+
+        The state may come from a pipeline of the same model with another number of stages, another
+        partition, another number of micro-batches or another algorithm: weights, buffers and optimizer state
+        (momentum, AdamW's moments, a torch optimizer's per-parameter state) are then mapped by parameter name
+        (it must then hold every stage that holds a parameter of this process's stages, as a full state does).
+        A checkpoint holds the live weights only (flush semantics); state that the algorithm derives (PipeMare's
+        velocity, weight prediction's update direction) maps by name where both keep it, is dropped where this
+        pipeline does not keep it and starts at zero where the checkpoint does not hold it, each with a
+        warning. See docs/training.md, "Universal checkpoints"."""
         self.synchronize()
+        if "pipecore" not in state:
+            raise KeyError(
+                "load_state_dict: the state has no 'pipecore' entry: it is a plain model's state_dict, not a "
+                "Pipeline.state_dict(); load it into the model before building the pipeline "
+                "(model.load_state_dict(...)), which then starts with a new optimizer state")
         own = {k for s in self.stages for k in self._stage_keys[s]} | {"pipecore"}
         known = {k for keys in self._stage_keys for k in keys} | {"pipecore"}
         missing, extra = sorted(own - set(state)), sorted(set(state) - known)
         if missing or extra:
             raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {extra}")
         meta = state["pipecore"]
-        mine = (self.algorithm.name, self.num_stages, self.n_microbatches)
-        theirs = (meta["algorithm"], meta["num_stages"], meta["n_microbatches"])
-        if mine != theirs:
-            raise ValueError(f"checkpoint is for (algorithm, stages, micro-batches) {theirs}, this pipeline is {mine}")
-        if meta.get("stage_layers", self.stage_layers) != self.stage_layers:
-            raise ValueError(f"checkpoint splits the layers as {meta['stage_layers']}, this pipeline as {self.stage_layers}")
-        absent = sorted(set(self.stages) - set(meta["stages"]))
-        if absent:
-            raise KeyError(f"load_state_dict: the state holds no optimizer state or versions of stage(s) {absent}")
+        version = meta.get("format", 1)
+        if version > STATE_FORMAT:
+            raise ValueError(f"load_state_dict: the state is in pipecore state format {version}, newer than this "
+                             f"pipecore reads ({STATE_FORMAT}); upgrade pipecore")
         if self.in_flight:
             raise RuntimeError("call flush() before load_state_dict()")
-        for s, st in self.stages.items():
-            sm = meta["stages"][s]
-            st.load({n: state[n] for n in st.layout.names}, sm["version"], sm["updates"], sm["optimizer"], sm["velocity"])
-            if "lr" in sm and st.lr_schedule is None:  # a scheduler's rate follows from the update count
-                st.optimizer.set_lr(sm["lr"])
+        wrong = [f"{n} {tuple(state[n].shape)} in the checkpoint, {tuple(shape)} here"
+                 for st in self.stages.values() for n, shape in zip(st.layout.names, st.layout.shapes)
+                 if state[n].shape != shape]
+        if wrong:
+            raise ValueError(f"load_state_dict: the checkpoint is of another model: shapes differ for {'; '.join(wrong)}")
+        if self._same_layout(meta):
+            for s, st in self.stages.items():
+                sm = meta["stages"][s]
+                st.load({n: state[n] for n in st.layout.names}, sm["version"], sm["updates"], sm["optimizer"],
+                        sm["velocity"])
+                if "lr" in sm and st.lr_schedule is None:  # a scheduler's rate follows from the update count
+                    st.optimizer.set_lr(sm["lr"])
+        else:
+            self._load_by_name(state, meta)
+        for st in self.stages.values():
             for name, buf in st.module.named_buffers():
                 if name in state:
                     buf.copy_(state[name])
         self._restart()
+
+    def _same_layout(self, meta: dict[str, Any]) -> bool:
+        """Whether ``meta`` holds this process's stages with the same flat layouts and the same algorithm, so
+        that each stage's state loads as it is (bit for bit, derived state included)."""
+        if meta["num_stages"] != self.num_stages or meta["algorithm"] != self.algorithm.name:
+            return False
+        if any(s not in meta["stages"] for s in self.stages):
+            return False
+        if not has_parameter_names(meta):  # format 1: the partition identifies the layouts
+            return meta.get("stage_layers", self.stage_layers) == self.stage_layers
+        return all([n for n, _ in meta["stages"][s]["params"]] == list(st.layout.names)
+                   for s, st in self.stages.items())
+
+    def _load_by_name(self, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Load a state saved by another layout (stages, partition, algorithm): each stage's flat buffers are
+        assembled from the checkpoint's per-parameter pieces (see :mod:`pipecore.engine.reshard`)."""
+        theirs = (meta["algorithm"], meta["num_stages"], meta["n_microbatches"])
+        mine = (self.algorithm.name, self.num_stages, self.n_microbatches)
+        if not has_parameter_names(meta):
+            raise ValueError(
+                f"load_state_dict: the state is in pipecore state format {meta.get('format', 1)}, which does not "
+                f"name the parameters each stage holds, so it loads only into a pipeline with the same algorithm, "
+                f"stages and partition: it is for (algorithm, stages, micro-batches) {theirs} with layers "
+                f"{meta.get('stage_layers')}, this pipeline is {mine} with layers {self.stage_layers}")
+        canonical = canonical_names(self.captured.model)
+        pieces = parameter_states(meta, canonical)
+        notes: list[str] = []
+        loaded = {}
+        for s, st in self.stages.items():
+            sizes = [shape.numel() for shape in st.layout.shapes]
+            loaded[s] = stage_state(s, st.layout.names, sizes, canonical, pieces, meta, st.optimizer.state_dict(),
+                                    st.velocity, st.layout.buffer_numel, notes)
+        for s, st in self.stages.items():  # every stage assembled before any changes: an error leaves all as they were
+            got = loaded[s]
+            st.load({n: state[n] for n in st.layout.names}, got.version, got.updates, got.optimizer, got.velocity)
+            if got.lr is not None and st.lr_schedule is None:
+                st.optimizer.set_lr(got.lr)
+        if notes:
+            warnings.warn(f"load_state_dict: checkpoint of {theirs} loaded into {mine} by parameter name; "
+                          + "; ".join(notes), CheckpointNote, stacklevel=3)
 
     def _gather(self, obj: Any) -> list[Any]:
         """``obj`` from every process, in rank order (collective with one process per stage)."""

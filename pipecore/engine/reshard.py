@@ -1,0 +1,194 @@
+"""Universal checkpoints: what each stage's flat buffers hold, mapped back to the model's parameter names.
+
+A stage keeps its weights, its optimizer state (SGD's momentum, AdamW's ``exp_avg``/``exp_avg_sq``) and
+PipeMare's weight velocity as flat buffers in the order of its :class:`~pipecore.engine.flat.FlatLayout`.
+:meth:`Pipeline.state_dict` records that order per stage (``"params"``: names and shapes), so a checkpoint
+can be cut into per-parameter pieces (:func:`parameter_states`) and reassembled in the layout of any other
+pipeline of the same model (:func:`stage_state`): another number of stages, another partition, another
+number of micro-batches or another algorithm. A tied parameter is one logical weight under several names
+(GPT's ``head.weight`` is ``tok_emb.weight``): pieces are keyed by the model's first name for it.
+
+A checkpoint holds one weight version per stage, the live one (``state_dict`` needs a flushed pipeline), so
+the older versions an asynchronous algorithm keeps in flight are never part of it. What an algorithm derives
+beyond the optimizer's own state (PipeMare's velocity, the update direction of weight prediction) maps by
+name where the target keeps it too; where the target does not keep it, it is dropped with a warning, and where
+the checkpoint does not hold it, the target starts it at zero (as a new pipeline does) with a warning.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+
+#: Optimizer state entries that a new pipeline starts at zero and derives while training (the update direction
+#: weight prediction reads): a checkpoint without them still loads, from zero, with a warning. Any other entry
+#: the target needs and the checkpoint lacks means another optimizer (or configuration) and is an error.
+_STARTS_AT_ZERO = frozenset({"next_direction"})
+
+
+@dataclass
+class ParameterState:
+    """One parameter's share of a checkpoint: the stage that held it and its slices of that stage's flat
+    optimizer tensors (parameter-shaped), of a torch optimizer's per-parameter state, and of the velocity."""
+
+    stage: int
+    optimizer: dict[str, torch.Tensor] = field(default_factory=dict)
+    torch_state: dict[str, Any] | None = None
+    velocity: torch.Tensor | None = None
+
+
+def canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every name of every parameter of ``model`` -> the model's first name for that parameter (tied weights
+    have several names; ``named_parameters()`` reports the first)."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(p), name)
+    return out
+
+
+def has_parameter_names(meta: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint's ``"pipecore"`` entry records each stage's parameter names (format 2 on)."""
+    return all("params" in sm for sm in meta["stages"].values())
+
+
+def parameter_states(meta: Mapping[str, Any], canonical: Mapping[str, str]) -> dict[str, ParameterState]:
+    """The checkpoint's per-parameter state, keyed by canonical name (the first stage holding a tied parameter
+    gives it: the owners of a tied weight keep identical copies)."""
+    out: dict[str, ParameterState] = {}
+    for s, sm in sorted(meta["stages"].items()):
+        names = [n for n, _ in sm["params"]]
+        shapes = [torch.Size(shape) for _, shape in sm["params"]]
+        numel = sum(math.prod(shape) for shape in shapes)
+        buffer_numel = max(numel, 1)  # FlatLayout.buffer_numel
+        opt = sm["optimizer"]
+        flat = {k: v for k, v in opt.items() if _is_flat(v, buffer_numel)}
+        torch_state = opt["torch"]["state"] if "torch" in opt else None
+        velocity = sm.get("velocity")
+        offset = 0
+        for i, (name, shape) in enumerate(zip(names, shapes)):
+            n = math.prod(shape)
+            key = canonical.get(name, name)
+            if key not in out:
+                piece = lambda t: t[offset: offset + n].view(shape)  # noqa: E731
+                out[key] = ParameterState(
+                    stage=s,
+                    optimizer={k: piece(v) for k, v in flat.items()},
+                    torch_state=None if torch_state is None else torch_state.get(i),
+                    velocity=None if velocity is None else piece(velocity),
+                )
+            offset += n
+    return out
+
+
+def _is_flat(value: Any, buffer_numel: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == buffer_numel
+
+
+@dataclass
+class StageState:
+    """What :meth:`TensorStage.load` takes, assembled for one stage of the target pipeline."""
+
+    version: int
+    updates: int
+    optimizer: dict[str, Any]
+    velocity: torch.Tensor | None
+    lr: float | None
+
+
+def stage_state(stage: int, names: Sequence[str], sizes: Sequence[int], canonical: Mapping[str, str], pieces: Mapping[str, ParameterState],
+                meta: Mapping[str, Any], template: Mapping[str, Any], velocity: torch.Tensor | None,
+                buffer_numel: int, notes: list[str]) -> StageState:
+    """The state of target stage ``stage`` whose flat buffers hold ``names`` (of ``sizes`` elements) in order: its optimizer state in the
+    format of ``template`` (the target optimizer's own ``state_dict()``), its velocity where ``velocity`` (the
+    target's buffer) is not None, and the version, update count and learning rate of the checkpoint's stage that
+    held its first parameter. Lossy conversions are appended to ``notes``."""
+    missing = [n for n in names if canonical.get(n, n) not in pieces]
+    if missing:
+        raise KeyError(f"load_state_dict: the state holds no optimizer state or versions of stage(s) [{stage}]: "
+                       f"none for its parameter(s) {_few(missing)} (a state of some stages only loads into the same "
+                       "stages; pass a full_state_dict())")
+    mine = [pieces[canonical.get(n, n)] for n in names]
+    sources = sorted({p.stage for p in mine}) or [min(meta["stages"])]
+    source_meta = [meta["stages"][s] for s in sources]
+    updates = {sm["updates"] for sm in source_meta}
+    if len(updates) > 1:
+        notes.append(f"stage {stage} takes parameters from checkpoint stages {sources}, which applied different "
+                     f"numbers of updates ({sorted(updates)}); it continues from the largest")
+    first = source_meta[0]
+    optimizer: dict[str, Any] = {}
+    for key, value in template.items():
+        if key == "torch":
+            optimizer[key] = _torch_state(value, mine, first["optimizer"], stage)
+        elif isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == buffer_numel:
+            optimizer[key] = _assemble(key, [p.optimizer.get(key) for p in mine], value, names, sizes, stage,
+                                       notes)
+        elif value is None:
+            if any(p.optimizer.get(key) is not None for p in mine):
+                notes.append(f"stage {stage}: the checkpoint's optimizer state {key!r} is dropped (this pipeline "
+                             "does not keep it)")
+            optimizer[key] = None
+        else:  # per-stage scalars such as the step count: the largest of the source stages
+            found = [sm["optimizer"][key] for sm in source_meta if key in sm["optimizer"]]
+            if not found:
+                raise KeyError(f"load_state_dict: the checkpoint's optimizer state has no {key!r}, which this "
+                               f"pipeline's optimizer keeps (it was saved with another optimizer)")
+            if len(set(found)) > 1:
+                notes.append(f"stage {stage}: optimizer {key!r} differs between checkpoint stages {sources} "
+                             f"({sorted(set(found))}); it continues from the largest")
+            optimizer[key] = max(found)
+    own_velocity = None
+    if velocity is not None:
+        own_velocity = _assemble("velocity", [p.velocity for p in mine], velocity, names, sizes, stage, notes,
+                                 zero_ok=True)
+    elif any(p.velocity is not None for p in mine):
+        notes.append(f"stage {stage}: the checkpoint's weight velocity is dropped (this pipeline's algorithm "
+                     "keeps none)")
+    versions = [sm["version"] for sm in source_meta]
+    return StageState(version=max(versions), updates=max(updates), optimizer=optimizer, velocity=own_velocity,
+                      lr=first.get("lr"))
+
+
+def _assemble(key: str, parts: Sequence[torch.Tensor | None], like: torch.Tensor, names: Sequence[str],
+              sizes: Sequence[int], stage: int, notes: list[str], zero_ok: bool = False) -> torch.Tensor:
+    """One flat tensor like ``like`` from per-parameter ``parts`` (of ``sizes`` elements) in layout order; an
+    absent part stays zero where that is how a new pipeline starts, else it is an error."""
+    absent = [n for n, p in zip(names, parts) if p is None]
+    if absent:
+        if not (zero_ok or key in _STARTS_AT_ZERO):
+            raise KeyError(f"load_state_dict: the checkpoint's optimizer state has no {key!r} for {_few(absent)} "
+                           f"(stage {stage}); it was saved with another optimizer or optimizer configuration")
+        notes.append(f"stage {stage}: the checkpoint holds no {key} for {_few(absent)}; it starts at zero")
+    out = torch.zeros_like(like)
+    offset = 0
+    for part, n in zip(parts, sizes):
+        if part is not None:
+            out[offset: offset + n].copy_(part.reshape(-1))
+        offset += n
+    return out
+
+
+def _few(names: Sequence[str], limit: int = 4) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _torch_state(template: Mapping[str, Any], mine: Sequence[ParameterState], source: Mapping[str, Any],
+                 stage: int) -> dict[str, Any]:
+    """A torch optimizer's ``state_dict`` for this stage: per-parameter state by name, the hyperparameters of
+    the checkpoint's stage that held the first parameter."""
+    if "torch" not in source:
+        raise KeyError(f"load_state_dict: stage {stage} uses a torch optimizer, but the checkpoint's optimizer state "
+                       "is pipecore's fused SGD or AdamW; load it with the optimizer it was saved with")
+    groups = template["param_groups"]
+    theirs = source["torch"]["param_groups"]
+    if len(groups) != 1 or len(theirs) != 1:
+        raise ValueError("load_state_dict: a torch optimizer with several parameter groups loads only into the same "
+                         "stages and partition it was saved with")
+    group = {**{k: v for k, v in theirs[0].items() if k != "params"}, "params": groups[0]["params"]}
+    state = {i: p.torch_state for i, p in zip(groups[0]["params"], mine) if p.torch_state is not None}
+    return {"state": state, "param_groups": [group]}

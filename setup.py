@@ -30,6 +30,33 @@ def _sources(pattern: str) -> list[str]:
     return sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "csrc", pattern)))
 
 
+SANITIZERS = ("address", "undefined", "thread")
+
+
+def _sanitize_flags() -> tuple[list[str], list[str]]:
+    """Compile and link flags for ``PIPECORE_SANITIZE`` (e.g. ``address,undefined`` or ``thread``).
+
+    A sanitized build also asserts at every raise site that the GIL is held (csrc/README.md). Running it
+    needs the sanitizer runtime preloaded into Python: see docs/kernels.md.
+    """
+    value = os.environ.get("PIPECORE_SANITIZE", "").strip()
+    if not value:
+        return [], []
+    chosen = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in SANITIZERS]
+    if unknown or not chosen:
+        raise SystemExit(f"PIPECORE_SANITIZE={value!r}: unknown sanitizer {unknown}; allowed: "
+                         f"{', '.join(SANITIZERS)} (address and undefined together, thread on its own)")
+    if "thread" in chosen and len(chosen) > 1:
+        raise SystemExit(f"PIPECORE_SANITIZE={value!r}: 'thread' cannot be combined with another sanitizer")
+    sanitize = "-fsanitize=" + ",".join(chosen)
+    # -O1 and frame pointers for readable reports; UBSan stops at its first finding so that tests fail on it.
+    compile_flags = [sanitize, "-g", "-O1", "-fno-omit-frame-pointer", "-DPIPECORE_CHECK_GIL=1"]
+    if "undefined" in chosen:
+        compile_flags.append("-fno-sanitize-recover=undefined")
+    return compile_flags, [sanitize]
+
+
 def _extension():
     # No -std flag: BuildExtension adds the standard the installed torch's headers need.
     # -fno-math-errno lets sqrt vectorize; -ffp-contract=off keeps a*b+c unfused so results do not
@@ -49,6 +76,9 @@ def _extension():
     if sys.platform.startswith("linux") and torch.backends.openmp.is_available():
         cxx_flags.append("-fopenmp")
         link_flags.append("-fopenmp")
+    sanitize_compile, sanitize_link = _sanitize_flags()
+    cxx_flags += sanitize_compile  # after -O3: the sanitizers' -O1 wins
+    link_flags += sanitize_link
     cpp = _sources("*.cpp")
     cuda = _sources("*.cu")
     with_cuda = bool(cuda) and torch.version.cuda is not None and CUDA_HOME is not None

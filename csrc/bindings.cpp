@@ -1,8 +1,11 @@
 // Python bindings for pipecore._C. The typed, documented API is in pipecore/ring.py and pipecore/ops.
+// Every binding follows the rules of csrc/README.md: raise only with the GIL held (without_gil is the
+// only way the GIL is released), check arguments before releasing it, translate errors locally.
 #include <torch/extension.h>
 
 #include <pybind11/stl.h>
 
+#include "boundary.h"
 #include "mailbox.h"
 #include "ops_cpu.h"
 #include "ring.h"
@@ -15,6 +18,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Tensor conversion needs torch's Python bindings initialised; importing torch here makes
   // `import pipecore._C` work on its own (the loader finds libtorch through the rpath set in setup.py).
   py::module_::import("torch");
+
+  // Errors, translated for this module only (rule 3). pipecore::Error carries the Python type to raise;
+  // TimeoutError is the built-in type, not a pipecore subclass, so that callers catch it as usual.
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const pipecore::Error& e) {
+      PyObject* type = PyExc_RuntimeError;
+      switch (e.kind()) {
+        case pipecore::ErrorKind::kValue: type = PyExc_ValueError; break;
+        case pipecore::ErrorKind::kIndex: type = PyExc_IndexError; break;
+        case pipecore::ErrorKind::kKey: type = PyExc_KeyError; break;
+        case pipecore::ErrorKind::kTimeout: type = PyExc_TimeoutError; break;
+        case pipecore::ErrorKind::kRuntime: break;
+      }
+      PyErr_SetString(type, e.what());
+    }
+  });
+  // Registered after the translator above, so tried before it (pybind11 tries the newest first).
+  py::register_local_exception<pipecore::Aborted>(m, "Aborted", PyExc_RuntimeError);
 
   py::class_<pipecore::WeightRing>(m, "WeightRing")
       .def(py::init<int64_t, int64_t, at::ScalarType, at::Device>(), py::arg("numel"), py::arg("num_slots"),
@@ -43,15 +66,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   // Stage-thread synchronisation (mailbox.h). Waits release the GIL themselves, and only when
   // they have to block, so no call_guard here.
-  py::register_exception<pipecore::Aborted>(m, "Aborted", PyExc_RuntimeError);
-  // TimeoutError is the built-in type, not a pipecore subclass: callers catch it as usual.
-  py::register_local_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const pipecore::WaitTimeout& e) {
-      PyErr_SetString(PyExc_TimeoutError, e.what());
-    }
-  });
 
   py::class_<pipecore::Mailbox>(m, "Mailbox",
                                 "Thread-safe map int -> object whose take() blocks (GIL released) until "
@@ -87,20 +101,49 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "first reason is kept.")
       .def("reset", &pipecore::Progress::reset, "Clear the aborted state; counters keep their values.");
 
-  // Kernels release the GIL: they touch only tensor memory, and a pipeline runs several stages'
-  // updates from different threads.
-  m.def("interpolate", &pipecore::cpu::interpolate, py::arg("out"), py::arg("live"), py::arg("stale"),
-        py::arg("alpha"), py::call_guard<py::gil_scoped_release>());
-  m.def("predict", &pipecore::cpu::predict, py::arg("out"), py::arg("w"), py::arg("v"), py::arg("scale"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("sgd_step", &pipecore::cpu::sgd_step, py::arg("out"), py::arg("w"), py::arg("grad"),
-        py::arg("momentum_buf"), py::arg("delta"), py::arg("lr"), py::arg("momentum"), py::arg("dampening"),
-        py::arg("weight_decay"), py::arg("nesterov"), py::arg("first_step"), py::arg("delta_decay"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("adamw_step", &pipecore::cpu::adamw_step, py::arg("out"), py::arg("w"), py::arg("grad"),
-        py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("wd_factor"), py::arg("beta1"), py::arg("beta2"),
-        py::arg("eps"), py::arg("step_size"), py::arg("bias_correction2_sqrt"),
-        py::call_guard<py::gil_scoped_release>());
+  // Kernels check their arguments with the GIL held, then release it around the computation only: they
+  // touch only tensor memory, and a pipeline runs several stages' updates from different threads.
+  m.def(
+      "interpolate",
+      [](const at::Tensor& out, const at::Tensor& live, const at::Tensor& stale, double alpha) {
+        pipecore::cpu::check_interpolate(out, live, stale);
+        pipecore::without_gil([&] { pipecore::cpu::interpolate(out, live, stale, alpha); });
+      },
+      py::arg("out"), py::arg("live"), py::arg("stale"), py::arg("alpha"));
+  m.def(
+      "predict",
+      [](const at::Tensor& out, const at::Tensor& w, const at::Tensor& v, double scale) {
+        pipecore::cpu::check_predict(out, w, v);
+        pipecore::without_gil([&] { pipecore::cpu::predict(out, w, v, scale); });
+      },
+      py::arg("out"), py::arg("w"), py::arg("v"), py::arg("scale"));
+  m.def(
+      "sgd_step",
+      [](const at::Tensor& out, const at::Tensor& w, const at::Tensor& grad,
+         const std::optional<at::Tensor>& momentum_buf, const std::optional<at::Tensor>& delta, double lr,
+         double momentum, double dampening, double weight_decay, bool nesterov, bool first_step, double delta_decay) {
+        pipecore::cpu::check_sgd_step(out, w, grad, momentum_buf, delta, momentum);
+        pipecore::without_gil([&] {
+          pipecore::cpu::sgd_step(out, w, grad, momentum_buf, delta, lr, momentum, dampening, weight_decay, nesterov,
+                                  first_step, delta_decay);
+        });
+      },
+      py::arg("out"), py::arg("w"), py::arg("grad"), py::arg("momentum_buf"), py::arg("delta"), py::arg("lr"),
+      py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("nesterov"), py::arg("first_step"),
+      py::arg("delta_decay"));
+  m.def(
+      "adamw_step",
+      [](const at::Tensor& out, const at::Tensor& w, const at::Tensor& grad, const at::Tensor& exp_avg,
+         const at::Tensor& exp_avg_sq, double wd_factor, double beta1, double beta2, double eps, double step_size,
+         double bias_correction2_sqrt) {
+        pipecore::cpu::check_adamw_step(out, w, grad, exp_avg, exp_avg_sq);
+        pipecore::without_gil([&] {
+          pipecore::cpu::adamw_step(out, w, grad, exp_avg, exp_avg_sq, wd_factor, beta1, beta2, eps, step_size,
+                                    bias_correction2_sqrt);
+        });
+      },
+      py::arg("out"), py::arg("w"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("wd_factor"),
+      py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("step_size"), py::arg("bias_correction2_sqrt"));
   m.def("_args_ok", &pipecore::cpu::args_ok, py::arg("tensors"), py::arg("n_weights"), py::arg("written_mask"),
         py::arg("out_index"), py::arg("alias_mask"));
   m.def("_streaming_threshold", &pipecore::cpu::streaming_threshold);

@@ -15,9 +15,7 @@ constexpr double kForever = 1e9;  // about 31 years
 
 // Called with the GIL held, before any waiting: NaN would make the deadline undefined.
 void check_timeout(const char* op, double timeout) {
-  if (std::isnan(timeout)) {
-    throw py::value_error(std::string(op) + ": timeout must be a number of seconds (negative = forever), got nan");
-  }
+  PIPECORE_CHECK(!std::isnan(timeout), ErrorKind::kValue, op, ": timeout must be a number of seconds (negative = forever), got nan");
 }
 
 std::string seconds(double timeout) {
@@ -31,20 +29,21 @@ std::string seconds(double timeout) {
 // ---------------------------------------------------------------------------------------------
 // AbortState
 
-void AbortState::throw_if_aborted() const {
-  if (aborted_) throw Aborted(reason_);
+void AbortState::raise_if_aborted() const {
+  if (aborted_) Status::aborted(reason_).raise_if_failed();
 }
 
 template <class Ready, class Describe>
-void AbortState::wait(std::unique_lock<std::mutex>& lock, double timeout, Ready ready, Describe describe) {
+Status AbortState::wait(std::unique_lock<std::mutex>& lock, double timeout, Ready ready, Describe describe) {
   auto done = [&] { return aborted_ || ready(); };
   if (timeout < 0 || timeout > kForever) {
     cv_.wait(lock, done);
   } else if (!cv_.wait_for(lock, std::chrono::duration<double>(timeout), done)) {
-    throw WaitTimeout(describe() + " (waited " + seconds(timeout) + ")");
+    return Status::timed_out(describe() + " (waited " + seconds(timeout) + ")");
   }
   // Checked after the wait too: abort wins over a key or value that arrived at the same time.
-  throw_if_aborted();
+  if (aborted_) return Status::aborted(reason_);
+  return Status::ready();
 }
 
 void AbortState::abort_all(std::string reason) {
@@ -78,9 +77,7 @@ void Mailbox::put(int64_t key, py::object value) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto [it, inserted] = items_.try_emplace(key, nullptr);
-    if (!inserted) {
-      throw py::key_error("Mailbox.put: key " + std::to_string(key) + " is already present");
-    }
+    PIPECORE_CHECK(inserted, ErrorKind::kKey, "Mailbox.put: key ", key, " is already present");
     // The map now owns this reference; take() hands it back with reinterpret_steal.
     it->second = value.release().ptr();
   }
@@ -92,7 +89,7 @@ py::object Mailbox::take(int64_t key, double timeout) {
   // Fast path, GIL kept: the key is usually there already when the pipeline is not stalled.
   {
     std::lock_guard<std::mutex> lock(mu_);
-    throw_if_aborted();
+    raise_if_aborted();
     auto it = items_.find(key);
     if (it != items_.end()) {
       PyObject* obj = it->second;
@@ -100,20 +97,22 @@ py::object Mailbox::take(int64_t key, double timeout) {
       return py::reinterpret_steal<py::object>(obj);
     }
   }
+  // The reference leaves the map under the mutex and reaches Python (reinterpret_steal) only with the
+  // GIL held again; a take that fails leaves the item where it is.
   PyObject* obj = nullptr;
-  {
-    py::gil_scoped_release nogil;
-    // Declared after `nogil`, so mu_ is unlocked before the GIL is reacquired, also when wait()
-    // throws: holding mu_ while waiting for the GIL would deadlock against a put() that holds
-    // the GIL and waits for mu_.
+  without_gil([&] {
+    // mu_ is unlocked when this lambda returns, before without_gil takes the GIL back (rule 5).
     std::unique_lock<std::mutex> lock(mu_);
-    wait(
+    Status status = wait(
         lock, timeout, [&] { return items_.count(key) != 0; },
         [&] { return "Mailbox.take: key " + std::to_string(key) + " was not put"; });
-    auto it = items_.find(key);
-    obj = it->second;
-    items_.erase(it);
-  }
+    if (status.code == Status::Code::kReady) {
+      auto it = items_.find(key);
+      obj = it->second;
+      items_.erase(it);
+    }
+    return status;
+  });
   return py::reinterpret_steal<py::object>(obj);
 }
 
@@ -149,15 +148,13 @@ void Mailbox::clear() {
 // Progress
 
 Progress::Progress(int64_t n) {
-  if (n < 1) throw py::value_error("Progress: need at least one counter, got n=" + std::to_string(n));
+  PIPECORE_CHECK(n >= 1, ErrorKind::kValue, "Progress: need at least one counter, got n=", n);
   counters_.assign(static_cast<size_t>(n), 0);
 }
 
 size_t Progress::index(const char* op, int64_t i) const {
-  if (i < 0 || i >= size()) {
-    throw py::index_error(std::string("Progress.") + op + ": counter index " + std::to_string(i) +
-                          " is out of range for " + std::to_string(size()) + " counters");
-  }
+  PIPECORE_CHECK(i >= 0 && i < size(), ErrorKind::kIndex, "Progress.", op, ": counter index ", i, " is out of range for ",
+        size(), " counters");
   return static_cast<size_t>(i);
 }
 
@@ -181,17 +178,18 @@ void Progress::wait_at_least(int64_t i, int64_t value, double timeout) {
   check_timeout("Progress.wait_at_least", timeout);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    throw_if_aborted();
+    raise_if_aborted();
     if (counters_[k] >= value) return;  // fast path, GIL kept
   }
-  py::gil_scoped_release nogil;
-  std::unique_lock<std::mutex> lock(mu_);  // after `nogil`: see Mailbox::take
-  wait(
-      lock, timeout, [&] { return counters_[k] >= value; },
-      [&] {
-        return "Progress.wait_at_least: counter " + std::to_string(i) + " is " + std::to_string(counters_[k]) +
-               ", not yet >= " + std::to_string(value);
-      });
+  without_gil([&] {
+    std::unique_lock<std::mutex> lock(mu_);  // unlocked before the GIL is taken back: see Mailbox::take
+    return wait(
+        lock, timeout, [&] { return counters_[k] >= value; },
+        [&] {
+          return "Progress.wait_at_least: counter " + std::to_string(i) + " is " + std::to_string(counters_[k]) +
+                 ", not yet >= " + std::to_string(value);
+        });
+  });
 }
 
 }  // namespace pipecore

@@ -1,10 +1,12 @@
 // Mailbox and Progress: the synchronisation points between pipeline stage worker threads.
 //
-// Every blocking wait releases the GIL, so other stages keep running Python while one waits, and
-// every wait that does not have to block returns without touching the GIL at all (releasing and
-// reacquiring it can hand the interpreter to another thread). Lock order: the GIL may be held when
-// taking the mutex (the sections it guards never need the GIL), but the GIL is never (re)acquired
-// while the mutex is held; that would deadlock against a thread holding the GIL in put()/set().
+// Every blocking wait releases the GIL (through without_gil, csrc/README.md rule 1), so other stages keep
+// running Python while one waits, and every wait that does not have to block returns without touching
+// the GIL at all (releasing and reacquiring it can hand the interpreter to another thread). A wait
+// never throws: it returns a Status decided under the mutex, raised once the GIL is back. Lock order:
+// the GIL may be held when taking the mutex (the sections it guards never need the GIL), but the GIL is
+// never (re)acquired while the mutex is held; that would deadlock against a thread holding the GIL in
+// put()/set().
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -13,37 +15,26 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
-#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "boundary.h"
+
 namespace pipecore {
-
-// A wait ended because abort() was called; what() is the abort reason. Bound as pipecore._C.Aborted.
-class Aborted : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-// A wait ran past its timeout. Translated to Python's built-in TimeoutError.
-class WaitTimeout : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
 
 // Shared abort flag: the first reason is kept until reset(), because later aborts are usually
 // consequences of the first failure (one stage fails, the executor then stops the others).
 class AbortState {
  protected:
-  // Requires mu_ held: raises Aborted if aborted.
-  void throw_if_aborted() const;
-  // Requires mu_ held through `lock` and the GIL NOT held. Waits until aborted (raises Aborted)
-  // or ready(); after `timeout` seconds (negative = forever) raises WaitTimeout whose message is
-  // describe() (called with mu_ held) plus the seconds waited. Defined in mailbox.cpp, its
-  // only user.
+  // Requires mu_ held and the GIL held: raises Aborted if aborted.
+  void raise_if_aborted() const;
+  // Requires mu_ held through `lock`; the GIL need not be held and nothing is raised. Waits until
+  // aborted (Status::aborted with the reason) or ready() (Status::ready); after `timeout` seconds
+  // (negative = forever) returns Status::timed_out with describe() (called with mu_ held) plus the
+  // seconds waited. Defined in mailbox.cpp, its only user.
   template <class Ready, class Describe>
-  void wait(std::unique_lock<std::mutex>& lock, double timeout, Ready ready, Describe describe);
+  Status wait(std::unique_lock<std::mutex>& lock, double timeout, Ready ready, Describe describe);
   // Lock mu_ themselves; abort_all also wakes every waiter.
   void abort_all(std::string reason);
   void clear_abort();

@@ -2,7 +2,6 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -12,6 +11,8 @@
 #include <cstdio>
 #include <cstring>
 #include <type_traits>
+
+#include "boundary.h"
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -124,7 +125,10 @@ PC_INLINE void stream_copy(R* dst, const R* src, int64_t len) {
 template <typename R, typename Loop>
 PC_INLINE void drive(int64_t n, R* out, bool stream, const Loop& loop) {
 #if PC_HAVE_STREAM
-  if (stream) {
+  // _mm_stream_si128 faults on an address that is not 16-byte aligned. The head below reaches a cache
+  // line only when `out` is aligned to its element size; a tensor that is not (a view made at an odd
+  // byte offset) is written with ordinary stores.
+  if (stream && reinterpret_cast<uintptr_t>(out) % sizeof(R) == 0) {
     constexpr int64_t kTile = kTileBytes / static_cast<int64_t>(sizeof(R));
     // Unaligned head with ordinary stores, so every streamed tile starts on a cache line.
     const int64_t misalign = static_cast<int64_t>(reinterpret_cast<uintptr_t>(out) % 64);
@@ -290,16 +294,18 @@ math_t<T>* state_ptr(const at::Tensor& t) {
   return reinterpret_cast<math_t<T>*>(t.data_ptr());
 }
 
-// Safety net for direct callers of pipecore._C; the Python layer already gives friendlier errors.
+// The checks run with the GIL held, before the computation releases it (csrc/README.md, rule 2); they
+// are the safety net for direct callers of pipecore._C, the Python layer gives friendlier errors first.
 void check_flat(const char* op, const char* name, const at::Tensor& t, const at::Tensor& like,
                 at::ScalarType dtype) {
-  TORCH_CHECK_VALUE(t.defined(), op, ": argument '", name, "' is undefined");
-  TORCH_CHECK_VALUE(t.device().is_cpu(), op, ": argument '", name, "' must be a CPU tensor, got ", t.device());
-  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": argument '", name, "' must be contiguous");
-  TORCH_CHECK_VALUE(t.numel() == like.numel(), op, ": argument '", name, "' has ", t.numel(),
-                    " elements, expected ", like.numel());
-  TORCH_CHECK_VALUE(t.scalar_type() == dtype, op, ": argument '", name, "' has dtype ", t.scalar_type(),
-                    ", expected ", dtype);
+  PIPECORE_CHECK(t.defined(), ErrorKind::kValue, op, ": argument '", name, "' is undefined");
+  PIPECORE_CHECK(t.device().is_cpu(), ErrorKind::kValue, op, ": argument '", name, "' must be a CPU tensor, got ",
+                 t.device());
+  PIPECORE_CHECK(t.is_contiguous(), ErrorKind::kValue, op, ": argument '", name, "' must be contiguous");
+  PIPECORE_CHECK(t.numel() == like.numel(), ErrorKind::kValue, op, ": argument '", name, "' has ", t.numel(),
+                 " elements, expected ", like.numel());
+  PIPECORE_CHECK(t.scalar_type() == dtype, ErrorKind::kValue, op, ": argument '", name, "' has dtype ",
+                 t.scalar_type(), ", expected ", dtype);
 }
 
 at::ScalarType state_dtype(at::ScalarType weights) {
@@ -307,19 +313,55 @@ at::ScalarType state_dtype(at::ScalarType weights) {
 }
 
 void check_weight_dtype(const char* op, const at::Tensor& t) {
+  PIPECORE_CHECK(t.defined(), ErrorKind::kValue, op, ": the weights argument is undefined");
   const auto d = t.scalar_type();
-  TORCH_CHECK_VALUE(d == at::kDouble || d == at::kFloat || d == at::kBFloat16 || d == at::kHalf, op,
-                    ": weights must be float64, float32, bfloat16 or float16, got ", d);
+  PIPECORE_CHECK(d == at::kDouble || d == at::kFloat || d == at::kBFloat16 || d == at::kHalf, ErrorKind::kValue, op,
+                 ": weights must be float64, float32, bfloat16 or float16, got ", d);
+}
+
+// A tensor the kernel writes may not overlap another argument, except `out` being exactly an input it
+// reads at the same index (the loops read an element before writing it). Arguments are checked flat and
+// contiguous first, so [data_ptr, data_ptr + nbytes) is each one's memory.
+struct Arg {
+  const char* name;
+  const at::Tensor* tensor;  // nullptr or undefined: absent
+  bool written;
+  bool out_may_alias;  // an input `out` may be exactly
+};
+
+void check_no_overlap(const char* op, std::initializer_list<Arg> args) {
+  auto range = [](const Arg& a) {
+    const auto start = reinterpret_cast<uintptr_t>(a.tensor->data_ptr());
+    return std::make_pair(start, start + static_cast<uintptr_t>(a.tensor->nbytes()));
+  };
+  auto present = [](const Arg& a) { return a.tensor != nullptr && a.tensor->defined() && a.tensor->numel() > 0; };
+  const Arg* out = args.begin();  // `out` comes first
+  for (const Arg& w : args) {
+    if (!w.written || !present(w)) continue;
+    const auto rw = range(w);
+    for (const Arg& other : args) {
+      if (&other == &w || !present(other)) continue;
+      const auto ro = range(other);
+      if (!(ro.first < rw.second && rw.first < ro.second)) continue;
+      const bool allowed = (&w == out && other.out_may_alias && ro == rw) || (&other == out && w.out_may_alias && ro == rw);
+      PIPECORE_CHECK(allowed, ErrorKind::kValue, op, ": argument '", w.name, "' is written and overlaps argument '",
+                     other.name, "'; only 'out' may be exactly an input it replaces");
+    }
+  }
 }
 
 }  // namespace
 
-void interpolate(const at::Tensor& out, const at::Tensor& live, const at::Tensor& stale, double alpha) {
+void check_interpolate(const at::Tensor& out, const at::Tensor& live, const at::Tensor& stale) {
   const char* op = "interpolate";
   check_weight_dtype(op, live);
   check_flat(op, "live", live, live, live.scalar_type());
   check_flat(op, "stale", stale, live, live.scalar_type());
   check_flat(op, "out", out, live, live.scalar_type());
+  check_no_overlap(op, {{"out", &out, true, false}, {"live", &live, false, true}, {"stale", &stale, false, true}});
+}
+
+void interpolate(const at::Tensor& out, const at::Tensor& live, const at::Tensor& stale, double alpha) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, live.scalar_type(), "pipecore_interpolate", [&] {
     auto* o = ptr<scalar_t>(out);
     const auto* l = ptr<scalar_t>(live);
@@ -330,12 +372,16 @@ void interpolate(const at::Tensor& out, const at::Tensor& live, const at::Tensor
   });
 }
 
-void predict(const at::Tensor& out, const at::Tensor& w, const at::Tensor& v, double scale) {
+void check_predict(const at::Tensor& out, const at::Tensor& w, const at::Tensor& v) {
   const char* op = "predict";
   check_weight_dtype(op, w);
   check_flat(op, "w", w, w, w.scalar_type());
   check_flat(op, "v", v, w, w.scalar_type());
   check_flat(op, "out", out, w, w.scalar_type());
+  check_no_overlap(op, {{"out", &out, true, false}, {"w", &w, false, true}, {"v", &v, false, true}});
+}
+
+void predict(const at::Tensor& out, const at::Tensor& w, const at::Tensor& v, double scale) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, w.scalar_type(), "pipecore_predict", [&] {
     auto* o = ptr<scalar_t>(out);
     const auto* wp = ptr<scalar_t>(w);
@@ -375,10 +421,9 @@ void sgd_launch(bool mom, bool nesterov, bool first, bool has_delta, bool st, in
 
 }  // namespace
 
-void sgd_step(const at::Tensor& out, const at::Tensor& w, const at::Tensor& grad,
-              const std::optional<at::Tensor>& momentum_buf, const std::optional<at::Tensor>& delta, double lr,
-              double momentum, double dampening, double weight_decay, bool nesterov, bool first_step,
-              double delta_decay) {
+void check_sgd_step(const at::Tensor& out, const at::Tensor& w, const at::Tensor& grad,
+                    const std::optional<at::Tensor>& momentum_buf, const std::optional<at::Tensor>& delta,
+                    double momentum) {
   const char* op = "sgd_step";
   check_weight_dtype(op, w);
   const auto sd = state_dtype(w.scalar_type());
@@ -386,11 +431,23 @@ void sgd_step(const at::Tensor& out, const at::Tensor& w, const at::Tensor& grad
   check_flat(op, "grad", grad, w, w.scalar_type());
   check_flat(op, "out", out, w, w.scalar_type());
   const bool mom = momentum != 0.0;
-  TORCH_CHECK_VALUE(!mom || (momentum_buf.has_value() && momentum_buf->defined()), op,
-                    ": argument 'momentum_buf' is required when momentum != 0");
+  PIPECORE_CHECK(!mom || (momentum_buf.has_value() && momentum_buf->defined()), ErrorKind::kValue, op,
+                 ": argument 'momentum_buf' is required when momentum != 0");
   if (mom) check_flat(op, "momentum_buf", *momentum_buf, w, sd);
   const bool has_delta = delta.has_value() && delta->defined();
   if (has_delta) check_flat(op, "delta", *delta, w, sd);
+  const at::Tensor* buf = mom ? &*momentum_buf : nullptr;
+  const at::Tensor* dl = has_delta ? &*delta : nullptr;
+  check_no_overlap(op, {{"out", &out, true, false}, {"w", &w, false, true}, {"grad", &grad, false, false},
+                        {"momentum_buf", buf, true, false}, {"delta", dl, true, false}});
+}
+
+void sgd_step(const at::Tensor& out, const at::Tensor& w, const at::Tensor& grad,
+              const std::optional<at::Tensor>& momentum_buf, const std::optional<at::Tensor>& delta, double lr,
+              double momentum, double dampening, double weight_decay, bool nesterov, bool first_step,
+              double delta_decay) {
+  const bool mom = momentum != 0.0;
+  const bool has_delta = delta.has_value() && delta->defined();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, w.scalar_type(), "pipecore_sgd_step", [&] {
     using M = math_t<scalar_t>;
     SgdScalars<M> s{static_cast<M>(lr),          static_cast<M>(momentum),   static_cast<M>(1.0 - dampening),
@@ -409,9 +466,8 @@ void sgd_step(const at::Tensor& out, const at::Tensor& w, const at::Tensor& grad
   });
 }
 
-void adamw_step(const at::Tensor& out, const at::Tensor& w, const at::Tensor& grad, const at::Tensor& exp_avg,
-                const at::Tensor& exp_avg_sq, double wd_factor, double beta1, double beta2, double eps,
-                double step_size, double bias_correction2_sqrt) {
+void check_adamw_step(const at::Tensor& out, const at::Tensor& w, const at::Tensor& grad, const at::Tensor& exp_avg,
+                      const at::Tensor& exp_avg_sq) {
   const char* op = "adamw_step";
   check_weight_dtype(op, w);
   const auto sd = state_dtype(w.scalar_type());
@@ -420,6 +476,13 @@ void adamw_step(const at::Tensor& out, const at::Tensor& w, const at::Tensor& gr
   check_flat(op, "out", out, w, w.scalar_type());
   check_flat(op, "exp_avg", exp_avg, w, sd);
   check_flat(op, "exp_avg_sq", exp_avg_sq, w, sd);
+  check_no_overlap(op, {{"out", &out, true, false}, {"w", &w, false, true}, {"grad", &grad, false, false},
+                        {"exp_avg", &exp_avg, true, false}, {"exp_avg_sq", &exp_avg_sq, true, false}});
+}
+
+void adamw_step(const at::Tensor& out, const at::Tensor& w, const at::Tensor& grad, const at::Tensor& exp_avg,
+                const at::Tensor& exp_avg_sq, double wd_factor, double beta1, double beta2, double eps,
+                double step_size, double bias_correction2_sqrt) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, w.scalar_type(), "pipecore_adamw_step", [&] {
     using M = math_t<scalar_t>;
     // torch computes 1 - beta1 and 1 - beta2 in double and rounds them to the math type.

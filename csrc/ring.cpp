@@ -1,21 +1,26 @@
 #include "ring.h"
 
-#include <c10/util/Exception.h>
+#include "boundary.h"
 
 #include <sstream>
 
 namespace pipecore {
 
 namespace {
+// Misuse of the ring's API is a ValueError (a bad argument) or a RuntimeError (a call the slot's state
+// does not allow), raised with the GIL held: every method runs on the caller's thread (csrc/README.md).
+#define PC_CHECK_VALUE(cond, ...) PIPECORE_CHECK(cond, ::pipecore::ErrorKind::kValue, __VA_ARGS__)
+#define PC_CHECK_STATE(cond, ...) PIPECORE_CHECK(cond, ::pipecore::ErrorKind::kRuntime, __VA_ARGS__)
+
 // Slot starts are aligned to 64 elements (256 B for fp32) so every slot is as aligned as the
 // allocation itself and vector loads never straddle two slots.
 constexpr int64_t kSlotAlign = 64;
 }  // namespace
 
 WeightRing::WeightRing(int64_t numel, int64_t num_slots, at::ScalarType dtype, at::Device device) {
-  TORCH_CHECK_VALUE(numel > 0, "WeightRing: numel must be positive, got ", numel);
-  TORCH_CHECK_VALUE(num_slots > 0, "WeightRing: num_slots must be positive, got ", num_slots);
-  TORCH_CHECK_VALUE(at::isFloatingType(dtype), "WeightRing: dtype must be a floating type, got ", dtype);
+  PC_CHECK_VALUE(numel > 0, "WeightRing: numel must be positive, got ", numel);
+  PC_CHECK_VALUE(num_slots > 0, "WeightRing: num_slots must be positive, got ", num_slots);
+  PC_CHECK_VALUE(at::isFloatingType(dtype), "WeightRing: dtype must be a floating type, got ", dtype);
   numel_ = numel;
   stride_ = (numel + kSlotAlign - 1) / kSlotAlign * kSlotAlign;
   // Zero-filled so that unused slots and padding never hold NaN garbage.
@@ -27,7 +32,7 @@ WeightRing::WeightRing(int64_t numel, int64_t num_slots, at::ScalarType dtype, a
 }
 
 void WeightRing::check_index(const char* op, int64_t i) const {
-  TORCH_CHECK_VALUE(i >= 0 && i < num_slots(), "WeightRing.", op, ": slot index ", i,
+  PC_CHECK_VALUE(i >= 0 && i < num_slots(), "WeightRing.", op, ": slot index ", i,
                     " is out of range for a ring of ", num_slots(), " slots");
 }
 
@@ -156,7 +161,7 @@ int64_t WeightRing::acquire() {
     if (!is_free(i)) continue;
     if (best < 0 || slots_[i].version < slots_[best].version) best = i;
   }
-  TORCH_CHECK(best >= 0, "WeightRing.acquire: all ", num_slots(), " slots are in use (", in_use_summary(),
+  PC_CHECK_STATE(best >= 0, "WeightRing.acquire: all ", num_slots(), " slots are in use (", in_use_summary(),
               ")");
   slots_[best].acquired = true;
   slots_[best].version = -1;  // the old contents are about to be overwritten
@@ -167,11 +172,11 @@ void WeightRing::publish(int64_t i, int64_t version) {
   std::lock_guard<std::mutex> g(mu_);
   check_index("publish", i);
   Slot& s = slots_[i];
-  TORCH_CHECK(s.acquired, "WeightRing.publish: slot ", i, " was not acquired (it is ", state_detail(i),
+  PC_CHECK_STATE(s.acquired, "WeightRing.publish: slot ", i, " was not acquired (it is ", state_detail(i),
               "); call acquire() and write the new weights into the slot it returns first");
-  TORCH_CHECK_VALUE(version >= 0, "WeightRing.publish: version must be non-negative, got ", version);
+  PC_CHECK_VALUE(version >= 0, "WeightRing.publish: version must be non-negative, got ", version);
   if (live_ >= 0) {
-    TORCH_CHECK_VALUE(version > slots_[live_].version, "WeightRing.publish: version ", version,
+    PC_CHECK_VALUE(version > slots_[live_].version, "WeightRing.publish: version ", version,
                       " is not newer than the live version ", slots_[live_].version, " (slot ", live_, ")");
   }
   s.acquired = false;
@@ -181,11 +186,11 @@ void WeightRing::publish(int64_t i, int64_t version) {
 
 void WeightRing::advance(int64_t version) {
   std::lock_guard<std::mutex> g(mu_);
-  TORCH_CHECK(live_ >= 0, "WeightRing.advance: no live slot yet; publish() a first version");
+  PC_CHECK_STATE(live_ >= 0, "WeightRing.advance: no live slot yet; publish() a first version");
   Slot& s = slots_[live_];
-  TORCH_CHECK(s.pins == 0, "WeightRing.advance: the live slot ", live_, " is pinned (", describe(live_),
+  PC_CHECK_STATE(s.pins == 0, "WeightRing.advance: the live slot ", live_, " is pinned (", describe(live_),
               "); its old values are still needed, so write the new version into an acquired slot instead");
-  TORCH_CHECK_VALUE(version > s.version, "WeightRing.advance: version ", version,
+  PC_CHECK_VALUE(version > s.version, "WeightRing.advance: version ", version,
                     " is not newer than the live version ", s.version, " (slot ", live_, ")");
   s.version = version;
 }
@@ -193,7 +198,7 @@ void WeightRing::advance(int64_t version) {
 void WeightRing::release(int64_t i) {
   std::lock_guard<std::mutex> g(mu_);
   check_index("release", i);
-  TORCH_CHECK(slots_[i].acquired, "WeightRing.release: slot ", i, " is not acquired (it is ", state_detail(i),
+  PC_CHECK_STATE(slots_[i].acquired, "WeightRing.release: slot ", i, " is not acquired (it is ", state_detail(i),
               "); only a slot returned by acquire() and not yet published can be released");
   slots_[i].acquired = false;
   slots_[i].version = -1;
@@ -201,11 +206,11 @@ void WeightRing::release(int64_t i) {
 
 bool WeightRing::rewind(int64_t version) {
   std::lock_guard<std::mutex> g(mu_);
-  TORCH_CHECK_VALUE(version >= 0, "WeightRing.rewind: version must be non-negative, got ", version);
+  PC_CHECK_VALUE(version >= 0, "WeightRing.rewind: version must be non-negative, got ", version);
   for (int64_t i = 0; i < num_slots(); ++i) {
     const Slot& s = slots_[i];
-    TORCH_CHECK(!s.acquired, "WeightRing.rewind: slot ", i, " is acquired and not yet published; release() it first");
-    TORCH_CHECK(s.version <= version || s.pins == 0, "WeightRing.rewind: slot ", i, " holds v", s.version,
+    PC_CHECK_STATE(!s.acquired, "WeightRing.rewind: slot ", i, " is acquired and not yet published; release() it first");
+    PC_CHECK_STATE(s.version <= version || s.pins == 0, "WeightRing.rewind: slot ", i, " holds v", s.version,
                 ", newer than v", version, ", and is pinned (", describe(i), "); unpin it first");
   }
   int64_t found = -1;
@@ -222,7 +227,7 @@ void WeightRing::pin(int64_t i) {
   std::lock_guard<std::mutex> g(mu_);
   check_index("pin", i);
   const Slot& s = slots_[i];
-  TORCH_CHECK(!s.acquired && s.version >= 0, "WeightRing.pin: slot ", i, " holds no version (it is ",
+  PC_CHECK_STATE(!s.acquired && s.version >= 0, "WeightRing.pin: slot ", i, " holds no version (it is ",
               state_detail(i), "); only published versions can be pinned");
   slots_[i].pins += 1;
 }
@@ -230,7 +235,7 @@ void WeightRing::pin(int64_t i) {
 void WeightRing::unpin(int64_t i) {
   std::lock_guard<std::mutex> g(mu_);
   check_index("unpin", i);
-  TORCH_CHECK(slots_[i].pins > 0, "WeightRing.unpin: slot ", i, " is not pinned (it is ", state_detail(i),
+  PC_CHECK_STATE(slots_[i].pins > 0, "WeightRing.unpin: slot ", i, " is not pinned (it is ", state_detail(i),
               "); every unpin must match an earlier pin");
   slots_[i].pins -= 1;
 }

@@ -7,6 +7,9 @@
 // entering it on each worker (as torch's own async tasks do) makes both ways of running the same.
 // The intra-op thread count (torch.set_num_threads) is per OS thread for OpenMP and MKL: a new thread
 // would use every core, so entering also applies the process's setting, as torch's own threads do.
+// The guard that enter() returns records the thread that entered it: leaving it on another thread
+// raises instead of overwriting that thread's state, and a guard dropped without being left (its Python
+// object collected later, on any thread) restores nothing (csrc/README.md, rule 7).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -15,6 +18,9 @@
 
 #include <memory>
 #include <optional>
+#include <thread>
+
+#include "boundary.h"
 
 namespace pipecore {
 
@@ -22,16 +28,31 @@ class ThreadState {
  public:
   // Captures the calling thread's state.
   ThreadState() = default;
-  // Makes the captured state current on the calling thread until exit(); enter/exit pair up per thread
-  // through the returned guard.
+
+  // Makes the captured state current on the entering thread until exit() on that same thread.
   class Guard {
    public:
-    explicit Guard(const at::ThreadLocalState& state) : guard_(std::in_place, state) { at::init_num_threads(); }
-    void exit() { guard_.reset(); }
+    explicit Guard(const at::ThreadLocalState& state) : previous_(std::in_place), thread_(std::this_thread::get_id()) {
+      at::ThreadLocalState::setThreadLocalState(state);
+      at::init_num_threads();
+    }
+    Guard(const Guard&) = delete;
+    Guard& operator=(const Guard&) = delete;
+
+    // Restores the state the entering thread had. Raises RuntimeError on another thread or when already left.
+    void exit() {
+      PIPECORE_CHECK(previous_.has_value(), ErrorKind::kRuntime, "ThreadState: this guard was already left");
+      PIPECORE_CHECK(std::this_thread::get_id() == thread_, ErrorKind::kRuntime,
+                     "ThreadState: a guard must be left on the thread that entered it");
+      at::ThreadLocalState::setThreadLocalState(*previous_);
+      previous_.reset();
+    }
 
    private:
-    std::optional<at::ThreadLocalStateGuard> guard_;
+    std::optional<at::ThreadLocalState> previous_;  // empty once left
+    std::thread::id thread_;
   };
+
   std::unique_ptr<Guard> enter() const { return std::make_unique<Guard>(state_); }
 
  private:

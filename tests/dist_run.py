@@ -38,6 +38,13 @@ def batches(steps: int, seed: int = 1):
             for n in sizes]
 
 
+def uneven_batches():
+    """Batches that do not divide into the micro-batches: 30 samples (8, 8, 7, 7), 5 (2, 1, 1, 1), 13, 4."""
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g))
+            for n in (30, 5, 13, 4)]
+
+
 def make_gpt():
     from pipecore.models import GPT
 
@@ -284,6 +291,11 @@ def main() -> None:
             pipe = make_pipeline(world, algorithm, timeout=60, split_backward=split)
             losses = train(pipe, batches(STEPS), first, last)
             torch.save({"losses": losses, "state": pipe.state_dict()}, os.path.join(out, f"{algorithm}-{rank}.pt"))
+    elif mode == "uneven":
+        for algorithm in sys.argv[3].split(","):
+            pipe = make_pipeline(world, algorithm, timeout=60)
+            losses = train(pipe, uneven_batches(), first, last)
+            torch.save({"losses": losses, "state": pipe.state_dict()}, os.path.join(out, f"uneven-{algorithm}-{rank}.pt"))
     elif mode == "clip":
         # Gradient clipping: the global norm gathered over the ranks (gpipe, 1f1b; a tied GPT head), per-stage
         # norms (pipedream).

@@ -469,10 +469,12 @@ def test_more_stages_than_layers():
         Pipeline(mlp(2), 5, "gpipe", 2, loss_fn=nn.CrossEntropyLoss())
 
 
-def test_batch_not_divisible():
+def test_batch_smaller_than_the_micro_batches():
+    # Batches that do not divide are split as torch.tensor_split does (tests/test_batches.py); a micro-batch
+    # cannot be empty.
     pipe = Pipeline(mlp(3), 2, "gpipe", 4, loss_fn=nn.CrossEntropyLoss())
-    with pytest.raises(ValueError, match="not divisible by n_microbatches=4"):
-        pipe.step(torch.randn(6, 5, dtype=torch.float64), torch.zeros(6, dtype=torch.long))
+    with pytest.raises(ValueError, match="batch of 3 samples is smaller than n_microbatches=4"):
+        pipe.step(torch.randn(3, 5, dtype=torch.float64), torch.zeros(3, dtype=torch.long))
 
 
 def test_shape_mismatch_between_stages_names_both():
@@ -596,10 +598,10 @@ def test_with_block_closes_and_an_error_inside_is_not_masked():
     assert pipe.in_flight == 0
     with pytest.raises(RuntimeError, match="closed"):
         pipe.step(xs[1], ys[1])
-    with pytest.raises(ValueError, match="not divisible"):
+    with pytest.raises(ValueError, match="smaller than n_microbatches"):
         with Pipeline(mlp(3), 2, "pipedream", 2, loss_fn=nn.CrossEntropyLoss()) as failed:
             failed.step(xs[0], ys[0])
-            failed.step(xs[1][:3], ys[1][:3])
+            failed.step(xs[1][:1], ys[1][:1])
     with pytest.raises(RuntimeError, match="closed"):
         failed.step(xs[1], ys[1])
 

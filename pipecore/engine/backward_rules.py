@@ -37,6 +37,7 @@ from .saved import saving
 
 if TYPE_CHECKING:
     from .flat import FlatLayout
+    from .inputs import LossTarget
     from .memory import MemoryAccount
 
 # Stage threads share torch's global random generator. The recompute rule saves its state before a
@@ -68,12 +69,12 @@ class RuleStage(Protocol):
         """Where a forward runs (autocast, if the stage has a dtype for it)."""
 
     def run_forward(self, k: int, params: Sequence[torch.Tensor], inputs: tuple[Any, ...],
-                    target: torch.Tensor | None) -> Any:
+                    target: LossTarget | None) -> Any:
         """Micro-batch ``k``'s forward with ``params``: the loss at the last stage (recorded), the checked
         outputs before it."""
 
     def rerun_forward(self, params: Sequence[torch.Tensor], inputs: tuple[Any, ...],
-                      target: torch.Tensor | None) -> Any:
+                      target: LossTarget | None) -> Any:
         """The same forward run again for its backward, recording nothing."""
 
 
@@ -85,7 +86,7 @@ class InFlight:
     leaves: list[torch.Tensor] | None     # per-parameter autograd leaves (views of the weights read)
     outputs: Any                          # the values sent (a tuple), or the last stage's loss
     rng_state: Any = None                 # kept only under the recompute rule: (CPU state, CUDA state or None)
-    target: torch.Tensor | None = None    # last stage, recompute rule: the loss is recomputed too
+    target: LossTarget | None = None      # last stage, recompute rule: the loss is recomputed too
 
 
 @dataclass
@@ -107,7 +108,7 @@ class BackwardRule(ABC):
 
     @abstractmethod
     def forward(self, stage: RuleStage, k: int, weights: torch.Tensor, derived: bool, inputs: tuple[Any, ...],
-                target: torch.Tensor | None) -> tuple[Any, InFlight]:
+                target: LossTarget | None) -> tuple[Any, InFlight]:
         """Run micro-batch ``k``'s forward on ``weights`` (``derived``: the scratch buffer, which the next
         derived read overwrites); return the stage's output (checked outputs, or the loss at the last stage)
         and what the backward needs."""

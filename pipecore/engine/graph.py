@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import operator
+import re
 import traceback
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -104,12 +106,16 @@ class CapturedModel:
                 "nn.Sequential of modules."
             ) from exc
         _drop_specialisation_checks(graph)
+        self.input_paths = _split_containers(graph, set(concrete))
         self.gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         self.graph = self.gm.graph
         self.placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         self.input_names = tuple(n.target for n in self.placeholders if n.users)
         self.specialised = tuple(concrete)
         self.argument_names = tuple(signature.parameters)
+        #: Arguments that the forward reads as a dict or dataclass of tensors (``batch["x"]``, ``batch.x``):
+        #: the graph reads their entries, each as an input of its own (see :func:`_split_containers`).
+        self.container_arguments = tuple(dict.fromkeys(argument for argument, _ in self.input_paths.values()))
         self.nodes = [n for n in self.graph.nodes if n.op in _COMPUTE]
         if not self.nodes:
             raise CaptureError(f"{type(model).__name__}.forward captured no computation; nothing to pipeline")
@@ -258,11 +264,70 @@ def _given_names(example_input: Any, signature: inspect.Signature) -> set[str]:
     names = list(signature.parameters)
     if example_input is None:
         return {n for n, p in signature.parameters.items() if p.default is inspect.Parameter.empty}
-    if isinstance(example_input, dict):
+    if isinstance(example_input, dict) and set(example_input) <= set(names):
         return set(example_input)
     if isinstance(example_input, (tuple, list)):
         return set(names[: len(example_input)])
     return set(names[:1])
+
+
+#: One step into a container argument: ``("item", key)`` for ``value[key]``, ``("attr", name)`` for ``value.name``.
+Access = tuple[str, str]
+
+
+def _access(node: fx.Node, of: fx.Node) -> Access | None:
+    """What ``node`` reads from ``of`` if it is ``of[key]`` with a string key or ``of.name``, else None."""
+    if node.op != "call_function" or len(node.args) != 2 or node.args[0] is not of or node.kwargs:
+        return None
+    key = node.args[1]
+    if node.target is operator.getitem and isinstance(key, str):
+        return ("item", key)
+    if node.target is getattr and isinstance(key, str):
+        return ("attr", key)
+    return None
+
+
+def describe_path(argument: str, path: Sequence[Access]) -> str:
+    """How the forward reads an entry of a container argument, as Python: ``batch['x']``, ``batch.x``."""
+    return argument + "".join(f"[{key!r}]" if kind == "item" else f".{key}" for kind, key in path)
+
+
+def _split_containers(graph: fx.Graph, specialised: set[str]) -> dict[str, tuple[str, tuple[Access, ...]]]:
+    """Give every entry that the forward reads from a dict (or dataclass) argument a placeholder of its own.
+
+    fx traces a forward's argument as one value whatever it holds; ``batch["x"]`` becomes a ``getitem`` node.
+    A dict cannot cross a cut between stages, and a mini-batch is split tensor by tensor, so an argument (or,
+    recursively, an entry) that is read only as ``value["key"]`` or ``value.name`` is replaced by one
+    placeholder per entry read. That is decided from the graph alone: an argument read that way is a
+    container, since a tensor has no string keys; a name that is also a tensor attribute (``x.shape``, ``x.T``)
+    does not count by itself. Returns, per new placeholder, the argument and the path to its entry."""
+    paths: dict[str, tuple[str, tuple[Access, ...]]] = {}
+    work = [n for n in graph.nodes if n.op == "placeholder" and n.users and n.target not in specialised]
+    origin = {n: (str(n.target), ()) for n in work}
+    while work:
+        node = work.pop(0)
+        reads = [(user, _access(user, node)) for user in node.users]
+        if any(access is None for _, access in reads):
+            continue
+        if all(kind == "attr" and hasattr(torch.Tensor, key) for _, (kind, key) in reads):  # type: ignore[misc]
+            continue
+        argument, path = origin.pop(node)
+        paths.pop(str(node.target), None)
+        made: dict[Access, fx.Node] = {}
+        with graph.inserting_before(node):
+            for user, access in reads:
+                assert access is not None
+                if access not in made:
+                    new = graph.placeholder(re.sub(r"\W", "_", f"{node.name}_{access[1]}"))
+                    new.target = new.name  # the generated code's argument: a unique identifier, like the name
+                    made[access] = new
+                    origin[new] = (argument, (*path, access))
+                    paths[new.name] = origin[new]
+                    work.append(new)
+                user.replace_all_uses_with(made[access])
+                graph.erase_node(user)
+        graph.erase_node(node)
+    return paths
 
 
 def _drop_specialisation_checks(graph: fx.Graph) -> None:

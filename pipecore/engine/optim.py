@@ -278,13 +278,28 @@ class TorchOptimizer(StageOptimizer):
         self.optimizer.load_state_dict(state["torch"])
 
 
+_ALLOWED = ("pipecore.SGD(...), pipecore.AdamW(...) or a factory such as "
+            "lambda params: torch.optim.SGD(params, lr=0.1)")
+
+
+def check_optimizer(spec: Any) -> None:
+    """Refuse, in one line, an ``optimizer`` argument that is none of ``pipecore.SGD``, ``pipecore.AdamW`` or a
+    callable (a torch optimizer factory). A torch optimizer instance is the common mistake: it holds the whole
+    model's parameters, while each stage updates its own flat buffer, so the pipeline needs the recipe, not the
+    instance."""
+    if isinstance(spec, (SGD, AdamW)):
+        return
+    if isinstance(spec, torch.optim.Optimizer):
+        raise TypeError(f"optimizer is a torch.optim.{type(spec).__name__} instance; each stage builds its own "
+                        f"optimizer over its weights: pass {_ALLOWED}")
+    if not callable(spec):
+        # The type, not the repr: an object's repr may run over many lines.
+        raise TypeError(f"optimizer must be {_ALLOWED}; got a {type(spec).__name__}")
+
+
 def build_optimizer(spec: Any, layout: FlatLayout, device: torch.device) -> StageOptimizer:
     """A stage optimizer from ``pipecore.SGD``, ``pipecore.AdamW`` or a torch optimizer factory."""
+    check_optimizer(spec)
     if isinstance(spec, (SGD, AdamW)):
         return spec.build(layout, device)
-    if callable(spec):
-        return TorchOptimizer(spec, layout, device)
-    raise TypeError(
-        "optimizer must be pipecore.SGD(...), pipecore.AdamW(...) or a factory such as "
-        f"functools.partial(torch.optim.RMSprop, lr=1e-3); got {spec!r}"
-    )
+    return TorchOptimizer(spec, layout, device)

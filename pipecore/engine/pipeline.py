@@ -30,12 +30,12 @@ from ..simulate import simulate
 from ..schedule.ties import TieSync, partners_of, smallest_delay
 from .flat import FlatLayout
 from .graph import CapturedModel, StageGraph, tied_parameters
-from .inputs import Batch, as_model_inputs, as_payload, split_batch, to_device
+from .inputs import Batch, LossTarget, as_model_inputs, as_payload, loss_divisor, split_batch, to_device
 from .clip import (ClipDependencies, DistributedGlobalNorm, GlobalNorm, GradClip, LocalGlobalNorm, check_max_norm,
                    flushes_every_minibatch)
 from .lr import LrSchedule
 from .memory import peak_bytes
-from .optim import SGD, build_optimizer
+from .optim import SGD, build_optimizer, check_optimizer
 from .partition import stage_starts
 from .offload import offload_segments
 from .recompute import recompute_segments
@@ -68,7 +68,7 @@ class Pipeline:
             stage; see :meth:`full_state_dict`).
         num_stages: number of stages ``P``.
         algorithm: one of :func:`pipecore.algorithm_names` (or an alias such as ``"pipedream-flush"``).
-        n_microbatches: micro-batches per mini-batch ``m``; ``step()`` needs a batch divisible by it.
+        n_microbatches: micro-batches per mini-batch ``m``; ``step()`` needs a batch of at least ``m`` samples.
         optimizer: ``pipecore.SGD(...)``, ``pipecore.AdamW(...)`` (fused), or a torch optimizer factory.
         lr_scheduler: the learning rate of each stage's updates by that stage's update count ``u`` (from 0):
             a function of ``u`` returning a multiplier of the optimizer's rate (``LambdaLR`` semantics), or a
@@ -178,6 +178,8 @@ class Pipeline:
             raise ValueError(f"on_nonfinite must be one of {_NONFINITE}, got {on_nonfinite!r}")
         if loss_fn is None:
             raise ValueError("loss_fn is required, e.g. torch.nn.CrossEntropyLoss()")
+        if optimizer is not None:
+            check_optimizer(optimizer)  # before capture and partitioning, which take a while
         self.algorithm = get_algorithm(algorithm, num_stages, n_microbatches, **options)
         self.model = model
         self.num_stages = num_stages
@@ -202,7 +204,7 @@ class Pipeline:
         # The ring of each stage holds exactly the versions the algorithm needs; the simulator says how many.
         sizing = simulate(self.algorithm, num_stages, n_microbatches, n_minibatches=self.algorithm.warmup_minibatches)
         optimizer = optimizer if optimizer is not None else SGD(lr=0.01)
-        self._targets: dict[int, Any] = {}
+        self._targets: dict[int, LossTarget] = {}
         self._inputs: dict[int, Any] = {}
         self.stages: dict[int, TensorStage] = {}
         for s in owned:
@@ -279,6 +281,7 @@ class Pipeline:
         self._undo_steps = []
         self._fed = 0  # mini-batches given since the schedule started
         self._minibatch_loss: dict[int, float] = {}
+        self._microbatch_sizes: dict[int, list[int]] = {}  # last stage: mini-batches whose micro-batches differ
         self._horizon = 2
         schedule = validate(self.algorithm.schedule(self._horizon))
         sync = self._tie_sync
@@ -351,8 +354,11 @@ class Pipeline:
         if s == self.num_stages - 1 and action.kind is F and (action.index + 1) % m == 0:
             # The last micro-batch of a mini-batch has its loss: the mini-batch loss is known now.
             j = action.index // m
-            losses = self.stages[s].losses
-            self._minibatch_loss[j] = statistics.fmean(losses.pop(j * m + u) for u in range(m))
+            losses = [self.stages[s].losses.pop(j * m + u) for u in range(m)]
+            sizes = self._microbatch_sizes.pop(j, None)
+            # The mean over the mini-batch's samples: each micro-batch's (mean) loss weighs by its size.
+            self._minibatch_loss[j] = (statistics.fmean(losses) if sizes is None
+                                       else math.fsum(n * loss for n, loss in zip(sizes, losses)) / sum(sizes))
             if self.rank is not None:
                 self._transport.publish_loss(j, self._minibatch_loss[j])
         for read in rec.reads.values():
@@ -365,11 +371,15 @@ class Pipeline:
         return stage in self.stages
 
     def step(self, x: Batch | None, y: Batch | None) -> float:
-        """Train on one mini-batch; returns its mean loss (the mean of its micro-batch losses).
+        """Train on one mini-batch; returns its mean loss (the mean over its samples).
 
         ``x`` holds the model's inputs: a tensor (a forward with one input), a tuple (positional) or a dict
-        (by argument name) of tensors; ``y`` is the target as ``loss_fn`` takes it (a tensor, tuple or dict of
-        tensors). Every tensor is split into ``n_microbatches`` along dimension 0. In a multi-process run only
+        (by argument name) of tensors, or, for a forward that takes one dict (or dataclass) of tensors, that
+        dict; ``y`` is the target as ``loss_fn`` takes it (a tensor, tuple or dict of tensors). Every tensor is
+        split into ``n_microbatches`` along dimension 0 as ``torch.tensor_split`` splits it: any batch of at
+        least ``n_microbatches`` samples, in micro-batches whose sizes differ by at most one. Each micro-batch's
+        (mean-reduced) loss is weighted by its size, so the step's gradient is the one of the mean loss over
+        the mini-batch, as in plain training (see docs/training.md, "Batches and inputs"). In a multi-process run only
         the first stage reads ``x`` and only the last reads ``y`` (others may pass None); every rank gets the
         mini-batch loss. Asynchronous algorithms leave later micro-batches' backwards in flight;
         :meth:`flush` drains them.
@@ -398,8 +408,12 @@ class Pipeline:
                 self._inputs[first + u] = as_payload(tuple(t.to(device) for t in chunk))
         if y_chunks is not None:
             device = self.devices[self.num_stages - 1]
+            sizes, every = y_chunks.sizes, self.algorithm.update_every
             for u, chunk in enumerate(y_chunks.chunks):
-                self._targets[first + u] = to_device(y_chunks.rebuild(chunk), device)
+                divisor = loss_divisor(sizes[u], y_chunks.samples, m, every)
+                self._targets[first + u] = LossTarget(to_device(y_chunks.rebuild(chunk), device), divisor)
+            if len(set(sizes)) > 1:
+                self._microbatch_sizes[self._fed] = sizes
         minibatch = self._fed
         self._guarded(self._executor.check)  # an error left by the previous step's remaining work (overlap_steps)
         self._keep_undo_points(minibatch)
@@ -606,8 +620,9 @@ class Pipeline:
         for table in (self._inputs, self._targets):
             for k in [k for k in table if k >= first]:
                 del table[k]
-        for j in [j for j in self._minibatch_loss if j >= failed]:
-            del self._minibatch_loss[j]
+        for table in (self._minibatch_loss, self._microbatch_sizes):
+            for j in [j for j in table if j >= failed]:
+                del table[j]
         self._kept -= newest - failed + 1
         self._fed = failed
 

@@ -27,7 +27,7 @@ from ..versions import UpdateInfo
 from .backward_rules import RULES, BackwardRule, InFlight
 from .flat import FlatLayout
 from .graph import StageGraph
-from .inputs import as_payload, from_payload, to_device
+from .inputs import LossTarget, as_payload, from_payload, to_device
 from .tied import StageTies
 from .clip import GradClip
 from .lr import LrSchedule
@@ -75,7 +75,7 @@ class TensorStage(StageWorker):
         num_slots: int,
         derived: bool,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
-        target: Callable[[int], torch.Tensor] | None,
+        target: Callable[[int], LossTarget] | None,
         on_nonfinite: str,
         device: torch.device | None = None,
         *,
@@ -330,7 +330,7 @@ class TensorStage(StageWorker):
         inputs = self._stage_inputs(payload)
         target = self.target(k) if self.is_last else None
         self.mutated = True  # the module may update buffers (BatchNorm) and draws random numbers
-        with self.memory.counting((*inputs, target)) as kept:
+        with self.memory.counting((*inputs, None if target is None else target.value)) as kept:
             y, record = self.rule.forward(self, k, weights, read.derivation is not None, inputs, target)
         self.memory.forwarded(k, kept, () if self.is_last else y)
         self.in_flight[k] = record
@@ -339,7 +339,7 @@ class TensorStage(StageWorker):
         return None if self.is_last else as_payload(tuple(t.detach() for t in y))
 
     def run_forward(self, k: int, params: Sequence[torch.Tensor], inputs: tuple[Any, ...],
-                    target: torch.Tensor | None) -> Any:
+                    target: LossTarget | None) -> Any:
         """Micro-batch ``k``'s forward: the module on ``inputs`` with ``params`` as its parameters; the loss at
         the last stage (recorded, see :meth:`_loss`), the checked outputs before it (what every backward rule
         runs in its forward)."""
@@ -347,14 +347,14 @@ class TensorStage(StageWorker):
         return self._loss(k, y, target) if self.is_last else self._stage_outputs(y)
 
     def rerun_forward(self, params: Sequence[torch.Tensor], inputs: tuple[Any, ...],
-                      target: torch.Tensor | None) -> Any:
+                      target: LossTarget | None) -> Any:
         """A forward run again for its backward (the recompute rule): what :meth:`run_forward` returned, the
         loss or the outputs, but nothing recorded; the first run already checked them."""
         y = self._run_module(params, inputs)
         if not self.is_last:
             return tuple(y)
         assert self.loss_fn is not None
-        return self.loss_fn(y, target) / self.algorithm.update_every
+        return self.loss_fn(y, target.value) / target.divisor
 
     def compute_backward(self, action: Action, reads: Sequence[WeightRead], forward_reads: Sequence[WeightRead],
                          payloads: Sequence[Any]) -> list[Any]:
@@ -575,16 +575,18 @@ class TensorStage(StageWorker):
             exc.add_note(f"raised by stage {self.stage}'s forward, given {source} {_describe(inputs, self.boundary.inputs)}")
             raise
 
-    def _loss(self, k: int, y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The micro-batch loss divided by the micro-batches per update (so accumulated gradients are a
-        mean, like plain training); records the undivided value and handles non-finite losses."""
+    def _loss(self, k: int, y: torch.Tensor, target: LossTarget) -> torch.Tensor:
+        """The micro-batch loss divided by ``target.divisor`` (the micro-batches per update, weighted by the
+        micro-batch's size when a mini-batch's micro-batches differ in size; see :func:`.inputs.loss_divisor`),
+        so that accumulated gradients are a mean, like plain training; records the undivided value and handles
+        non-finite losses."""
         assert self.loss_fn is not None
         try:
-            loss = self.loss_fn(y, target)
+            loss = self.loss_fn(y, target.value)
         except Exception as exc:
             # The loss function's own error, as itself (its type is what the caller may catch), with what it got.
             exc.add_note(f"raised by loss_fn, given the last stage's output {_describe(y)} and the target "
-                         f"{_describe(target)}")
+                         f"{_describe(target.value)}")
             raise
         if loss.dim() != 0:
             raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)} (use reduction='mean')")
@@ -592,7 +594,7 @@ class TensorStage(StageWorker):
         a = self.algorithm
         if (k + 1) % a.update_every == 0 or (k + 1) % a.n_microbatches == 0:
             self._read_losses()
-        return loss / a.update_every
+        return loss / target.divisor
 
     def _read_losses(self) -> None:
         """Read the losses of an update group (or of a mini-batch's end) in one go: on a GPU, one wait for

@@ -65,8 +65,16 @@ def _triton() -> ModuleType:
     # Imported on first CUDA use: importing Triton costs time and CPU-only users never need it.
     mod = _modules.get("triton")
     if mod is None:
-        import pipecore.kernels as mod
-
+        try:
+            import pipecore.kernels as mod
+        except ModuleNotFoundError as exc:
+            if exc.name is None or exc.name.split(".")[0] != "triton":
+                raise
+            # Triton is the optional extra [gpu]: say so rather than leave a bare ModuleNotFoundError.
+            raise ModuleNotFoundError(
+                "pipecore's fused ops on CUDA tensors are Triton kernels, and Triton is not installed: install "
+                "pipecore with its GPU extra (pip install --no-build-isolation -e \".[gpu]\") or pip install "
+                "triton; CPU training does not need it", name=exc.name) from exc
         _modules["triton"] = mod
     return mod
 

@@ -15,6 +15,7 @@ import torch
 
 import pipecore
 from pipecore.cli import main
+from pipecore.cli import train as train_command
 from pipecore.cli.train import build_mlp, epoch_batches, held_out_windows, layers_cell, stage_partition
 
 from _same import assert_same
@@ -258,7 +259,11 @@ def test_threads_are_set_and_restored(capsys: pytest.CaptureFixture[str]) -> Non
     (["--algorithm", "2bw", "--microbatches", "2"], "2bw: needs n_microbatches >= num_stages"),
     (["--option", "foo=1"], "unknown option(s) ['foo']"),
     (["--option", "foo"], "expected KEY=VALUE"),
-    (["--stages", "5", "--depth", "2"], "--stages 5 needs at least 5 Linear layers"),
+    (["--stages", "5", "--depth", "2"], "--stages 5 needs at least 5 Linear layers, the MLP has 3 (--depth 2)"),
+    # The MLP's depth does not follow --stages: the default (3) has 4 Linear layers.
+    (["--stages", "5"], "--stages 5 needs at least 5 Linear layers, the MLP has 4 (--depth 3); raise --depth to 4 "
+                        "or more, or lower --stages"),
+    (["--save-every", "2"], "--save-every 2 needs --save PATH"),
     (["--epochs", "0"], "must be an integer >= 1"),
     (["--lr", "-1"], "must be a positive number"),
     (["--resume", "does-not-exist.pt"], "no such file"),
@@ -280,6 +285,75 @@ def test_under_torchrun_the_stages_must_match_the_processes(capsys: pytest.Captu
     assert code == 2 and err.strip() == (
         "pipecore train: error: --stages 4 but torchrun started 2 processes: pipecore runs one process per stage; "
         "pass --stages 2 or --nproc-per-node 4")
+
+
+def test_under_torchrun_the_stages_default_to_the_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipecore.cli import build_parser
+
+    def stages(*argv: str) -> int:
+        args = build_parser().parse_args(["train", *argv])
+        train_command._resolve_defaults(args)
+        return args.stages
+
+    assert stages() == 4
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert stages() == 4  # WORLD_SIZE without RANK is not torchrun
+    monkeypatch.setenv("RANK", "1")
+    assert stages() == 3 and stages("--stages", "2") == 2  # given, it is checked against the processes instead
+
+
+def test_the_mlp_depth_does_not_follow_the_stages(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = train(capsys, "--stages", "2", "--epochs", "1", *SMALL)
+    assert code == 0, err
+    assert "MLP 64-32-32-32-10" in out  # --depth 3 whatever --stages
+    code, out, err = train(capsys, "--stages", "6", "--depth", "5", "--epochs", "1", *SMALL)
+    assert code == 0 and "MLP 64-32-32-32-32-32-10" in out, err
+
+
+def test_resume_with_other_stages_microbatches_and_algorithm(capsys: pytest.CaptureFixture[str],
+                                                             tmp_path: Path) -> None:
+    """The checkpoint maps by parameter name: 1f1b continued on 2 stages equals 4 stages straight (to float32
+    round-off); an asynchronous algorithm with other micro-batches continues at its own --lr."""
+    full, half, two = tmp_path / "full.pt", tmp_path / "half.pt", tmp_path / "two.pt"
+    assert train(capsys, "--epochs", "2", *SMALL, "--save", str(full))[0] == 0
+    assert train(capsys, "--epochs", "1", *SMALL, "--save", str(half))[0] == 0
+    code, out, err = train(capsys, "--epochs", "2", *SMALL, "--stages", "2", "--resume", str(half), "--save", str(two))
+    assert code == 0, err
+    assert "note: --stages 2 differs from the checkpoint's 4" in out and "1f1b: 2 stages" in out
+    a, b = load(full)["pipeline"], load(two)["pipeline"]
+    for key in [k for k in a if k != "pipecore"]:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
+    assert not torch.equal(b["0.weight"], load(half)["pipeline"]["0.weight"])
+
+    code, out, err = train(capsys, "--epochs", "2", *SMALL, "-a", "pipedream", "--stages", "3", "-m", "2",
+                           "--resume", str(half), "--save", str(two))
+    assert code == 0, err
+    for note in ("--algorithm pipedream differs from the checkpoint's 1f1b", "--stages 3 differs",
+                 "--microbatches 2 differs", "--lr 0.025 differs from the checkpoint's 0.05"):
+        assert f"note: {note}" in out
+    stages = load(two)["pipeline"]["pipecore"]["stages"]
+    assert len(stages) == 3 and all(st["lr"] == 0.025 for st in stages.values())  # the run's rate, not the saved one
+    assert final_accuracy(out) > 0.8
+
+
+def test_save_every_saves_after_every_n_epochs(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    ckpt, straight = tmp_path / "ckpt.pt", tmp_path / "straight.pt"
+    written = []
+    real = train_command.write_checkpoint
+
+    def keep(path: str, ckpt: dict) -> None:
+        real(path, ckpt)
+        written.append(load(Path(path)))
+
+    monkeypatch.setattr(train_command, "write_checkpoint", keep)
+    code, out, err = train(capsys, "--epochs", "5", *SMALL, "--save", str(ckpt), "--save-every", "2")
+    assert code == 0, err
+    assert [c["epoch"] for c in written] == [2, 4, 5]
+    assert [line for line in out.splitlines() if line.startswith("saved checkpoint")] == [
+        f"saved checkpoint (epoch {e}) to {ckpt}" for e in (2, 4, 5)]
+    assert train(capsys, "--epochs", "2", *SMALL, "--save", str(straight))[0] == 0
+    assert_same(written[0]["pipeline"], load(straight)["pipeline"])  # the epoch-2 save is a 2-epoch run's
 
 
 def test_partition_gives_every_stage_a_linear_layer() -> None:

@@ -197,9 +197,30 @@ def test_asynchronous_state_is_mapped_or_dropped_with_a_note():
     velocities = {n: v for n, (_, v) in per_name(got, model).items()}
     assert all(torch.equal(velocities[n], v) for n, (_, v) in per_name(saved, model).items())
 
-    with pytest.warns(CheckpointNote, match="holds no velocity .* starts at zero"):
+    with pytest.warns(CheckpointNote, match="holds no weight velocity; it starts at zero"):
         Pipeline(mlp(seed=7), 3, "pipemare", 4, optimizer=ours("sgd"),
                  loss_fn=nn.CrossEntropyLoss()).load_state_dict(trained_source("sgd").state_dict())
+
+
+def test_weight_prediction_state_starts_at_zero_or_is_dropped_with_a_note():
+    """SpecTrain predicts weights from the optimizer's update direction, which 1f1b does not keep."""
+    plain = trained_source("sgd").state_dict()
+    spectrain = Pipeline(mlp(seed=7), 2, "spectrain", 4, optimizer=ours("sgd"), loss_fn=nn.CrossEntropyLoss())
+    with pytest.warns(CheckpointNote, match=r"holds no update direction \(of weight prediction\); it starts at zero"):
+        spectrain.load_state_dict(plain)
+    loaded = per_name(spectrain.state_dict(), mlp())
+    for name, (opt, _) in per_name(plain, mlp()).items():  # the momentum maps; the direction starts at zero
+        assert torch.equal(loaded[name][0]["momentum_buf"], opt["momentum_buf"])
+        assert not loaded[name][0]["next_direction"].any()
+    assert_same(dict(sorted(weights(spectrain.state_dict()).items())), dict(sorted(weights(plain).items())))
+    for x, y in data(2, seed=4):
+        spectrain.step(x, y)
+    spectrain.flush()
+    saved = spectrain.state_dict()
+    back = Pipeline(mlp(seed=7), 3, "1f1b", 4, optimizer=ours("sgd"), loss_fn=nn.CrossEntropyLoss())
+    with pytest.warns(CheckpointNote, match=r"update direction \(of weight prediction\) is dropped"):
+        back.load_state_dict(saved)
+    assert_same(dict(sorted(weights(back.state_dict()).items())), dict(sorted(weights(saved).items())))
 
 
 def test_tied_weights_load_into_another_stage_count_and_continue_as_plain_training():

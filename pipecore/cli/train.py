@@ -21,7 +21,10 @@ import argparse
 import functools
 import math
 import os
+import shlex
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,14 +58,24 @@ Prints a progress bar per epoch, the loss and the test metric after every epoch,
 accuracy (or held-out perplexity), weight-version bytes, staleness and delay per stage, and time.
 
 defaults per model (flags for another model are an error):
-  mlp     SGD lr 0.05 (momentum 0.9), batch 64, 20 epochs; --hidden 128, --depth max(3, stages - 1)
+  mlp     SGD lr 0.05 (momentum 0.9), batch 64, 20 epochs; --hidden 128, --depth 3 (4 Linear layers: at most
+          4 stages; raise --depth for more)
   resnet  SGD lr 0.05 (momentum 0.9), batch 64, 10 epochs; --width 16, --layers 3 residual blocks
   gpt     AdamW lr 0.001, batch 32, 10 epochs of --steps-per-epoch 50; --block-size 64, --layers 4,
           --heads 4, --embd 64, --eval-windows 64
 
 Asynchronous algorithms are flushed at the end of every epoch, so evaluation and checkpoints see one
 consistent weight version per stage. --resume continues from a --save checkpoint; --epochs is the total,
-and the result equals an uninterrupted run.
+and the result equals an uninterrupted run. A checkpoint also resumes with another --stages, --microbatches
+or --algorithm: weights and optimizer state are mapped by parameter name. --save-every N also saves after
+every N epochs.
+
+Ctrl-C (SIGINT) or SIGTERM stops training after the current step: with --save the checkpoint is saved there
+(mid-epoch; --resume continues from that step), and one line says where it is and the command that resumes;
+the exit code is 130 (SIGINT) or 143 (SIGTERM). A second Ctrl-C undoes the step in progress instead of
+waiting for it.
+
+Under torchrun, --stages defaults to the number of processes.
 
 --profile PATH records the first --profile-steps (default 20) training steps with torch.profiler and writes a
 Chrome trace (open it in chrome://tracing or https://ui.perfetto.dev): every action of every stage is a range
@@ -74,11 +87,13 @@ examples:
   pipecore train --algorithm pipedream --epochs 10 --plot curve.png
   pipecore train -a pipemare --option warmup_steps=200 --option D=0.2
   pipecore train --epochs 5 --save ckpt.pt && pipecore train --epochs 10 --resume ckpt.pt
+  pipecore train --epochs 20 --save ckpt.pt --save-every 5
+  pipecore train --epochs 10 --resume ckpt.pt --stages 2 --save ckpt2.pt
   pipecore train --model resnet --stages 2 --epochs 5
   pipecore train --model gpt --epochs 3
   pipecore train --model gpt --layers 6 --embd 96 --heads 6 --block-size 128 --steps-per-epoch 100
   pipecore train -a pipedream --epochs 1 --profile trace.json --profile-steps 10
-  torchrun --nproc-per-node 4 -m pipecore train    # one process per stage; rank 0 reports
+  torchrun --nproc-per-node 4 -m pipecore train    # one process per stage (--stages 4); rank 0 reports
   torchrun --nproc-per-node 4 -m pipecore train --model gpt
 """
 
@@ -90,10 +105,12 @@ DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3}
 DEFAULT_OPTIMIZER = {"mlp": "sgd", "resnet": "sgd", "gpt": "adamw"}
 DEFAULT_BATCH_SIZE = {"mlp": 64, "resnet": 64, "gpt": 32}
 DEFAULT_EPOCHS = {"mlp": 20, "resnet": 10, "gpt": 10}
+#: Stages when --stages is not given (and not under torchrun, where it is the number of processes).
+DEFAULT_STAGES = 4
 #: Model-specific flags: their default per model; a model absent from a flag's entry does not take it.
 MODEL_FLAGS: dict[str, dict[str, int | None]] = {
     "hidden": {"mlp": 128},
-    "depth": {"mlp": None},  # None: max(3, stages - 1)
+    "depth": {"mlp": 3},
     "width": {"resnet": 16},
     "layers": {"resnet": 3, "gpt": 4},
     "heads": {"gpt": 4},
@@ -103,10 +120,11 @@ MODEL_FLAGS: dict[str, dict[str, int | None]] = {
     "eval_windows": {"gpt": 64},
 }
 #: Settings a checkpoint fixes: resuming with different values cannot load it.
-_STRUCTURAL = ("model", "algorithm", "stages", "microbatches", "hidden", "depth", "width", "layers", "heads", "embd",
-               "block_size", "optimizer")
-#: Settings that merely change the trajectory (or what is measured): resuming with other values is noted.
-_TRAJECTORY = ("batch_size", "lr", "lr_schedule", "clip", "bf16", "seed", "option", "steps_per_epoch", "eval_windows")
+_STRUCTURAL = ("model", "hidden", "depth", "width", "layers", "heads", "embd", "block_size", "optimizer")
+#: Settings that merely change the trajectory (or what is measured): resuming with other values is noted. The
+#: pipeline's shape is among them: a checkpoint maps by parameter name into any stages, micro-batches, algorithm.
+_TRAJECTORY = ("algorithm", "stages", "microbatches", "batch_size", "lr", "lr_schedule", "clip", "bf16", "seed",
+               "option", "steps_per_epoch", "eval_windows")
 #: The length of an algorithm's learning-rate warm-up (PipeMare's T1), in epochs of updates (the spec's proposal).
 WARMUP_EPOCHS = 5
 
@@ -127,9 +145,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="mlp or resnet on digits, gpt on text (default mlp; defaults per model below)")
     parser.add_argument("-a", "--algorithm", default="1f1b", metavar="NAME",
                         help="algorithm name or alias (default 1f1b; see `pipecore simulate --compare`)")
-    parser.add_argument("-p", "--stages", type=positive_int, default=4, metavar="P",
-                        help="pipeline stages (default 4; at most the number of modules the model can be cut "
-                             "between: an error says how many)")
+    parser.add_argument("-p", "--stages", type=positive_int, metavar="P",
+                        help="pipeline stages (default 4, under torchrun the number of processes; at most the "
+                             "number of modules the model can be cut between: an error says how many)")
     parser.add_argument("-m", "--microbatches", type=positive_int, default=4, metavar="M",
                         help="micro-batches per mini-batch (default 4)")
     parser.add_argument("-b", "--batch-size", type=positive_int, metavar="N",
@@ -172,7 +190,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> dict[str, "argparse.
     mlp.add_argument("--hidden", type=positive_int, metavar="H",
                      help="width of the hidden layers (default 128)")
     mlp.add_argument("--depth", type=positive_int, metavar="L",
-                     help="hidden layers (default max(3, stages - 1), so every stage gets a Linear layer)")
+                     help="hidden layers (default 3; the MLP has L + 1 Linear layers and every stage needs one)")
     sized = parser.add_argument_group("resnet and gpt")
     sized.add_argument("--layers", type=positive_int, metavar="L",
                        help="residual blocks of the resnet (default 3; the second one downsamples) or transformer "
@@ -197,8 +215,14 @@ def _add_run_arguments(parser: argparse.ArgumentParser, gpt: "argparse._Argument
     gpt.add_argument("--eval-windows", type=positive_int, metavar="N",
                      help="held-out loss and perplexity are measured on at most N non-overlapping windows of "
                           "the held-out text, spread evenly over it, to keep evaluation fast (default 64)")
-    parser.add_argument("--save", metavar="PATH", help="save a checkpoint at the end (pipeline state, epoch, args)")
-    parser.add_argument("--resume", metavar="PATH", help="continue from a --save checkpoint")
+    parser.add_argument("--save", metavar="PATH",
+                        help="save a checkpoint at the end (pipeline state, epoch, args), and where Ctrl-C or "
+                             "SIGTERM stops training")
+    parser.add_argument("--save-every", type=positive_int, metavar="N",
+                        help="with --save: also save after every N epochs")
+    parser.add_argument("--resume", metavar="PATH",
+                        help="continue from a --save checkpoint (also with another --stages, --microbatches or "
+                             "--algorithm: the checkpoint maps by parameter name)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar (it is also off when stderr is not a terminal)")
     profiling = parser.add_argument_group("profiling")
@@ -278,8 +302,8 @@ def stage_partition(model: "nn.Sequential", num_stages: int) -> list[int]:
     starts = [i for i, layer in enumerate(model) if isinstance(layer, nn.Linear)]
     if num_stages > len(starts):
         raise ValueError(
-            f"--stages {num_stages} needs at least {num_stages} Linear layers, the MLP has {len(starts)}; "
-            f"raise --depth to {num_stages - 1} or more"
+            f"--stages {num_stages} needs at least {num_stages} Linear layers, the MLP has {len(starts)} "
+            f"(--depth {len(starts) - 1}); raise --depth to {num_stages - 1} or more, or lower --stages"
         )
     ends = starts[1:] + [len(model)]
     sizes = [sum(p.numel() for p in model[a:b].parameters()) for a, b in zip(starts, ends)]
@@ -506,8 +530,10 @@ def _resolve_defaults(args: argparse.Namespace) -> None:
             takers = " and ".join(f"--model {m}" for m in per_model)
             raise ValueError(f"--{flag.replace('_', '-')} applies to {takers}, not --model {args.model}")
         setattr(args, flag, given if given is not None else per_model.get(args.model))
-    if args.model == "mlp" and args.depth is None:
-        args.depth = max(3, args.stages - 1)
+    if args.stages is None:
+        # Under torchrun one process runs each stage: the number of processes is the number of stages.
+        world = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+        args.stages = world if world > 1 else DEFAULT_STAGES
     args.optimizer = args.optimizer or DEFAULT_OPTIMIZER[args.model]
     args.batch_size = args.batch_size or DEFAULT_BATCH_SIZE[args.model]
     args.epochs = args.epochs or DEFAULT_EPOCHS[args.model]
@@ -647,24 +673,92 @@ def plot_curves(path: str, history: list[dict[str, float]], title: str) -> None:
 # -- the command ------------------------------------------------------------------------------------------
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped ``pipecore train`` where it could not wait for the step to end (before
+    training, or a second signal during a step, which the pipeline then undoes as it undoes any failed step)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Interrupts:
+    """What SIGINT (Ctrl-C) and SIGTERM do while ``pipecore train`` runs, by phase (``mode``):
+
+    * ``"now"`` (setting up): raise :class:`Interrupted` at once; there is nothing to save yet.
+    * ``"after step"`` (training): remember the signal; the loop stops after the current step, saves and
+      exits. A second signal in one process raises :class:`Interrupted` inside the step, which the pipeline
+      undoes (``KeyboardInterrupt`` semantics of :meth:`pipecore.Pipeline.step`).
+    * ``"hold"`` (stopping, saving): remember it only, so that a checkpoint being written is finished.
+
+    Handlers are installed only from the main thread (Python delivers signals there) and restored on exit.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.mode = "now"
+        self.one_process = True
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "Interrupts":
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        again = self.received is not None
+        if not again:
+            self.received = signum
+        if self.mode == "now" or (self.mode == "after step" and again and self.one_process):
+            raise Interrupted(signum)
+
+    def stop(self, pipe: Any) -> int | None:
+        """The signal that stops training after this step, if any: with one process per stage, any rank's
+        (every rank calls this after every step, so that all stop after the same one), else this process's."""
+        if pipe.rank is None:
+            return self.received
+        return next((r for r in pipe._gather(self.received) if r is not None), None)
+
+
+def exit_code(signum: int) -> int:
+    """The shell's exit status of a process ended by ``signum``: 130 for SIGINT, 143 for SIGTERM."""
+    return 128 + signum
+
+
 def run(args: argparse.Namespace) -> int:
-    """Execute ``pipecore train`` (with ``--threads`` torch threads, restored afterwards)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
+    """Execute ``pipecore train`` (with ``--threads`` torch threads, restored afterwards). SIGINT and SIGTERM
+    stop it as :class:`Interrupts` describes, with exit code 130 or 143 and one line on stderr."""
+    given = dict(vars(args))  # the flags as given, before the defaults are filled in: for the resume command
+    interrupts = Interrupts()
     try:
-        return _train(args)
-    finally:
-        torch.set_num_threads(threads)
+        with interrupts:
+            import torch
+
+            threads = torch.get_num_threads()
+            torch.set_num_threads(args.threads)
+            try:
+                return _train(args, interrupts, given)
+            finally:
+                torch.set_num_threads(threads)
+    except Interrupted as stop:
+        print(f"pipecore train: stopped by {signal.Signals(stop.signum).name} before training started; nothing "
+              "was saved", file=sys.stderr)
+        return exit_code(stop.signum)
 
 
-def _train(args: argparse.Namespace) -> int:
+def _train(args: argparse.Namespace, interrupts: Interrupts | None = None, given: dict[str, Any] | None = None) -> int:
     import torch
 
     import pipecore
 
     _resolve_defaults(args)
+    if args.save_every is not None and not args.save:
+        raise ValueError(f"--save-every {args.save_every} needs --save PATH (where to save the checkpoint)")
     check_profile_args(args)  # fail before loading data and training, not after
     if args.batch_size % args.microbatches:
         raise ValueError(
@@ -727,10 +821,79 @@ def _train(args: argparse.Namespace) -> int:
         raise
     try:
         with pipe:  # closes it at the end: with one process per stage, that releases its process groups
-            return _run_pipeline(args, pipe, task, name, algorithm, settings, ckpt, start_epoch, history, notes)
+            return _run_pipeline(args, pipe, task, name, algorithm, settings, ckpt, start_epoch, history, notes,
+                                 interrupts or Interrupts(), given or {})
     finally:
         if joined_here and _process_group_initialized():
             torch.distributed.destroy_process_group()  # under torchrun the pipeline joined it; leave it too
+
+
+def write_checkpoint(path: str, ckpt: dict[str, Any]) -> None:
+    """Write a ``pipecore train`` checkpoint atomically: a run killed while saving leaves the previous file whole,
+    never a truncated one. A failed write is a ValueError (one line)."""
+    import torch
+
+    from ..checkpoint import write_atomically
+
+    try:
+        write_atomically(path, lambda f: torch.save(ckpt, f))
+    except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
+        raise ValueError(f"cannot write {path}: {getattr(error, 'strerror', None) or error}") from None
+
+
+def _stop(args: argparse.Namespace, pipe: Any, stopped: tuple[int, int, int, list[float]], save: Any,
+          given: dict[str, Any], leader: bool, steps_per_epoch: int) -> int:
+    """After a signal stopped training at ``(signal, epoch, step, losses)``: drain the pipeline, save the
+    checkpoint there with --save, say so in one line (with the command that resumes) and return 130 or 143."""
+    signum, epoch, step, losses = stopped
+    name = signal.Signals(signum).name
+    where = f"epoch {epoch + 1}, step {step} of {steps_per_epoch}" if step else f"the end of epoch {epoch}"
+    if not args.save:
+        if leader:
+            print(f"pipecore train: stopped by {name} at {where}; nothing was saved (pass --save PATH to keep a "
+                  "checkpoint)", file=sys.stderr, flush=True)
+        return exit_code(signum)
+    try:
+        pipe.flush()  # one consistent version per stage (asynchronous algorithms have backwards in flight)
+        save(epoch, step, losses)
+    except Exception as error:  # the line must still come, and no traceback
+        if leader:
+            print(f"pipecore train: stopped by {name} at {where}; the checkpoint could not be saved ({error}); "
+                  f"{args.save} holds what was saved before, if anything", file=sys.stderr, flush=True)
+        return exit_code(signum)
+    if leader:
+        print(f"pipecore train: stopped by {name} at {where}; checkpoint saved to {args.save}; resume with: "
+              f"{resume_command(given, args, pipe.rank is not None)}", file=sys.stderr, flush=True)
+    return exit_code(signum)
+
+
+def resume_command(given: dict[str, Any], args: argparse.Namespace, torchrun: bool) -> str:
+    """The command line that continues a stopped run from its --save checkpoint: the flags it was given (those
+    that differ from their defaults, as parsed), ``--resume`` the checkpoint and ``--save`` it again."""
+    parser = given.get("_parser")
+    words: list[str] = []
+    for action in getattr(parser, "_actions", ()):
+        dest = action.dest
+        if not action.option_strings or dest in ("help", "resume", "save") or dest not in given:
+            continue
+        value = given[dest]
+        if value is None or value == action.default:
+            continue
+        flag = max(action.option_strings, key=len)
+        if isinstance(action, argparse._StoreTrueAction):
+            words.append(flag)
+        elif isinstance(action, argparse._AppendAction):
+            for key, option in value:
+                words += [flag, f"{key}={option_text(option)}"]
+        else:
+            words += [flag, str(value)]
+    if parser is None:  # run() called without the command line's parser: the settings that shape the run
+        words = ["--model", args.model, "--algorithm", args.algorithm, "--stages", str(args.stages),
+                 "--microbatches", str(args.microbatches), "--batch-size", str(args.batch_size), "--epochs",
+                 str(args.epochs)]
+    words += ["--save", args.save, "--resume", args.save]
+    launcher = f"torchrun --nproc-per-node {args.stages} -m pipecore train" if torchrun else "pipecore train"
+    return " ".join([launcher, *(shlex.quote(w) for w in words)])
 
 
 def cosine_decay(total_updates: int, update: int) -> float:
@@ -762,12 +925,15 @@ def _process_group_initialized() -> bool:
 
 def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, algorithm: Any,
                   settings: dict[str, Any], ckpt: dict[str, Any] | None, start_epoch: int,
-                  history: list[dict[str, float]], notes: list[str]) -> int:
+                  history: list[dict[str, float]], notes: list[str], interrupts: Interrupts,
+                  given: dict[str, Any]) -> int:
+    import warnings
+
     import torch
     from tqdm import tqdm
 
     import pipecore
-    from ..checkpoint import write_atomically
+    from ..engine.pipeline import CheckpointNote
 
     # With one process per stage (under torchrun) every rank trains its stage and takes part in the evaluation
     # (pipe.predict); rank 0 alone prints and writes.
@@ -777,14 +943,32 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
         # Fail before training, not after it.
         if leader and path and not Path(path).resolve().parent.is_dir():
             raise ValueError(f"{flag}: the directory of {path} does not exist")
+    start_step, start_losses = 0, []
     if ckpt is not None:
-        pipe.load_state_dict(ckpt["pipeline"])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CheckpointNote)
+            pipe.load_state_dict(ckpt["pipeline"])
+        notes += [f"note: {w.message}" for w in caught if issubclass(w.category, CheckpointNote)]
+        if pipe.lr_scheduler is None:
+            # The run's --lr (or its default for this algorithm and --microbatches), not the rate the checkpoint
+            # restores (the same when the settings are; a resume with other settings is noted above).
+            pipe.set_lr(args.lr)
+        # A checkpoint saved where a signal stopped training is part way through its epoch.
+        start_step, start_losses = int(ckpt.get("step", 0)), list(ckpt.get("losses", []))
     steps_per_epoch = task.steps_per_epoch
 
     def test_metrics() -> dict[str, float]:
         # Through the pipeline (pipe.predict, the stages' live weights, in evaluation mode): nothing is gathered.
         # Collective with one process per stage: every rank takes part, and every rank gets the metrics.
         return task.evaluate(pipe)
+
+    def save(epoch: int, step: int = 0, losses: Sequence[float] = ()) -> None:
+        """Save the checkpoint (collective with one process per stage; rank 0 writes): ``epoch`` epochs
+        complete and ``step`` steps of the next, whose losses are ``losses``."""
+        state = pipe.full_state_dict()
+        if leader:
+            write_checkpoint(args.save, {"pipeline": state, "epoch": epoch, "step": step, "losses": list(losses),
+                                         "args": settings, "history": history})
 
     optimizer = f"SGD lr {args.lr:g} momentum 0.9" if args.optimizer == "sgd" else f"AdamW lr {args.lr:g}"
     say(f"{task.describe_data()}; {name}")
@@ -794,7 +978,10 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
     for note in notes:
         say(note)
     if ckpt is not None:
-        say(f"resumed from {args.resume} at epoch {start_epoch}")
+        if start_step:  # saved where a signal stopped training, part way through the next epoch
+            say(f"resumed from {args.resume} in epoch {start_epoch + 1}, after step {start_step} of {steps_per_epoch}")
+        else:
+            say(f"resumed from {args.resume} at epoch {start_epoch}")
     if pipe.rank is not None:
         say(f"one process per stage: {args.stages} ranks ({torch.distributed.get_backend()}); rank 0 reports")
     say()
@@ -809,26 +996,46 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
     profile.start()  # after data loading and setup: the trace starts at the first training step
     started = time.perf_counter()
     trained = 0
+    stopped: tuple[int, int, int, list[float]] | None = None  # (signal, epoch, step, losses) where a signal stopped it
+    interrupts.one_process = pipe.rank is None
+    interrupts.mode = "after step"
     try:
         for epoch in range(start_epoch, args.epochs):
             t0 = time.perf_counter()
-            losses = []
+            skip = start_step if epoch == start_epoch else 0
+            losses = list(start_losses) if epoch == start_epoch else []
             bar = tqdm(task.batches(epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}/{args.epochs}",
-                       unit="batch", leave=False, disable=hide_bar, file=sys.stderr, dynamic_ncols=True)
-            for i, (x, y) in enumerate(bar):
-                try:
-                    with profile.range(f"step {profile.recorded + 1}"):
-                        loss = pipe.step(x, y)
-                except pipecore.NonFiniteLoss as error:
-                    raise ValueError(f"epoch {epoch + 1}: {error}; try a lower --lr") from None
-                profile.step_done(ends_epoch=i + 1 == steps_per_epoch)
-                losses.append(loss)
-                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                       unit="batch", leave=False, disable=hide_bar, file=sys.stderr, dynamic_ncols=True,
+                       initial=skip)
+            before = pipe.minibatches
+            signum = None
+            try:
+                for i, (x, y) in enumerate(bar):
+                    if i < skip:  # given before the checkpoint was saved (drawn all the same: the batches
+                        continue  # of an epoch depend on the seed and the epoch alone)
+                    try:
+                        with profile.range(f"step {profile.recorded + 1}"):
+                            loss = pipe.step(x, y)
+                    except pipecore.NonFiniteLoss as error:
+                        raise ValueError(f"epoch {epoch + 1}: {error}; try a lower --lr") from None
+                    profile.step_done(ends_epoch=i + 1 == steps_per_epoch)
+                    losses.append(loss)
+                    bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                    signum = interrupts.stop(pipe)
+                    if signum is not None:
+                        break
+            except Interrupted as stop:  # a second signal: the pipeline undid the step in progress
+                signum = stop.signum
             bar.close()
+            if signum is not None:
+                interrupts.mode = "hold"
+                done = skip + pipe.minibatches - before  # the steps the pipeline kept (an undone one is not)
+                stopped = (signum, epoch, done, losses[:done])
+                break
             with profile.range("flush"):
                 pipe.flush()  # drain asynchronous algorithms: evaluate and checkpoint one consistent version
             profile.flushed(last=epoch + 1 == args.epochs)
-            trained += len(losses) * args.batch_size
+            trained += (len(losses) - skip) * args.batch_size
             with profile.range("evaluate"):  # recorded only between recorded steps
                 metrics = test_metrics()
             record = {"epoch": epoch + 1, "loss": sum(losses) / len(losses),
@@ -836,16 +1043,30 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
             history.append(record)
             if leader:  # the other ranks print nothing
                 print(task.line(record, f"{time.perf_counter() - t0:.2f}s"), flush=True)
+            if args.save_every and (epoch + 1) % args.save_every == 0 and epoch + 1 < args.epochs:
+                interrupts.mode = "hold"  # a signal now waits until the checkpoint is written
+                save(epoch + 1)
+                say(f"saved checkpoint (epoch {epoch + 1}) to {args.save}", flush=True)
+                interrupts.mode = "after step"
+            signum = interrupts.stop(pipe)
+            if signum is not None and epoch + 1 < args.epochs:
+                interrupts.mode = "hold"
+                stopped = (signum, epoch + 1, 0, [])
+                break
         elapsed = time.perf_counter() - started
     finally:
+        interrupts.mode = "hold"
         profile.close()
     if trace_path is not None:
         profile.export(trace_path)
+    if stopped is not None:
+        return _stop(args, pipe, stopped, save, given, leader, steps_per_epoch)
 
     result = test_metrics()
     # Collective with one process per stage: every rank takes part, rank 0 prints and writes.
     stats = pipe.stats(all_stages=True)
-    state = pipe.full_state_dict() if args.save else None
+    if args.save:
+        save(args.epochs)
     say()
     if leader:
         print(f"{task.summary(result)} after {_plural(args.epochs, 'epoch')}")
@@ -859,12 +1080,6 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
     if args.save or args.plot or args.profile:
         print()
     if args.save:
-        ckpt_state = {"pipeline": state, "epoch": args.epochs, "args": settings, "history": history}
-        try:
-            # A run killed while saving leaves the previous checkpoint, not a truncated file.
-            write_atomically(args.save, lambda f: torch.save(ckpt_state, f))
-        except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
-            raise ValueError(f"cannot write {args.save}: {getattr(error, 'strerror', None) or error}") from None
         print(f"saved checkpoint (epoch {args.epochs}) to {args.save}")
     if args.plot:
         plot_curves(args.plot, history, f"pipecore train: {algorithm.name}, {args.stages} stages, {name}")
@@ -880,4 +1095,6 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
               f"chrome://tracing or https://ui.perfetto.dev; `pipecore simulate -a {args.algorithm} -p {args.stages} "
               f"-m {args.microbatches} -n {simulated}{options} --chrome sim.json` gives the simulator's view, "
               f"with the same action names")
+    if interrupts.received is not None:  # a signal after the last step: the run completed, saved and reported
+        return exit_code(interrupts.received)
     return 0

@@ -28,6 +28,8 @@ from torch import nn
 #: weight prediction reads): a checkpoint without them still loads, from zero, with a warning. Any other entry
 #: the target needs and the checkpoint lacks means another optimizer (or configuration) and is an error.
 _STARTS_AT_ZERO = frozenset({"next_direction"})
+#: How notes name the state they drop or start at zero.
+_LABELS = {"velocity": "weight velocity", "next_direction": "update direction (of weight prediction)"}
 
 
 @dataclass
@@ -129,8 +131,8 @@ def stage_state(stage: int, names: Sequence[str], sizes: Sequence[int], canonica
                                        notes)
         elif value is None:
             if any(p.optimizer.get(key) is not None for p in mine):
-                notes.append(f"stage {stage}: the checkpoint's optimizer state {key!r} is dropped (this pipeline "
-                             "does not keep it)")
+                notes.append(f"stage {stage}: the checkpoint's {_LABELS.get(key, f'optimizer state {key!r}')} is "
+                             "dropped (this pipeline does not keep it)")
             optimizer[key] = None
         else:  # per-stage scalars such as the step count: the largest of the source stages
             found = [sm["optimizer"][key] for sm in source_meta if key in sm["optimizer"]]
@@ -162,7 +164,9 @@ def _assemble(key: str, parts: Sequence[torch.Tensor | None], like: torch.Tensor
         if not (zero_ok or key in _STARTS_AT_ZERO):
             raise KeyError(f"load_state_dict: the checkpoint's optimizer state has no {key!r} for {_few(absent)} "
                            f"(stage {stage}); it was saved with another optimizer or optimizer configuration")
-        notes.append(f"stage {stage}: the checkpoint holds no {key} for {_few(absent)}; it starts at zero")
+        label = _LABELS.get(key, repr(key))
+        which = "" if len(absent) == len(names) else f" for {_few(absent)}"
+        notes.append(f"stage {stage}: the checkpoint holds no {label}{which}; it starts at zero")
     out = torch.zeros_like(like)
     offset = 0
     for part, n in zip(parts, sizes):

@@ -121,6 +121,12 @@ def _describe_input(captured: "CapturedModel", name: str) -> str:
     return describe_path(argument, path) if path else repr(name)
 
 
+def input_label(captured: "CapturedModel", name: str) -> str:
+    """An input of the captured graph as the forward reads it, for listings: ``x``, ``batch['x']``."""
+    argument, path = captured.input_paths.get(name, (name, ()))
+    return describe_path(argument, path)
+
+
 @dataclass(frozen=True)
 class Chunks:
     """A batch's tensors split into micro-batches: ``chunks[u]`` holds micro-batch ``u``'s slice of each."""

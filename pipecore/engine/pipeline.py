@@ -30,7 +30,8 @@ from ..simulate import simulate
 from ..schedule.ties import TieSync, partners_of, smallest_delay
 from .flat import FlatLayout
 from .graph import CapturedModel, StageGraph, tied_parameters
-from .inputs import Batch, LossTarget, as_model_inputs, as_payload, loss_divisor, split_batch, to_device
+from .inputs import (Batch, LossTarget, as_model_inputs, as_payload, input_label, loss_divisor, split_batch,
+                     to_device)
 from .clip import (ClipDependencies, DistributedGlobalNorm, GlobalNorm, GradClip, LocalGlobalNorm, check_max_norm,
                    flushes_every_minibatch)
 from .lr import LrSchedule
@@ -1073,7 +1074,7 @@ class Pipeline:
         """Each stage's modules, compute nodes (indices into the captured graph), parameters and the values
         that cross its cuts (with shapes and dtypes when an ``example_input`` was given)."""
         lines = [f"Pipeline: {type(self.captured.model).__name__} as {self.num_stages} stages, {self.algorithm.name}, "
-                 f"{self.n_microbatches} micro-batches; inputs {', '.join(self.captured.input_names)}"]
+                 f"{self.n_microbatches} micro-batches; inputs {', '.join(input_label(self.captured, n) for n in self.captured.input_names)}"]
         index = {node.name: i for i, node in enumerate(self.captured.nodes)}
         meta = self._boundary_meta or {}
         for g in self.stage_graphs:

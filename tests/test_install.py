@@ -22,7 +22,8 @@ def test_the_command_line_help_does_not_import_torch():
         import pipecore.cli
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            codes = [pipecore.cli.main(['--help']), pipecore.cli.main(['--version']), pipecore.cli.main(['train', '--help'])]
+            codes = [pipecore.cli.main(['--help']), pipecore.cli.main(['--version']),
+                     pipecore.cli.main(['train', '--help'])]
             sys.argv = ['pipecore', '--help']
             try:
                 runpy.run_module('pipecore', run_name='__main__')  # python -m pipecore --help

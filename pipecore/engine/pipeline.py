@@ -1073,8 +1073,9 @@ class Pipeline:
     def describe(self) -> str:
         """Each stage's modules, compute nodes (indices into the captured graph), parameters and the values
         that cross its cuts (with shapes and dtypes when an ``example_input`` was given)."""
+        inputs = ", ".join(input_label(self.captured, name) for name in self.captured.input_names)
         lines = [f"Pipeline: {type(self.captured.model).__name__} as {self.num_stages} stages, {self.algorithm.name}, "
-                 f"{self.n_microbatches} micro-batches; inputs {', '.join(input_label(self.captured, n) for n in self.captured.input_names)}"]
+                 f"{self.n_microbatches} micro-batches; inputs {inputs}"]
         index = {node.name: i for i, node in enumerate(self.captured.nodes)}
         meta = self._boundary_meta or {}
         for g in self.stage_graphs:

@@ -297,3 +297,21 @@ def test_the_factory_the_message_suggests_works():
 def test_pipecore_names_are_still_there():
     assert pipecore.simulate.__name__ == "simulate" and callable(pipecore.simulate)
     assert {"Pipeline", "SGD", "AdamW", "checkpoint", "simulate", "Trace"} <= set(dir(pipecore))
+
+
+class ReadsAnUnusedEntry(DictModel):
+    def forward(self, batch):
+        batch["ids"]  # read and dropped: fx keeps the read, the graph gets no input for it
+        return super().forward(batch)
+
+
+def test_an_entry_read_but_not_used_is_no_input_and_example_inputs_are_checked():
+    x, mask, y = masked_data(1)[0]
+    pipe = Pipeline(ReadsAnUnusedEntry().double(), 3, "gpipe", M, optimizer=SGD(lr=0.1),
+                    loss_fn=nn.CrossEntropyLoss(), example_input={"x": x[:8], "mask": mask[:8]})
+    assert "inputs batch['x'], batch['mask']" in pipe.describe()
+    reference = DictModel().double()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    plain_training(reference, optimizer, [({"x": x, "mask": mask}, y)])
+    pipe.step({"x": x, "mask": mask}, y)
+    assert_weights(pipe, reference)

@@ -327,6 +327,12 @@ def _split_containers(graph: fx.Graph, specialised: set[str]) -> dict[str, tuple
                 user.replace_all_uses_with(made[access])
                 graph.erase_node(user)
         graph.erase_node(node)
+        for new in made.values():
+            if not new.users:  # an entry read but not used (fx keeps dead reads): no input for it
+                paths.pop(new.name)
+                origin.pop(new)
+                work.remove(new)
+                graph.erase_node(new)
     return paths
 
 

@@ -315,3 +315,25 @@ def test_an_entry_read_but_not_used_is_no_input_and_example_inputs_are_checked()
     plain_training(reference, optimizer, [({"x": x, "mask": mask}, y)])
     pipe.step({"x": x, "mask": mask}, y)
     assert_weights(pipe, reference)
+
+
+@pytest.mark.parametrize("algorithm", ["1f1b", "2bw"])
+def test_a_failed_step_with_a_batch_that_does_not_divide_is_undone_and_training_goes_on(algorithm):
+    batches = data(3) + data(1, batch=32, seed=4)
+    poisoned = (batches[1][0].clone(), batches[1][1])
+    poisoned[0][29, 0] = float("nan")  # the last micro-batch's loss is NaN
+    pipe = Pipeline(mlp(), 2, algorithm, M, optimizer=SGD(lr=0.1), loss_fn=nn.CrossEntropyLoss())
+    losses = [pipe.step(*batches[0])]
+    with pytest.raises(pipecore.NonFiniteLoss):
+        pipe.step(*poisoned)
+    losses += [pipe.step(*batch) for batch in batches[1:]]  # the undone mini-batch again, then the others
+    pipe.flush()
+    reference = Pipeline(mlp(), 2, algorithm, M, optimizer=SGD(lr=0.1), loss_fn=nn.CrossEntropyLoss())
+    expected = [reference.step(*batches[0])]
+    reference.flush()  # the failure completed mini-batch 0 as flush() does
+    expected += [reference.step(*batch) for batch in batches[1:]]
+    reference.flush()
+    assert losses == expected
+    for key, value in reference.state_dict().items():
+        if key != "pipecore":
+            assert torch.equal(pipe.state_dict()[key], value), key

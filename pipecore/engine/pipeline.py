@@ -413,8 +413,11 @@ class Pipeline:
             for u, chunk in enumerate(y_chunks.chunks):
                 divisor = loss_divisor(sizes[u], y_chunks.samples, m, every)
                 self._targets[first + u] = LossTarget(to_device(y_chunks.rebuild(chunk), device), divisor)
+            # (set or cleared: a step that failed before it ran may have left this mini-batch's entry)
             if len(set(sizes)) > 1:
                 self._microbatch_sizes[self._fed] = sizes
+            else:
+                self._microbatch_sizes.pop(self._fed, None)
         minibatch = self._fed
         self._guarded(self._executor.check)  # an error left by the previous step's remaining work (overlap_steps)
         self._keep_undo_points(minibatch)

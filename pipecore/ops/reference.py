@@ -4,15 +4,34 @@ Each function has the same signature and the same argument checks as its fused c
 follows torch.optim's order of operations, computing in float32 (float64 for float64 weights) and
 rounding once to the storage dtype. It is slow (several passes and temporaries) but obviously
 right; it is also the implementation used for tensors on devices other than CPU and CUDA.
+
+Every product is its own torch op, rounded before it is added: ``a + b * c`` is written as two
+ops, never ``a.add(b, alpha=c)``, ``lerp``, ``addcmul`` or ``addcdiv``. Those fuse the multiply and
+the add into one rounding (an FMA) on CUDA, where nvcc contracts them, and on AVX2 CPUs, where
+torch's vectorized code calls ``fmadd``, but not in the scalar tail, so the oracle itself rounded
+differently by device and position. The Triton kernels (compiled with ``enable_fp_fusion=False``)
+and the C++ kernels (``-ffp-contract=off``) round every product, in the order written here, so
+all three agree bit for bit. Division by a scalar goes through a 0-dim tensor on the operands'
+device: torch divides a CUDA tensor by a Python number as a multiplication by its reciprocal. The
+square root is IEEE-rounded: on the CPU it is numpy's (the hardware instruction), because torch's
+vectorized CPU ``sqrt`` (SLEEF, within 0.5001 ulp) is not always correctly rounded.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import _checks
 
 __all__ = ["adamw_step", "interpolate", "predict", "sgd_step"]
+
+
+def _sqrt(t: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded square root (see the module docs)."""
+    if t.device.type == "cpu":
+        return torch.from_numpy(np.sqrt(t.contiguous().numpy()))
+    return t.sqrt()
 
 
 def interpolate(live: torch.Tensor, stale: torch.Tensor, alpha: float, out: torch.Tensor | None = None
@@ -49,19 +68,19 @@ def sgd_step(w: torch.Tensor, grad: torch.Tensor, momentum_buf: torch.Tensor | N
         wm = w.to(md)
         d = grad.to(md)
         if weight_decay != 0.0:
-            d = d.add(wm, alpha=weight_decay)
+            d = d + wm * weight_decay
         buf = None
         if momentum != 0.0:
             assert momentum_buf is not None
             if first_step:
                 buf = d.clone()
             else:
-                buf = momentum_buf.mul(momentum).add_(d, alpha=1.0 - dampening)
-            d = d.add(buf, alpha=momentum) if nesterov else buf
-        new = wm.add(d, alpha=-lr).to(w.dtype)
+                buf = momentum_buf * momentum + d * (1.0 - dampening)
+            d = d + buf * momentum if nesterov else buf
+        new = (wm - d * lr).to(w.dtype)
         new_delta = None
         if delta is not None:
-            new_delta = delta.mul(delta_decay).add_(new.to(md) - wm, alpha=1.0 - delta_decay)
+            new_delta = delta * delta_decay + (new.to(md) - wm) * (1.0 - delta_decay)
         # All results exist before anything is written, so out may be w.
         if buf is not None:
             assert momentum_buf is not None
@@ -84,15 +103,21 @@ def adamw_step(w: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
         p = w.to(md)
         g = grad.to(md)
         if weight_decay != 0.0:
-            p = p.mul(1.0 - lr * weight_decay)
-        m = exp_avg.lerp(g, 1.0 - beta1)
-        v = exp_avg_sq.mul(beta2).addcmul_(g, g, value=1.0 - beta2)
+            p = p * (1.0 - lr * weight_decay)
+        # exp_avg.lerp(g, 1 - beta1) with torch's two-sided formula, its weight rounded to the math dtype.
+        weight = torch.tensor(1.0 - beta1, dtype=md)
+        diff = g - exp_avg
+        if abs(float(weight)) < 0.5:
+            m = exp_avg + diff * float(weight)
+        else:
+            m = g - diff * float(1.0 - weight)  # 1 - weight rounded in the math dtype, as the kernels do
+        v = exp_avg_sq * beta2 + (g * g) * (1.0 - beta2)
         bias_correction1 = 1.0 - beta1**step
         bias_correction2 = 1.0 - beta2**step
         step_size = lr / bias_correction1
-        bias_correction2_sqrt = bias_correction2**0.5
-        denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
-        new = p.addcdiv(m, denom, value=-step_size).to(w.dtype)
+        bias_correction2_sqrt = torch.tensor(bias_correction2**0.5, dtype=md, device=v.device)
+        denom = _sqrt(v) / bias_correction2_sqrt + eps
+        new = (p + (m / denom) * -step_size).to(w.dtype)
         exp_avg.copy_(m)
         exp_avg_sq.copy_(v)
         out.copy_(new)

@@ -2,7 +2,9 @@
 
 A checkpoint written by P ranks (each rank saves its stage) can be read by the one-process pipeline and
 the reverse: files are per stage, not per process. Call ``pipe.flush()`` first for asynchronous
-algorithms (no micro-batch may be in flight).
+algorithms (no micro-batch may be in flight). It also loads into a pipeline with another number of stages,
+another partition, another number of micro-batches or another algorithm (weights and optimizer state by
+parameter name, see :meth:`Pipeline.load_state_dict`), and :func:`load_model_weights` fills the plain model.
 
 The manifest is the commit point. Each save writes its stage files under new names and flushes them to
 the disk, then replaces the manifest in one atomic rename, then deletes the files of earlier saves. A save

@@ -151,3 +151,34 @@ def test_without_save_a_signal_stops_training_and_says_nothing_was_saved(tmp_pat
     assert re.fullmatch(r"pipecore train: stopped by SIGINT at (epoch \d+, step \d+ of 44|the end of epoch \d+); "
                         r"nothing was saved \(pass --save PATH to keep a checkpoint\)", run.err[0]), run.err[0]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_second_sigint_undoes_the_step_in_progress_and_the_resumed_run_is_unchanged(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In process: the loss function of one micro-batch sends SIGINT twice, so the second one arrives while
+    that step runs (on a stage thread; Python handles it in the main thread, inside the step or just after it).
+    The checkpoint holds exactly the steps the pipeline kept, and resuming gives the uninterrupted run."""
+    calls = [0]
+
+    class SignallingLoss(torch.nn.CrossEntropyLoss):
+        def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            if calls[0] == 4 * 50 + 2:  # micro-batch 2 of step 51 (epoch 2)
+                signal.raise_signal(signal.SIGINT)
+                signal.raise_signal(signal.SIGINT)
+            return super().forward(output, target)
+
+    ckpt, reference = tmp_path / "ckpt.pt", tmp_path / "reference.pt"
+    monkeypatch.setattr(torch.nn, "CrossEntropyLoss", SignallingLoss)
+    code, out, err = in_process(capsys, "--epochs", "3", *SMALL, "--save", str(ckpt))
+    monkeypatch.undo()
+    assert code == 130 and len(err.splitlines()) == 1 and STOPPED.match(err.strip()), err
+    state = load(ckpt)
+    assert state["epoch"] == 1 and state["step"] in (6, 7) and len(state["losses"]) == state["step"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the run's handlers are gone
+
+    assert in_process(capsys, "--epochs", "3", *SMALL, "--resume", str(ckpt), "--save", str(ckpt))[0] == 0
+    assert in_process(capsys, "--epochs", "3", *SMALL, "--save", str(reference))[0] == 0
+    a, b = load(reference), load(ckpt)
+    assert b["history"] == a["history"]
+    assert_same(b["pipeline"], a["pipeline"])

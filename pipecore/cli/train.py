@@ -689,7 +689,8 @@ class Interrupts:
     * ``"after step"`` (training): remember the signal; the loop stops after the current step, saves and
       exits. A second signal in one process raises :class:`Interrupted` inside the step, which the pipeline
       undoes (``KeyboardInterrupt`` semantics of :meth:`pipecore.Pipeline.step`).
-    * ``"hold"`` (stopping, saving): remember it only, so that a checkpoint being written is finished.
+    * ``"hold"`` (the end of an epoch: flush, evaluation, saves; stopping): remember it only, so that what
+      is under way (a checkpoint being written) is finished; training stops after it.
 
     Handlers are installed only from the main thread (Python delivers signals there) and restored on exit.
     """
@@ -1026,9 +1027,11 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
                         break
             except Interrupted as stop:  # a second signal: the pipeline undid the step in progress
                 signum = stop.signum
+            # The end of the epoch (flush, evaluation, saves) is not undone by a second signal: it runs to the end,
+            # and a signal that came meanwhile stops training after it.
+            interrupts.mode = "hold"
             bar.close()
             if signum is not None:
-                interrupts.mode = "hold"
                 done = skip + pipe.minibatches - before  # the steps the pipeline kept (an undone one is not)
                 stopped = (signum, epoch, done, losses[:done])
                 break
@@ -1044,15 +1047,13 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
             if leader:  # the other ranks print nothing
                 print(task.line(record, f"{time.perf_counter() - t0:.2f}s"), flush=True)
             if args.save_every and (epoch + 1) % args.save_every == 0 and epoch + 1 < args.epochs:
-                interrupts.mode = "hold"  # a signal now waits until the checkpoint is written
                 save(epoch + 1)
                 say(f"saved checkpoint (epoch {epoch + 1}) to {args.save}", flush=True)
-                interrupts.mode = "after step"
             signum = interrupts.stop(pipe)
             if signum is not None and epoch + 1 < args.epochs:
-                interrupts.mode = "hold"
                 stopped = (signum, epoch + 1, 0, [])
                 break
+            interrupts.mode = "after step"
         elapsed = time.perf_counter() - started
     finally:
         interrupts.mode = "hold"

@@ -102,13 +102,14 @@ class StageState:
     lr: float | None
 
 
-def stage_state(stage: int, names: Sequence[str], sizes: Sequence[int], canonical: Mapping[str, str], pieces: Mapping[str, ParameterState],
-                meta: Mapping[str, Any], template: Mapping[str, Any], velocity: torch.Tensor | None,
-                buffer_numel: int, notes: list[str]) -> StageState:
-    """The state of target stage ``stage`` whose flat buffers hold ``names`` (of ``sizes`` elements) in order: its optimizer state in the
-    format of ``template`` (the target optimizer's own ``state_dict()``), its velocity where ``velocity`` (the
-    target's buffer) is not None, and the version, update count and learning rate of the checkpoint's stage that
-    held its first parameter. Lossy conversions are appended to ``notes``."""
+def stage_state(stage: int, names: Sequence[str], sizes: Sequence[int], canonical: Mapping[str, str],
+                pieces: Mapping[str, ParameterState], meta: Mapping[str, Any], template: Mapping[str, Any],
+                velocity: torch.Tensor | None, buffer_numel: int, notes: list[str]) -> StageState:
+    """The state of target stage ``stage`` whose flat buffers hold ``names`` (of ``sizes`` elements) in order:
+    its optimizer state in the format of ``template`` (the target optimizer's own ``state_dict()``), its
+    velocity where ``velocity`` (the target's buffer) is not None, the largest version and update count of the
+    checkpoint's stages that held its parameters (after a flush they agree) and the learning rate of the one
+    that held its first parameter. Lossy conversions are appended to ``notes``."""
     missing = [n for n in names if canonical.get(n, n) not in pieces]
     if missing:
         raise KeyError(f"load_state_dict: the state holds no optimizer state or versions of stage(s) [{stage}]: "

@@ -243,6 +243,9 @@ def test_a_dict_missing_what_the_forward_reads_is_named():
         pipe.step({"x": x}, y)
     with pytest.raises(TypeError, match=r"input batch\['mask'\] must be a tensor, got list"):
         pipe.step({"x": x, "mask": mask.tolist()}, y)
+    with pytest.raises(TypeError, match=r"the model's forward reads its argument 'batch' as a dict or dataclass "
+                                        r"\(batch\['x'\], batch\['mask'\]\); give x as that dict or dataclass"):
+        pipe.step(x, y)
 
 
 class ReadsWithGet(nn.Module):

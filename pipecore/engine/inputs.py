@@ -52,12 +52,13 @@ def as_model_inputs(x: Batch, captured: "CapturedModel") -> tuple[torch.Tensor, 
     arguments = captured.argument_names
     containers = captured.container_arguments
     if isinstance(x, torch.Tensor):
+        if containers:
+            listed = ", ".join(input_label(captured, name) for name in names)
+            raise TypeError(f"the model's forward reads its argument {containers[0]!r} as a dict or dataclass "
+                            f"({listed}); give x as that dict or dataclass, not one tensor")
         if len(names) != 1:
             raise TypeError(f"the model's forward reads {len(names)} inputs ({', '.join(names)}); give x as a tuple "
                             f"or a dict of tensors, not one tensor")
-        if containers:
-            raise TypeError(f"the model's forward reads its argument {containers[0]!r} as a dict or dataclass "
-                            f"({_describe_input(captured, names[0])}); give x as one, not a tensor")
         return (x,)
     if isinstance(x, Mapping) and not set(x) <= set(arguments) and arguments and arguments[0] in containers:
         # A forward(self, batch) whose batch is a dict: x is that dict, not arguments by name.

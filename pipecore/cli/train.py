@@ -225,6 +225,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser, gpt: "argparse._Argument
                              "--algorithm: the checkpoint maps by parameter name)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar (it is also off when stderr is not a terminal)")
+    parser.add_argument("--device", metavar="DEV",
+                        help="where the stages run: cuda, cuda:N or cpu (default: cuda when available, else cpu); "
+                             "under torchrun with NCCL, --device cuda gives each rank its LOCAL_RANK GPU")
     profiling = parser.add_argument_group("profiling")
     profiling.add_argument("--profile", metavar="PATH",
                            help="record the first --profile-steps training steps (pipe.step, and the end-of-epoch "
@@ -539,6 +542,26 @@ def _resolve_defaults(args: argparse.Namespace) -> None:
     args.epochs = args.epochs or DEFAULT_EPOCHS[args.model]
 
 
+def train_device(spec: str | None) -> "torch.device":
+    """``--device``: cuda when available, else cpu, by default; a bad or unavailable device is a ValueError."""
+    import torch
+
+    if spec is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {spec!r} is not a device: give cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {spec!r}: pipecore train runs on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {spec!r}, but CUDA is not available on this machine (torch {torch.__version__}); "
+                         "use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {spec!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """The run's settings as plain values (stored in checkpoints); flags of other models are None."""
     return {
@@ -771,6 +794,7 @@ def _train(args: argparse.Namespace, interrupts: Interrupts | None = None, given
         raise ValueError(f"--stages {args.stages} but torchrun started {processes} processes: pipecore runs one process "
                          f"per stage; pass --stages {processes} or --nproc-per-node {args.stages}")
     options = dict(args.option)
+    device = train_device(args.device)
 
     task = _TextTask(args) if args.model == "gpt" else _DigitsTask(args)
     steps_per_epoch = task.steps_per_epoch
@@ -793,6 +817,11 @@ def _train(args: argparse.Namespace, interrupts: Interrupts | None = None, given
     if args.bf16:
         options["autocast"] = torch.bfloat16
         notes.append("forwards under bfloat16 autocast")
+    if device.type == "cuda":
+        # Under torchrun, plain cuda leaves each rank its LOCAL_RANK GPU (the pipeline's default with NCCL).
+        if processes == 1 or device.index is not None:
+            options["devices"] = str(device)
+        notes.append(f"stages on {device if processes == 1 or device.index is not None else 'cuda (LOCAL_RANK)'}")
     if args.lr_schedule == "cosine":
         total_updates = args.epochs * steps_per_epoch * (args.microbatches // algorithm.update_every)
         options["lr_scheduler"] = functools.partial(cosine_decay, total_updates)
@@ -810,6 +839,8 @@ def _train(args: argparse.Namespace, interrupts: Interrupts | None = None, given
     model = task.build()
     name = task.name(model)
     joined_here = not _process_group_initialized()
+    if processes > 1 and device.type == "cpu" and joined_here and torch.cuda.is_available():
+        torch.distributed.init_process_group("gloo")  # the pipeline would pick NCCL, which needs GPU stages
     try:
         pipe = pipecore.Pipeline(
             model, args.stages, algorithm=args.algorithm, n_microbatches=args.microbatches,

@@ -219,21 +219,33 @@ def device_name(device: torch.device) -> str:
     return cpu_name()
 
 
+# Issue 37's targets on CUDA at 64M elements: fused / torch composite speed ratio.
+CUDA_TARGETS = {"interpolate": 1.0, "predict": 1.0, "sgd": 1.4, "sgd_delta": 1.4, "adamw": 1.2}
+
+
 def targets(results: list[dict[str, Any]], device: torch.device, copy_gbps: float | None) -> list[dict[str, Any]]:
-    """The performance targets from the kernels spec, evaluated on these results."""
+    """The performance targets, evaluated on these results: on CUDA issue 37's (64M elements: interpolate and
+    predict >= 1.0x the torch op and >= 85% of copy bandwidth, SGD >= 1.4x and AdamW >= 1.2x torch's
+    optimizer + copy), on the CPU the kernels spec's."""
     out = []
     for r in results:
+        if device.type == "cuda":
+            if r["numel"] >= 64 << 20:
+                goal = CUDA_TARGETS[r["op"]]
+                out.append({"op": r["op"], "size": r["size"], "target": f"fused >= {goal}x composite",
+                            "value": round(r["ratio"], 3), "met": r["ratio"] >= goal})
+                if r["op"] in ("interpolate", "predict") and copy_gbps:
+                    frac = r["fused_gbps"] / copy_gbps
+                    out.append({"op": r["op"], "size": r["size"], "target": ">= 85% of copy bandwidth",
+                                "value": round(frac, 3), "met": frac >= 0.85})
+            continue
         if r["op"] in ("sgd", "sgd_delta", "adamw"):
             if r["numel"] >= 4 << 20:
                 out.append({"op": r["op"], "size": r["size"], "target": "fused >= 1.5x composite",
                             "value": round(r["ratio"], 3), "met": r["ratio"] >= 1.5})
-        elif device.type == "cpu":
+        else:
             out.append({"op": r["op"], "size": r["size"], "target": "fused no slower than torch's best single op",
                         "value": round(r["ratio"], 3), "met": r["ratio"] >= 1.0})
-        if device.type == "cuda" and copy_gbps and r["numel"] >= 64 << 20:
-            frac = r["fused_gbps"] / copy_gbps
-            out.append({"op": r["op"], "size": r["size"], "target": ">= 85% of copy bandwidth",
-                        "value": round(frac, 3), "met": frac >= 0.85})
     return out
 
 

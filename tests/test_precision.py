@@ -228,8 +228,9 @@ def test_the_recompute_rule_replays_cuda_dropout():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(5, 16), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, 3)).double()
         torch.manual_seed(5)
-        # 3 stages, so 2 cut points (node indices): the first Linear and the dropout in stage 0 (the stalest,
-        # whose backward the recompute rule replays), the Tanh in stage 1, the last Linear in stage 2.
+        # 3 stages, so 2 cut points (node indices): the first Linear and the dropout in stage 0 (a stage with
+        # weights and a dropout mask for the recomputed forward to replay), the Tanh in stage 1, the last Linear
+        # in stage 2.
         return train(model, "pipemare", [(x.double(), y) for x, y in data()], backward_rule=rule,
                      devices="cuda:0", concurrent=False, partition=[2, 3])
 

@@ -269,9 +269,26 @@ def summary(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def load_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The load part's checks as targets: dispatch == reference bit for bit, no fused multiply-add in the PTX."""
+    out = []
+    checks = result.get("dispatch", [])
+    if checks:
+        bad = [f"{c['op']} {c['dtype']}" for c in checks if not c["bit_identical"]]
+        out.append({"part": "load", "what": "fused ops on CUDA vs pipecore.ops.reference: results not bit-identical",
+                    "target": "0", "value": len(bad), "met": not bad, "detail": bad})
+    fma = result.get("fma_in_ptx")
+    if fma:
+        counted = {k: v for k, v in fma.items() if v is not None}
+        total = sum(counted.values())
+        out.append({"part": "load", "what": f"fma.rn instructions in the PTX of {len(counted)} of {len(fma)} "
+                    "Triton kernel variants", "target": "0", "value": total, "met": bool(counted) and total == 0})
+    return out
+
+
 def collect_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     parts = report.get("parts", {})
-    out: list[dict[str, Any]] = []
+    out: list[dict[str, Any]] = load_targets(parts.get("load", {}).get("result", {}))
     for dtype, rep in parts.get("kernels", {}).get("result", {}).get("reports", {}).items():
         out += kernel_targets(rep, dtype)
     out += gpt_targets(parts.get("gpt", {}).get("result", {}).get("runs", []))

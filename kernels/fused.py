@@ -35,6 +35,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -63,8 +64,9 @@ def _tl_math(dtype: torch.dtype):
 
 
 def _f32(x: float) -> float:
-    """``x`` rounded to float32 to nearest, as a float32 tensor (or Triton's fp32 argument) holds it."""
-    return float(torch.tensor(x, dtype=torch.float32))
+    """``x`` rounded to float32 to nearest, as a float32 tensor (or Triton's fp32 argument) holds it (numpy: no
+    tensor is allocated per call)."""
+    return float(np.float32(x))
 
 
 def _in_math(values: list[float], dtype: torch.dtype) -> list[float]:
@@ -387,12 +389,16 @@ def adamw_step(out: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, exp_avg: 
         return None
     dt, dev = w.dtype, w.device
     md = _tl_math(dt)
-    mdt = _math_dtype(dt)
     # torch's lerp weight and its complement, rounded in the math dtype (the test for the branch as well).
-    weight = torch.tensor(1.0 - beta1, dtype=mdt)
-    small = abs(float(weight)) < 0.5
-    scal, args, sp = _scalar_args([wd_factor, float(weight), float(1.0 - weight), beta2, 1.0 - beta2, eps,
-                                   -step_size, bias_correction2_sqrt], dt, dev, out)
+    if dt == torch.float64:
+        weight = 1.0 - beta1
+        complement = 1.0 - weight
+    else:
+        weight = float(np.float32(1.0 - beta1))
+        complement = float(np.float32(1.0) - np.float32(weight))
+    small = abs(weight) < 0.5
+    scal, args, sp = _scalar_args([wd_factor, weight, complement, beta2, 1.0 - beta2, eps, -step_size,
+                                   bias_correction2_sqrt], dt, dev, out)
 
     def launch(dst: torch.Tensor, m: torch.Tensor, v: torch.Tensor, warps: int, vectors: int) -> Any:
         block = block_size(dt, warps, vectors)

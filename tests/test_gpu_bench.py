@@ -112,8 +112,12 @@ def _fabricated_report(tmp_path: Path) -> dict:
     gpu._ratios(runs)
     offload = {"results": {"plain": {"predicted_peak_bytes": 90, "measured_peak_bytes": 100},
                            "offload": {"predicted_peak_bytes": 50, "measured_peak_bytes": 100}}}
+    load = {"dispatch": [{"op": "sgd delta", "dtype": "bfloat16", "bit_identical": False},
+                         {"op": "predict", "dtype": "float32", "bit_identical": True}],
+            "fma_in_ptx": {"sgd bfloat16": 0, "adamw float32": 0, "predict float64": None}}
     return {"schema": gpu.SCHEMA, "device": {"name": "FABRICATED GPU"}, "versions": {"python": "3.x"},
             "commit": "abc", "out": str(tmp_path / "gpu-FABRICATED.json"), "parts": {
+                "load": {"status": "ok", "seconds": 0.5, "errors": [], "result": load},
                 "tests": {"status": "failed", "seconds": 1.0, "errors": [],
                           "result": gpu.parse_junit(tmp_path / "j.xml")},
                 "kernels": {"status": "ok", "seconds": 2.0, "errors": [], "result": {"reports": {"bfloat16": kernels}}},
@@ -126,6 +130,10 @@ def _fabricated_report(tmp_path: Path) -> dict:
 def test_targets_summary_and_json_on_fabricated_results(tmp_path):
     report = _fabricated_report(tmp_path)
     targets = {t["what"]: t for t in gpu.collect_targets(report)}
+    bits = targets["fused ops on CUDA vs pipecore.ops.reference: results not bit-identical"]
+    assert bits["value"] == 1 and not bits["met"] and bits["detail"] == ["sgd delta bfloat16"]
+    fma = targets["fma.rn instructions in the PTX of 2 of 3 Triton kernel variants"]
+    assert fma["value"] == 0 and fma["met"]
     k = "interpolate bfloat16 64M: "
     assert targets[k + "fused vs torch op"]["met"] and targets[k + "fraction of copy bandwidth"]["value"] == 0.9
     assert not targets["predict bfloat16 64M: fused vs torch op"]["met"]

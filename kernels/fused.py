@@ -32,6 +32,7 @@ import contextlib
 import os
 import re
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -126,24 +127,34 @@ def _config(name: str, n: int, dtype: torch.dtype, device: torch.device,
         launch = scratch_launch()
         best = None
         for warps, vectors in _CANDIDATES:
-            launch(warps, vectors)  # compiles, warms up
-            times = []
-            for _ in range(_TUNE_REPS):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                launch(warps, vectors)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            t = min(times)
+            t = _time_launch(launch, warps, vectors)
             if best is None or t < best[0]:
                 best = (t, (warps, vectors))
         cfg = best[1] if best is not None else default
         del launch
     except torch.cuda.OutOfMemoryError:
         cfg = default  # no room for the scratch copies: the default is a good configuration too
+    except Exception as exc:  # noqa: BLE001 - tuning is an optimisation: say so, and compute with the default
+        warnings.warn(f"pipecore.kernels: timing {name}'s launch configurations failed ({type(exc).__name__}: "
+                      f"{exc}); using the default ({default[0]} warps, {default[1]} vectors per thread)",
+                      RuntimeWarning, stacklevel=3)
+        cfg = default
     _tuned[key] = cfg
     return cfg
+
+
+def _time_launch(launch: Callable[[int, int], Any], warps: int, vectors: int) -> float:
+    """The fastest of ``_TUNE_REPS`` launches in milliseconds (CUDA events), after one that compiles and warms up."""
+    launch(warps, vectors)
+    times = []
+    for _ in range(_TUNE_REPS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launch(warps, vectors)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return min(times)
 
 
 def _grid(n: int, block: int):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import os
 import random
 import sys
 import threading
@@ -186,7 +187,9 @@ def kernels(seconds: float, threads: int) -> Counter:
     """Half the threads run the fused kernels on tensors large enough for at::parallel_for to split (and to
     stream their stores), checking each result against the plain-torch reference; the other half call them
     with bad arguments and expect ValueError naming the argument."""
-    torch.set_num_threads(max(2, torch.get_num_threads()))
+    # At least two intra-op threads, so that at::parallel_for splits the work, unless the environment asks
+    # for one (ThreadSanitizer runs: libgomp's barriers are invisible to an uninstrumented OpenMP runtime).
+    torch.set_num_threads(int(os.environ.get("PIPECORE_STRESS_INTRAOP_THREADS", max(2, torch.get_num_threads()))))
     _C._set_streaming_threshold(0)  # every call streams its stores: the alignment path runs too
     deadline = time.monotonic() + seconds
     size = 1 << 18
@@ -199,7 +202,7 @@ def kernels(seconds: float, threads: int) -> Counter:
             grad, buf = torch.randn(size, generator=g, dtype=torch.float64), torch.randn(size, generator=g,
                                                                                        dtype=torch.float64)
             out = torch.empty_like(live)
-            while time.monotonic() < deadline:
+            while True:  # at least one round, however slow the machine (or a sanitizer) is
                 _C.interpolate(out, live, stale, 0.25)
                 assert torch.equal(out, reference.interpolate(live, stale, 0.25)), "interpolate differs"
                 _C.predict(out, live, stale, 0.5)
@@ -211,6 +214,8 @@ def kernels(seconds: float, threads: int) -> Counter:
                 torch.testing.assert_close(out, expected, rtol=1e-13, atol=1e-14)
                 assert torch.equal(mine, theirs), "sgd_step's momentum differs"
                 count["kernel_calls"] += 3
+                if time.monotonic() >= deadline:
+                    break
         return body
 
     bad_calls = [
@@ -336,7 +341,15 @@ def mixed(seconds: float, threads: int) -> Counter:
     return counts
 
 
-CASES = {"mailbox": mailbox, "progress": progress, "kernels": kernels, "thread_state": thread_state, "mixed": mixed}
+def segfault(seconds: float, threads: int) -> Counter:
+    """Dies of SIGSEGV (reads address 0): for the test of the harness itself."""
+    import ctypes
+
+    ctypes.string_at(0)
+    raise AssertionError("reading address 0 did not fault")
+
+
+CASES = {"segfault": segfault, "mailbox": mailbox, "progress": progress, "kernels": kernels, "thread_state": thread_state, "mixed": mixed}
 
 
 def main() -> None:

@@ -404,44 +404,52 @@ def part_load(args: argparse.Namespace, rec: Recorder) -> None:
     rec.guard("PTX fused multiply-add count", ptx)
 
 
+_GPU_TEST = re.compile(r"def test_\w*cuda\w*\(|skipif\([^)]*(?:cuda|gpu)", re.IGNORECASE)
+
+
 def _select_test_files() -> list[str]:
+    """The test files with a test named for CUDA or a skipif that mentions CUDA or a GPU (the plugin below then
+    keeps those tests)."""
     return [str(p.relative_to(ROOT)) for p in sorted((ROOT / "tests").glob("test_*.py"))
-            if "cuda" in p.read_text(errors="replace").lower()]
+            if _GPU_TEST.search(p.read_text(errors="replace"))]
 
 
 def part_tests(args: argparse.Namespace, rec: Recorder) -> None:
-    """pytest once per test file that mentions CUDA (a crash in one file, e.g. a segmentation fault, loses
-    only that file's results), with the plugin below keeping the tests that need a GPU."""
+    """pytest over the test files that have GPU tests, with the plugin below keeping those tests, in one process;
+    if that process crashes (e.g. a segmentation fault) or leaves no report, once more per file for the files
+    it has no results for, so that a crash loses only its own file's results."""
     res = rec.data["result"]
     files = _select_test_files()
     res.update({"files": files, "tests": [], "counts": {}, "runs": []})
     tmp = Path(tempfile.mkdtemp(prefix="pipecore-gpu-tests-"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BENCH), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     rec.save()
-    for f in files:
-        xml = tmp / (Path(f).stem + ".xml")
+
+    def pytest(group: list[str], xml: Path) -> bool:
+        """Run pytest on ``group``; record its tests; True when it ran to the end (exit 0, 1 or 5)."""
         cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "gpu", "-q", "-rA",
-               f"--junitxml={xml}", f]
-        run = {"file": f, "command": " ".join(cmd[1:])}
+               f"--junitxml={xml}", *group]
+        run: dict[str, Any] = {"files": group, "command": " ".join(cmd[1:])}
         res["runs"].append(run)
         left = None if args.deadline is None else args.deadline - time.time() - 3.0
         if left is not None and left < 5:
             run["returncode"] = None
-            rec.error(f"pytest {f}", RuntimeError("not run: no time left in the budget"))
-            continue
+            rec.error(f"pytest {' '.join(group)}", RuntimeError("not run: no time left in the budget"))
+            return False
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=left)
             run["returncode"] = proc.returncode
-            run["output_tail"] = (proc.stdout + proc.stderr)[-3000:]
+            run["output_tail"] = (proc.stdout + proc.stderr)[-4000:]
         except subprocess.TimeoutExpired as exc:
             run["returncode"] = None
             out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            run["output_tail"] = out[-3000:]
-            rec.error(f"pytest {f}", RuntimeError("ran out of time"))
-        # rc 5: every test of the file deselected; 0/1: tests ran (1: some failed, recorded per test below).
-        if run["returncode"] not in (0, 1, 5):
-            rec.error(f"pytest {f}", RuntimeError(f"pytest exited with {run['returncode']} (a crash or a usage "
-                                                  f"error; its last output is in output_tail)"))
+            run["output_tail"] = out[-4000:]
+            rec.error(f"pytest {' '.join(group)}", RuntimeError("ran out of time"))
+        # 0: passed, 1: some failed (recorded per test), 5: nothing selected; anything else is a crash or misuse.
+        ok = run["returncode"] in (0, 1, 5) and xml.exists()
+        if run["returncode"] is not None and not ok:
+            rec.error(f"pytest {' '.join(group)}", RuntimeError(
+                f"pytest exited with {run['returncode']} (a crash or a usage error; see output_tail)"))
         if xml.exists():
             parsed = parse_junit(xml)
             res["tests"] += parsed["tests"]
@@ -450,6 +458,15 @@ def part_tests(args: argparse.Namespace, rec: Recorder) -> None:
         c = res["counts"]
         rec.data["note"] = ", ".join(f"{c[k]} {k}" for k in sorted(c))
         rec.save()
+        return ok
+
+    if pytest(files, tmp / "all.xml"):
+        return
+    seen = {t["id"].split("::")[0] for t in res["tests"]}  # JUnit class names: tests.test_ops[.SomeClass]
+    for f in files:
+        module = f[:-3].replace("/", ".")
+        if not any(c == module or c.startswith(module + ".") for c in seen):
+            pytest([f], tmp / (Path(f).stem + ".xml"))
 
 
 # The pytest plugin (loaded with -p gpu from bench/): keep only the tests that need a GPU.
@@ -669,6 +686,7 @@ def gpt_configs(sizes: list[str], only: set[str] | None) -> list[tuple[str, str]
 
 def part_gpt(args: argparse.Namespace, rec: Recorder) -> None:
     import copy
+    import gc
 
     import torch
 
@@ -738,32 +756,38 @@ def part_gpt(args: argparse.Namespace, rec: Recorder) -> None:
         name = config[:-5] if bf16 else config
         t_start = time.time()
         row: dict[str, Any] = {"size": size, "config": config, "bf16_autocast": bf16}
+        held: dict[str, Any] = {}  # this configuration's model, optimizer, pipeline: all freed before the next
         try:
             base = base_of(size)
+            if cuda:
+                # What the device holds before this configuration (the data only, if the last one was freed):
+                # it is part of the peak below.
+                row["allocated_before_gib"] = torch.cuda.memory_allocated(dev) / 2**30
             if name in ("torch", "hand"):
-                model = copy.deepcopy(base).to(dev)
+                held["model"] = copy.deepcopy(base).to(dev)
                 make = torch_step if name == "torch" else hand_written_step
-                step = make(model, bf16, dev.type)
-                row.update(timed(step, size))
-                del model, step
+                held["step"] = make(held["model"], bf16, dev.type)
+                row.update(timed(held["step"], size))
             else:
                 alg, _, inturn = name.partition("-")
-                pipe = pipecore.Pipeline(copy.deepcopy(base), num_stages=STAGES, algorithm=alg,
-                                         n_microbatches=MICROBATCHES, optimizer=pipecore.AdamW(lr=1e-4),
-                                         loss_fn=_lm_loss, devices=str(dev), concurrent=not inturn,
-                                         partition=gpt_partition(sizes[size]["n_layer"]),
-                                         autocast=torch.bfloat16 if bf16 else None)
+                pipe = held["pipe"] = pipecore.Pipeline(
+                    copy.deepcopy(base), num_stages=STAGES, algorithm=alg, n_microbatches=MICROBATCHES,
+                    optimizer=pipecore.AdamW(lr=1e-4), loss_fn=_lm_loss, devices=str(dev), concurrent=not inturn,
+                    partition=gpt_partition(sizes[size]["n_layer"]), autocast=torch.bfloat16 if bf16 else None)
                 try:
-                    row.update(timed(lambda x, y: pipe.step(x, y), size))
+                    row.update(timed(pipe.step, size))
                     row["concurrent"] = pipe.concurrent
                     pipe.flush()
                 finally:
                     pipe.close()
+                    del pipe
             row["status"] = "ok"
         except Exception as exc:  # noqa: BLE001 - recorded; the next configuration still runs
             row.update({"ms": None, "status": "error", "note": f"{type(exc).__name__}: {exc}"[:300]})
             rec.error(f"gpt {size} {config}", exc)
         finally:
+            held.clear()
+            gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
         spent[size] = spent.get(size, 0.0) + time.time() - t_start

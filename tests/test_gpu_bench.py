@@ -199,3 +199,27 @@ def test_a_cpu_dry_run_of_the_gpt_part_writes_its_json(tmp_path):
     assert runs[2]["vs_hand"] == pytest.approx(runs[1]["ms"] / runs[2]["ms"])
     assert abs(runs[0]["loss"] - runs[1]["loss"]) < 1e-3  # the same model, data and step count
     assert "DRY RUN ON CPU (no GPU figures)" in proc.stdout
+
+
+def test_the_tests_part_survives_a_crashing_test_file(tmp_path, monkeypatch):
+    """A test file whose test kills pytest (SIGSEGV, as the H100 run saw in pipecore._C) loses only its own results:
+    the run over every file is repeated per file, and the other file's GPU test is recorded."""
+    import argparse
+    import signal
+    import time
+
+    crash = tmp_path / "test_crash.py"
+    crash.write_text("import os, signal\n\ndef test_cuda_crashes():\n"
+                     f"    os.kill(os.getpid(), signal.{signal.SIGSEGV.name})\n")
+    fine = tmp_path / "test_fine.py"
+    fine.write_text("def test_cuda_fine():\n    pass\n\ndef test_not_for_the_gpu():\n    pass\n")
+    monkeypatch.setattr(gpu, "_select_test_files", lambda: [str(crash), str(fine)])
+    rec = gpu.Recorder(None)
+    gpu.part_tests(argparse.Namespace(deadline=time.time() + 400), rec)
+    res = rec.data["result"]
+    assert res["counts"] == {"passed": 1}
+    assert [t["id"].rsplit("::", 1)[1] for t in res["tests"]] == ["test_cuda_fine"]  # the plugin dropped the other
+    assert [r["returncode"] for r in res["runs"]] == [-signal.SIGSEGV, -signal.SIGSEGV, 0]
+    assert [r["files"] for r in res["runs"]] == [[str(crash), str(fine)], [str(crash)], [str(fine)]]
+    assert [e["error"] for e in rec.data["errors"]] == [
+        f"RuntimeError: pytest exited with {-signal.SIGSEGV} (a crash or a usage error; see output_tail)"] * 2

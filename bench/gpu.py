@@ -945,6 +945,9 @@ def _driver() -> str | None:
 
 
 def _commit() -> str:
+    """The commit (+uncommitted for a dirty tree) from git; $PIPECORE_COMMIT where the tree has no git history."""
+    if os.environ.get("PIPECORE_COMMIT"):
+        return os.environ["PIPECORE_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               timeout=10).stdout.strip()

@@ -51,7 +51,7 @@ def test_triton_adamw_step():
     check("adamw")
 
 
-def test_triton_kernels_on_the_failed_cuda_tests_inputs_equal_the_reference():
+def test_triton_kernels_on_the_inputs_that_failed_on_the_h100_equal_the_reference():
     check("cuda-case")
 
 

@@ -354,6 +354,9 @@ CASES = {"segfault": segfault, "mailbox": mailbox, "progress": progress, "kernel
 
 def main() -> None:
     faulthandler.enable()  # a crash prints every thread's Python stack before the process dies
+    native_stacks = getattr(torch._C, "_set_print_stack_traces_on_fatal_signal", None)
+    if native_stacks is not None:
+        native_stacks(True)  # ... and, first, every thread's C++ stack (tests/conftest.py)
     case, seconds, threads = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
     counts = CASES[case](seconds, threads)
     print(json.dumps({"ok": True, "case": case, "threads": threads, "counts": dict(counts)}), flush=True)

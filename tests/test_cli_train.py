@@ -69,6 +69,16 @@ def test_default_run_prints_epochs_and_summary(capsys: pytest.CaptureFixture[str
     assert err == ""
 
 
+def test_a_batch_that_does_not_divide_into_micro_batches_trains(capsys: pytest.CaptureFixture[str]) -> None:
+    """Batch 30 in 4 micro-batches: sizes 8, 8, 7, 7 as torch.tensor_split gives them (the step equals the
+    plain mean over the batch; tests/test_batches.py checks that exactly)."""
+    code, out, err = train(capsys, "--epochs", "2", "--hidden", "32", "--batch-size", "30", "--no-progress")
+    assert code == 0, err
+    assert "1f1b: 4 stages, 4 micro-batches of 7-8 (batch 30, 47 steps/epoch)" in out
+    lines = epochs_of(out)
+    assert [e for e, *_ in lines] == [1, 2] and lines[1][1] < lines[0][1]
+
+
 def test_gpipe_learns(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = train(capsys, "--algorithm", "gpipe", "--epochs", "3", "--no-progress")
     assert code == 0
@@ -254,7 +264,7 @@ def test_threads_are_set_and_restored(capsys: pytest.CaptureFixture[str]) -> Non
 
 @pytest.mark.parametrize("argv, message", [
     (["--algorithm", "nope"], "unknown algorithm 'nope'"),
-    (["--batch-size", "30"], "--batch-size 30 is not divisible by --microbatches 4"),
+    (["--batch-size", "3"], "--batch-size 3 is smaller than --microbatches 4"),
     (["--batch-size", "4096"], "larger than the training set (1437 samples)"),
     (["--algorithm", "2bw", "--microbatches", "2"], "2bw: needs n_microbatches >= num_stages"),
     (["--option", "foo=1"], "unknown option(s) ['foo']"),
@@ -479,7 +489,7 @@ def test_resume_across_models_and_from_checkpoints_before_model(capsys: pytest.C
     (["--model", "gpt", "--heads", "3"], "--embd 64 is not divisible by --heads 3"),
     (["--model", "gpt", "--block-size", "10000000"], "--block-size 10000000 is longer than the held-out text"),
     (["--model", "resnet", "--stages", "20"], "--stages 20: the resnet can be cut into at most"),
-    (["--model", "gpt", "--batch-size", "30"], "--batch-size 30 is not divisible by --microbatches 4"),
+    (["--model", "gpt", "--batch-size", "3"], "--batch-size 3 is smaller than --microbatches 4"),
 ])
 def test_bad_model_input_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
     code, out, err = train(capsys, *argv, "--epochs", "1")

@@ -151,8 +151,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-m", "--microbatches", type=positive_int, default=4, metavar="M",
                         help="micro-batches per mini-batch (default 4)")
     parser.add_argument("-b", "--batch-size", type=positive_int, metavar="N",
-                        help="mini-batch size, divisible by --microbatches (default 64 for mlp and resnet, the "
-                             "last partial batch of an epoch is dropped; 32 windows for gpt)")
+                        help="mini-batch size, at least --microbatches; micro-batch sizes differ by at most one when "
+                             "it does not divide (default 64 for mlp and resnet, the last partial batch of an epoch "
+                             "is dropped; 32 windows for gpt)")
     parser.add_argument("-e", "--epochs", type=positive_int, metavar="E",
                         help="total epochs, counting those of a resumed checkpoint (default 20 for mlp, 10 for "
                              "resnet and gpt)")
@@ -784,10 +785,10 @@ def _train(args: argparse.Namespace, interrupts: Interrupts | None = None, given
     if args.save_every is not None and not args.save:
         raise ValueError(f"--save-every {args.save_every} needs --save PATH (where to save the checkpoint)")
     check_profile_args(args)  # fail before loading data and training, not after
-    if args.batch_size % args.microbatches:
+    if args.batch_size < args.microbatches:
         raise ValueError(
-            f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}; "
-            f"use a multiple of {args.microbatches}"
+            f"--batch-size {args.batch_size} is smaller than --microbatches {args.microbatches}: every micro-batch "
+            f"needs at least one sample; use a batch of at least {args.microbatches}"
         )
     processes = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
     if processes > 1 and processes != args.stages:
@@ -1004,8 +1005,10 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
 
     optimizer = f"SGD lr {args.lr:g} momentum 0.9" if args.optimizer == "sgd" else f"AdamW lr {args.lr:g}"
     say(f"{task.describe_data()}; {name}")
+    smallest, largest = args.batch_size // args.microbatches, -(-args.batch_size // args.microbatches)
+    sizes = f"{smallest}" if smallest == largest else f"{smallest}-{largest}"  # as torch.tensor_split splits
     say(f"{algorithm.name}: {args.stages} stages, {args.microbatches} micro-batches of "
-        f"{args.batch_size // args.microbatches} (batch {args.batch_size}, {steps_per_epoch} steps/epoch), "
+        f"{sizes} (batch {args.batch_size}, {steps_per_epoch} steps/epoch), "
         f"{optimizer}, seed {args.seed}, {_plural(torch.get_num_threads(), 'thread')}")
     for note in notes:
         say(note)

@@ -126,8 +126,8 @@ template <typename R, typename Loop>
 PC_INLINE void drive(int64_t n, R* out, bool stream, const Loop& loop) {
 #if PC_HAVE_STREAM
   // _mm_stream_si128 faults on an address that is not 16-byte aligned. The head below reaches a cache
-  // line only when `out` is aligned to its element size; a tensor that is not (a view made at an odd
-  // byte offset) is written with ordinary stores.
+  // line only when `out` is aligned to its element size, which the argument checks require; the test
+  // stays so that this loop is safe on its own.
   if (stream && reinterpret_cast<uintptr_t>(out) % sizeof(R) == 0) {
     constexpr int64_t kTile = kTileBytes / static_cast<int64_t>(sizeof(R));
     // Unaligned head with ordinary stores, so every streamed tile starts on a cache line.
@@ -302,6 +302,10 @@ void check_flat(const char* op, const char* name, const at::Tensor& t, const at:
   PIPECORE_CHECK(t.device().is_cpu(), ErrorKind::kValue, op, ": argument '", name, "' must be a CPU tensor, got ",
                  t.device());
   PIPECORE_CHECK(t.is_contiguous(), ErrorKind::kValue, op, ": argument '", name, "' must be contiguous");
+  // A misaligned element access is undefined behaviour, and faults with the aligned vector stores the
+  // compiler may emit; torch's own allocations are always aligned.
+  PIPECORE_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % t.element_size() == 0, ErrorKind::kValue, op,
+                 ": argument '", name, "' is not aligned to its ", t.element_size(), "-byte elements");
   PIPECORE_CHECK(t.numel() == like.numel(), ErrorKind::kValue, op, ": argument '", name, "' has ", t.numel(),
                  " elements, expected ", like.numel());
   PIPECORE_CHECK(t.scalar_type() == dtype, ErrorKind::kValue, op, ": argument '", name, "' has dtype ",
@@ -524,6 +528,7 @@ bool args_ok(const std::vector<at::Tensor>& tensors, int64_t n_weights, int64_t 
       return false;
     }
     const auto start = reinterpret_cast<uintptr_t>(t.data_ptr());
+    if (start % t.element_size() != 0) return false;  // misaligned: the detailed checks say so
     ranges[i] = {start, start + t.nbytes()};
   }
   for (int64_t w = 0; w < count; ++w) {

@@ -47,7 +47,7 @@ void adamw_step(const at::Tensor& out, const at::Tensor& w, const at::Tensor& gr
                 double step_size, double bias_correction2_sqrt);
 
 // Cheap validity test for the Python layer's argument checks: true when all tensors are defined,
-// contiguous, of one shape and device, the first n_weights share a float64/float32/bfloat16/float16
+// contiguous, element-aligned, of one shape and device, the first n_weights share a float64/float32/bfloat16/float16
 // dtype and the rest have the matching state dtype, and no tensor whose bit is set in written_mask
 // overlaps another one, except tensor out_index being exactly a tensor whose bit is set in
 // alias_mask. False means "not certainly valid": the caller then runs its detailed checks.

@@ -89,23 +89,27 @@ def test_a_guard_is_left_once():
         guard.__exit__(None, None, None)
 
 
-def test_streaming_stores_to_an_unaligned_out_are_ordinary_stores():
-    """A float32 tensor at an odd byte address: _mm_stream_si128 on it faulted (SIGSEGV) once a call moved
-    more than the streaming threshold. Run in a subprocess, so a regression fails instead of crashing pytest."""
+def test_misaligned_tensors_are_refused_before_any_access():
+    """A float32 tensor at an odd byte address: the kernels' element accesses were undefined behaviour on it
+    (UBSan: store to misaligned address) and their streaming stores faulted. Both layers now refuse it. Run in
+    a subprocess, so a regression fails the test instead of crashing pytest."""
     code = (
         "import torch\n"
         "from pipecore import _C, ops\n"
-        "from pipecore.ops import reference\n"
         "_C._set_streaming_threshold(0)\n"
         "n = 100_000\n"
         "raw = bytearray(4 * n + 2)\n"
         "out = torch.frombuffer(raw, dtype=torch.float32, offset=2, count=n)\n"
         "assert out.data_ptr() % 4 == 2\n"
         "live, stale = torch.randn(n), torch.randn(n)\n"
-        "_C.interpolate(out, live, stale, 0.5)\n"
-        "assert torch.equal(out, reference.interpolate(live, stale, 0.5))\n"
-        "ops.predict(live, stale, 0.5, out=out)\n"
-        "assert torch.equal(out, reference.predict(live, stale, 0.5))\n"
+        "for call in (lambda: _C.interpolate(out, live, stale, 0.5), lambda: ops.predict(live, stale, 0.5, out=out)):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except ValueError as exc:\n"
+        "        assert \"argument 'out' is not aligned to its 4-byte elements\" in str(exc), str(exc)\n"
+        "    else:\n"
+        "        raise AssertionError('a misaligned out was accepted')\n"
+        "assert not any(raw), 'a refused call wrote'\n"
         "print('ok')\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)

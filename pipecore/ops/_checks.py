@@ -104,6 +104,13 @@ def check(
         if not t.is_contiguous():
             raise ValueError(f"{op}: argument '{name}' must be contiguous (shape {tuple(t.shape)}, strides "
                              f"{t.stride()}); pass a flat buffer or call .contiguous()")
+    for name, t in tensors:
+        # The kernels' vector loads and stores assume element-aligned data (a misaligned float is undefined
+        # behaviour in C++, and faults with the aligned stores compilers emit); torch's allocations always are.
+        if t.data_ptr() % t.element_size():
+            raise ValueError(f"{op}: argument '{name}' is not aligned to its {t.element_size()}-byte elements "
+                             f"(address {t.data_ptr():#x}, a view at an odd byte offset); use a copy "
+                             "(.clone()) or a tensor torch allocated")
     by_name = dict(tensors)
     for wname in written:
         w = by_name[wname]

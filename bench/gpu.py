@@ -510,11 +510,9 @@ def part_kernels(args: argparse.Namespace, rec: Recorder) -> None:
         rec.guard(f"kernels {dtype}", one)
 
 
-def part_plan(args: argparse.Namespace, rec: Recorder) -> None:
+def _run_command(args: argparse.Namespace, rec: Recorder, cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run a pipecore command line within the part's deadline, recording the command, its exit code and output."""
     res = rec.data["result"]
-    device = "cpu" if args.dry_run_cpu else args.device
-    cmd = [sys.executable, "-m", "pipecore", "plan", "--model", "gpt", "--stages", "4", "-a", "pipedream",
-           "--device", device, "--memory-limit", "2GiB"]
     res["command"] = " ".join(cmd[1:])
     timeout = None if args.deadline is None else max(5.0, args.deadline - time.time() - 3.0)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -522,21 +520,20 @@ def part_plan(args: argparse.Namespace, rec: Recorder) -> None:
     res["returncode"] = proc.returncode
     res["output"] = (proc.stdout + proc.stderr)[-6000:]
     if proc.returncode != 0:
-        raise RuntimeError(f"pipecore plan exited with {proc.returncode}: {(proc.stderr or proc.stdout)[-500:]}")
+        raise RuntimeError(f"{res['command']} exited with {proc.returncode}: {(proc.stderr or proc.stdout)[-500:]}")
+    return proc
+
+
+def part_plan(args: argparse.Namespace, rec: Recorder) -> None:
+    device = "cpu" if args.dry_run_cpu else args.device
+    _run_command(args, rec, [sys.executable, "-m", "pipecore", "plan", "--model", "gpt", "--stages", "4", "-a",
+                             "pipedream", "--device", device, "--memory-limit", "2GiB"])
 
 
 def part_train(args: argparse.Namespace, rec: Recorder) -> None:
-    res = rec.data["result"]
     device = "cpu" if args.dry_run_cpu else args.device
-    cmd = [sys.executable, "-m", "pipecore", "train", "--device", device, "--epochs", "1", "--no-progress"]
-    res["command"] = " ".join(cmd[1:])
-    timeout = None if args.deadline is None else max(5.0, args.deadline - time.time() - 3.0)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    res["returncode"] = proc.returncode
-    res["output"] = (proc.stdout + proc.stderr)[-6000:]
-    if proc.returncode != 0:
-        raise RuntimeError(f"pipecore train exited with {proc.returncode}: {(proc.stderr or proc.stdout)[-500:]}")
+    proc = _run_command(args, rec, [sys.executable, "-m", "pipecore", "train", "--device", device, "--epochs", "1",
+                                    "--no-progress"])
     acc = re.search(r"^test accuracy .*$", proc.stdout, re.MULTILINE)
     rec.data["note"] = acc.group(0) if acc else ""
 
@@ -619,40 +616,22 @@ def hand_written_step(gpt: Any, bf16: bool, device_type: str) -> Callable[[Any, 
     import torch
 
     sys.path.insert(0, str(BENCH))
-    from hand_written import in_turn_order
-    from pipecore.schedule.ir import B, F
+    from hand_written import in_turn_order, run_in_order
 
     parts = gpt_stage_modules(gpt)
     order = in_turn_order("1f1b", STAGES, MICROBATCHES)
     opt = torch.optim.AdamW(gpt.parameters(), lr=1e-4, fused=device_type == "cuda")
-    m = MICROBATCHES
+
+    def autocast() -> Any:
+        return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        xs, ys = x.chunk(m), y.chunk(m)
-        received: dict[tuple[int, int], torch.Tensor] = {}
-        sent: dict[tuple[int, int], torch.Tensor] = {}
-        grads: dict[tuple[int, int], torch.Tensor] = {}
-        losses = []
-        for s, kind, k in order:
-            if kind is F:
-                h = xs[k] if s == 0 else sent[(s - 1, k)].detach().requires_grad_(True)
-                received[(s, k)] = h
-                with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
-                    out = parts[s](h)
-                    if s == STAGES - 1:
-                        loss = _lm_loss(out, ys[k])
-                        losses.append(loss.detach())
-                        out = loss / m
-                sent[(s, k)] = out
-            elif kind is B:
-                out = sent.pop((s, k))
-                out.backward(None if s == STAGES - 1 else grads.pop((s, k)))
-                h = received.pop((s, k))
-                if s > 0:
-                    grads[(s - 1, k)] = h.grad
+        # One AdamW step over the whole model after the flush, as plain torch does: the stages' update
+        # actions in the order are no-ops here.
+        loss = run_in_order(parts, order, x, y, MICROBATCHES, _lm_loss, lambda s: None, autocast)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return torch.stack(losses).mean()
+        return loss
 
     return step
 

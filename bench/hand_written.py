@@ -40,8 +40,9 @@ import argparse
 import copy
 import statistics
 import sys
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 from torch import nn
@@ -101,6 +102,41 @@ def in_turn_order(name: str, stages: int, m: int) -> list[tuple[int, Kind, int]]
     return order
 
 
+def run_in_order(parts: list[nn.Module], order: list[tuple[int, Kind, int]], x: torch.Tensor, y: torch.Tensor,
+                 m: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 update: Callable[[int], None], forward_context: Callable[[], ContextManager] = nullcontext
+                 ) -> torch.Tensor:
+    """One mini-batch through the stage modules ``parts`` in ``order``, by hand: forwards with the hand-over
+    detached, backwards passing the gradient back, ``update(s)`` for a stage's update action; each forward runs
+    inside ``forward_context()`` (autocast, say). Returns the mean micro-batch loss."""
+    stages = len(parts)
+    xs, ys = x.chunk(m), y.chunk(m)
+    received: dict[tuple[int, int], torch.Tensor] = {}  # (stage, k) -> its input, a leaf below stage 0
+    sent: dict[tuple[int, int], torch.Tensor] = {}      # (stage, k) -> its output, or the loss / m
+    grads: dict[tuple[int, int], torch.Tensor] = {}     # (stage, k) -> the gradient of its output
+    losses = []
+    for s, kind, k in order:
+        if kind is F:
+            h = xs[k] if s == 0 else sent[(s - 1, k)].detach().requires_grad_(True)
+            received[(s, k)] = h
+            with forward_context():
+                out = parts[s](h)
+                if s == stages - 1:
+                    loss = loss_fn(out, ys[k])
+                    losses.append(loss.detach())
+                    out = loss / m
+            sent[(s, k)] = out
+        elif kind is B:
+            out = sent.pop((s, k))
+            out.backward(None if s == stages - 1 else grads.pop((s, k)))
+            h = received.pop((s, k))
+            if s > 0:
+                grads[(s - 1, k)] = h.grad
+        else:  # a flushing schedule updates a stage after all of its backwards
+            update(s)
+    return torch.stack(losses).mean()
+
+
 def hand_written_trainer(model: nn.Sequential, stages: int, m: int, order: list[tuple[int, Kind, int]]
                          ) -> Callable[[torch.Tensor, torch.Tensor], float]:
     """A step: the ``stages`` stage modules of ``model`` run ``order`` (forwards and backwards by hand, with
@@ -109,32 +145,12 @@ def hand_written_trainer(model: nn.Sequential, stages: int, m: int, order: list[
     optimizers = [torch.optim.SGD(part.parameters(), lr=LR, momentum=0.9, foreach=True) for part in parts]
     loss_fn = nn.CrossEntropyLoss()
 
+    def update(s: int) -> None:
+        optimizers[s].step()
+        optimizers[s].zero_grad(set_to_none=True)
+
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
-        xs, ys = x.chunk(m), y.chunk(m)
-        received: dict[tuple[int, int], torch.Tensor] = {}  # (stage, k) -> its input, a leaf below stage 0
-        sent: dict[tuple[int, int], torch.Tensor] = {}      # (stage, k) -> its output, or the loss / m
-        grads: dict[tuple[int, int], torch.Tensor] = {}     # (stage, k) -> the gradient of its output
-        losses = []
-        for s, kind, k in order:
-            if kind is F:
-                h = xs[k] if s == 0 else sent[(s - 1, k)].detach().requires_grad_(True)
-                received[(s, k)] = h
-                out = parts[s](h)
-                if s == stages - 1:
-                    loss = loss_fn(out, ys[k])
-                    losses.append(loss.detach())
-                    out = loss / m
-                sent[(s, k)] = out
-            elif kind is B:
-                out = sent.pop((s, k))
-                out.backward(None if s == stages - 1 else grads.pop((s, k)))
-                h = received.pop((s, k))
-                if s > 0:
-                    grads[(s - 1, k)] = h.grad
-            else:  # a flushing schedule updates a stage after all of its backwards
-                optimizers[s].step()
-                optimizers[s].zero_grad(set_to_none=True)
-        return float(torch.stack(losses).mean())
+        return float(run_in_order(parts, order, x, y, m, loss_fn, update))
 
     return step
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import glob
 import os
+import subprocess
 import sys
+import sysconfig
 
 from setuptools import find_packages, setup
 
@@ -57,6 +59,41 @@ def _sanitize_flags() -> tuple[list[str], list[str]]:
     return compile_flags, [sanitize]
 
 
+def _compiler_file(name: str) -> str | None:
+    """The path the C++ compiler would link for ``name`` (``-print-file-name``), or None if it has none."""
+    cxx = os.environ.get("CXX") or (sysconfig.get_config_var("CXX") or "c++").split()[0]
+    try:
+        found = subprocess.run([cxx, f"-print-file-name={name}"], capture_output=True, text=True,
+                               timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    # Without the file, the compiler echoes the bare name back.
+    return found if os.path.isabs(found) and os.path.exists(found) else None
+
+
+def _shared_cxx_runtime() -> list[str]:
+    """Link arguments that keep the C++ runtime out of ``pipecore._C`` (Linux with libstdc++).
+
+    Some toolchains have only the static ``libstdc++.a`` for linking (the unversioned ``libstdc++.so``
+    development link is not installed). The compiler then copies the C++ runtime into the extension,
+    beside the shared one that torch and Python already loaded, and the two copies' locales disagree:
+    formatting a number into a message (``c10::str(..., key, ...)``) reads the other copy's facet
+    table and crashes the interpreter. On the first GPU machine every error raised by ``pipecore._C``
+    with a number in its message was a segmentation fault. Linking the shared runtime by its full
+    name resolves every C++ runtime symbol there before the compiler's own ``-lstdc++`` can pull in
+    the archive.
+    """
+    if not sys.platform.startswith("linux") or _compiler_file("libstdc++.so") is not None:
+        return []
+    shared = _compiler_file("libstdc++.so.6")
+    if shared is None:
+        raise SystemExit(
+            "pipecore's build: the C++ compiler has neither libstdc++.so nor libstdc++.so.6 to link, so it "
+            "would copy the static C++ runtime into pipecore._C, which crashes next to torch's. Install the "
+            "C++ runtime's development files (e.g. libstdc++-<version>-dev) or set CXX to another compiler.")
+    return [shared]
+
+
 def _extension():
     # No -std flag: BuildExtension adds the standard the installed torch's headers need.
     # -fno-math-errno lets sqrt vectorize; -ffp-contract=off keeps a*b+c unfused so results do not
@@ -76,6 +113,7 @@ def _extension():
     if sys.platform.startswith("linux") and torch.backends.openmp.is_available():
         cxx_flags.append("-fopenmp")
         link_flags.append("-fopenmp")
+    link_flags += _shared_cxx_runtime()
     sanitize_compile, sanitize_link = _sanitize_flags()
     cxx_flags += sanitize_compile  # after -O3: the sanitizers' -O1 wins
     link_flags += sanitize_link

@@ -400,7 +400,7 @@ def part_load(args: argparse.Namespace, rec: Recorder) -> None:
 
     def ptx():
         from pipecore.kernels import fused
-        res["fma_in_ptx"] = fused.fma_count_by_kernel()
+        res["fma_in_ptx"] = fused.ptx_fma_counts(dev)
     rec.guard("PTX fused multiply-add count", ptx)
 
 

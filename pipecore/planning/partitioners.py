@@ -19,7 +19,6 @@ import numbers
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from ..engine.partition import balanced_by_parameters
 from .costs import GraphCosts
 from .memory import Segment, Sizing, StageFit, StageMemory, StageModel
 
@@ -169,6 +168,9 @@ def _cuts(model: StageModel, positions: Sequence[int], num_stages: int, objectiv
     """Position indices of the stage boundaries (0 first, the last position last) for ``objective``."""
     last = len(positions) - 1
     if objective == "parameters":
+        # Imported here: engine imports the planner (Pipeline takes a Plan), which imports this module.
+        from ..engine.partition import balanced_by_parameters
+
         units = [model.params(a, b) for a, b in zip(positions, positions[1:])]
         return [0, *balanced_by_parameters(units, num_stages), last]
     if objective == "time":

@@ -33,7 +33,8 @@ except ImportError:
     print("no pip pybind11")
 PY
   ls -d /usr/include/pybind11 /usr/local/include/pybind11 2>&1
-  for f in libstdc++.so libstdc++.so.6 libstdc++.a; do echo "c++ -print-file-name=$f: $(c++ -print-file-name=$f)"; done
+  cxx=${CXX:-c++}; echo "CXX=${CXX:-(unset)}"
+  for f in libstdc++.so libstdc++.so.6 libstdc++.a; do echo "$cxx -print-file-name=$f: $($cxx -print-file-name=$f)"; done
 } > "$out/toolchain.txt" 2>&1
 
 variant() {  # name, then sed expressions applied to setup.py in the copy

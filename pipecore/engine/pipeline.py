@@ -44,6 +44,7 @@ from .reshard import canonical_names, has_parameter_names, parameter_states, sta
 from .backward_rules import GLOBAL_RANDOM
 from .buffers import buffer_copies
 from .stage import TensorStage
+from .threads import check_threads_per_stage, default_threads_per_stage, thread_setup
 from .undo import Unrecoverable, UndoPoint, minibatches_in_flight, release, undo
 from .tied import StageTies
 
@@ -102,8 +103,12 @@ class Pipeline:
         concurrent: run each stage's actions on its own worker thread (and, on CUDA, its own stream), so
             that stages in one process compute at the same time; each stage keeps the schedule's order, so
             the results are bit-identical to ``concurrent=False`` (one thread running the stages in turn).
-            Default: True in one process with more than one stage. Stage threads share torch's intra-op
-            thread pool: give each about ``cores / num_stages`` threads (``torch.set_num_threads``).
+            Default: True in one process with more than one stage.
+        threads_per_stage: torch intra-op threads of each stage thread (``concurrent``), set once on each
+            thread when it starts. Default None: the process's share, ``cores // stages in this process`` (at
+            least 1, at most the caller's ``torch.get_num_threads()``); without a share each stage thread
+            would use every core and the stages would oversubscribe the machine. In turn
+            (``concurrent=False``) the stages run on the calling thread, with its setting.
         overlap_steps: let the stage threads go on with a mini-batch's remaining work after ``step()`` has
             returned its loss, so that they work while the caller prepares the next mini-batch (``step()``
             returns once the last stage has computed the loss; the stages keep their order, so the results
@@ -155,6 +160,7 @@ class Pipeline:
         devices: Sequence[str | torch.device] | str | torch.device | None = None,
         concurrent: bool | None = None,
         overlap_steps: bool = False,
+        threads_per_stage: int | None = None,
         lr_scheduler: Callable[..., Any] | None = None,
         clip_grad_norm: float | None = None,
         autocast: torch.dtype | None = None,
@@ -168,6 +174,7 @@ class Pipeline:
             raise TypeError(f"overlap_steps must be True or False, got {overlap_steps!r}")
         if not isinstance(recover, bool):
             raise TypeError(f"recover must be True or False, got {recover!r}")
+        threads_per_stage = check_threads_per_stage(threads_per_stage)
         if not isinstance(track_memory, bool):
             raise TypeError(f"track_memory must be True or False, got {track_memory!r}")
         if not isinstance(split_backward, bool):
@@ -248,7 +255,10 @@ class Pipeline:
 
             self._transport = DistributedTransport(self.rank, num_stages, timeout, self.devices[self.rank])
         # Stage worker threads, kept from step to step (one process, several stages, concurrent).
-        self._threads = StageThreads() if self.concurrent and len(self.stages) > 1 else None
+        self.threads_per_stage = (default_threads_per_stage(len(self.stages)) if threads_per_stage is None
+                                  else threads_per_stage)
+        self._threads = (StageThreads(thread_setup(self.threads_per_stage))
+                         if self.concurrent and len(self.stages) > 1 else None)
         if overlap_steps and self._threads is None:
             raise ValueError(
                 "overlap_steps=True needs a worker thread per stage: concurrent=True with more than one stage in "

@@ -59,6 +59,10 @@ class _RecentSeconds:
         return statistics.median(self.values[: min(self.count, len(self.values))])
 
 
+_profiler_enabled = torch.autograd._profiler_enabled
+_NO_RANGE = nullcontext()  # reusable: it holds nothing
+
+
 class NonFiniteLoss(FloatingPointError):
     """A micro-batch's loss was NaN or infinite."""
 
@@ -178,8 +182,8 @@ class TensorStage(StageWorker):
             ambient.wait_stream(self.stream)  # and whatever the caller does after the run sees its results
 
     def action_range(self, action: Action, reads: Mapping[int, WeightRead]) -> AbstractContextManager[Any]:
-        if not (self._nvtx or torch.autograd._profiler_enabled()):
-            return nullcontext()  # the check costs far less than an idle record_function
+        if not (self._nvtx or _profiler_enabled()):
+            return _NO_RANGE  # the check costs far less than an idle record_function
         return _ActionRange(traced(action, reads), self._nvtx)
 
     def accept(self, message: Message) -> Any:
@@ -359,12 +363,13 @@ class TensorStage(StageWorker):
     def compute_backward(self, action: Action, reads: Sequence[WeightRead], forward_reads: Sequence[WeightRead],
                          payloads: Sequence[Any]) -> list[Any]:
         t0 = time.perf_counter()
-        self._last_backward_count = len(action.microbatches)
+        microbatches = action.microbatches  # a property that builds a range: once per action
+        self._last_backward_count = len(microbatches)
         rule = self.rule
         outs = []
         # A recomputed segment's transient counts against this stage (on the CPU; CUDA's allocator sees it).
         with self.memory.backward():
-            for k, read, grad_out in zip(action.microbatches, reads, payloads):
+            for k, read, grad_out in zip(microbatches, reads, payloads):
                 self.memory.released()  # the action's previous micro-batch, if any, is done
                 # Taken out of in_flight once the backward starts changing state (see _committed).
                 graph = rule.graph(self, self.in_flight[k], read)
@@ -385,7 +390,7 @@ class TensorStage(StageWorker):
                 # Only the action's last micro-batch defers: an earlier one's derived weights (scratch) are
                 # overwritten by the next micro-batch's read. Split backwards take one tensor in and one out.
                 if (self.split_backward and len(wanted) == 1 and len(inputs) == 1 and len(tensors) == 1
-                        and graph.leaves and k == action.microbatches[-1]):
+                        and graph.leaves and k == microbatches[-1]):
                     self._committed(k)
                     with rule.reading(graph.weights):
                         dx, pending = input_gradient(tensors[0], None if grads is None else grads[0], wanted[0],

@@ -57,7 +57,6 @@ from ..engine.graph import CapturedModel
 from ..engine.inputs import as_model_inputs
 from ..engine.optim import SGD, AdamW
 from ..engine.buffers import buffer_copies
-from ..engine.threads import check_threads_per_stage
 from .costs import GraphCosts, TiedParameter, ValueCost
 
 __all__ = ["profile"]
@@ -111,6 +110,8 @@ def profile(model: nn.Module, example_input: Any, *, leaf_modules: Sequence[type
         raise TypeError("profile() needs an example_input: one micro-batch of the model's inputs (a tensor, a "
                         "tuple or a dict of tensors) to run every node on")
     _check_optimizer(optimizer)
+    from ..engine.threads import check_threads_per_stage  # here: engine imports the planner
+
     threads = check_threads_per_stage(threads)
     caller_threads = torch.get_num_threads()
     if threads is not None:

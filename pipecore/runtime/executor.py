@@ -345,14 +345,14 @@ class Executor:
                     transport.give_back(s, F, action.index, incoming)  # the action can run again: give its input back
                 raise
         elif action.kind is B:
-            incoming = self._receive_gradients(s, action.microbatches) if s < last else \
-                [Message() for _ in action.microbatches]
+            microbatches = action.microbatches  # a property that builds a range: once per action
+            incoming = self._receive_gradients(s, microbatches) if s < last else [Message() for _ in microbatches]
             start = max([self.stage_free[s]] + [m.ready_at for m in incoming])
             try:
                 outs, record = worker.backward(action, incoming)
             except BaseException:
                 if worker.failed_cleanly and s < last:
-                    for k, m in zip(action.microbatches, incoming):
+                    for k, m in zip(microbatches, incoming):
                         transport.give_back(s, B, k, m)
                 raise
         else:
@@ -364,7 +364,7 @@ class Executor:
             out.ready_at = end + self.costs.send
             transport.send(s + 1, F, action.index, out)
         elif action.kind is B and s > 0:
-            for k, m in zip(action.microbatches, outs):
+            for k, m in zip(microbatches, outs):
                 m.ready_at = end + self.costs.send
                 transport.send(s - 1, B, k, m)
         if action.kind is B:

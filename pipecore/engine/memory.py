@@ -125,7 +125,7 @@ class MemoryAccount:
         """Around a forward inside :meth:`counting`: the saved-tensor hooks that count what it saves (none when
         not enabled)."""
         if not self.enabled:
-            return nullcontext()
+            return _NOTHING
         # Inside counting(): the forward's own Kept is the pack hook (one Python call per saved tensor).
         return saving(self.pack if self._kept is None else self._kept.add, identity)
 

@@ -17,6 +17,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
+import torch.nn.modules.module as _module_hooks
 
 from ..algorithms.base import Algorithm, WeightRead
 from ..algorithms.derivations import derive
@@ -105,6 +106,8 @@ class TensorStage(StageWorker):
         self.device = device
         # The stream this stage computes on when stages run concurrently on CUDA (see use_stream).
         self.stream: Any = None
+        # torch intra-op threads of its runs on a stage thread (Pipeline's threads_per_stage; None: as set).
+        self.intra_op_threads: int | None = None
         self._nvtx = device.type == "cuda"
         flat = torch.zeros(self.layout.buffer_numel, dtype=self.layout.dtype, device=device)
         self.layout.gather(module, flat)
@@ -169,6 +172,11 @@ class TensorStage(StageWorker):
         self.stream = torch.cuda.Stream(self.device) if concurrent and self.device.type == "cuda" else None
 
     def running(self) -> AbstractContextManager[Any]:
+        # Entered on a stage thread after the caller's torch state (pipecore._C.ThreadState), which sets the
+        # thread's intra-op count to the one last set on any thread: this stage's count again, so that every
+        # run computes with it (a reduction's bits depend on it).
+        if self.intra_op_threads is not None and torch.get_num_threads() != self.intra_op_threads:
+            torch.set_num_threads(self.intra_op_threads)
         return nullcontext() if self.stream is None else self._on_own_stream()
 
     @contextmanager
@@ -254,7 +262,7 @@ class TensorStage(StageWorker):
     def autocasting(self) -> AbstractContextManager:
         """Where a forward runs: under ``torch.autocast`` to the stage's ``autocast`` dtype, if it has one."""
         if self.autocast is None:
-            return nullcontext()
+            return _NO_RANGE  # a shared null context: this runs once per forward
         return torch.autocast(device_type=self.device.type, dtype=self.autocast)
 
     def weight_views(self, weights: torch.Tensor) -> list[torch.Tensor]:
@@ -292,7 +300,12 @@ class TensorStage(StageWorker):
         try:
             for sub, name, i in slots:
                 sub._parameters[name] = params[i]
-            return self.module(*inputs)
+            module = self.module
+            if _hooked(module):
+                return module(*inputs)
+            # No hook to run: the generated forward itself, without the four Python frames of the module call
+            # (GraphModule's wrapper, nn.Module's call and its dispatch) that would only find no hook.
+            return module.forward(*inputs)
         finally:
             for (sub, name, _), original in zip(slots, originals):
                 sub._parameters[name] = original
@@ -562,7 +575,10 @@ class TensorStage(StageWorker):
     def _timed(self, kind: str, t0: float) -> None:
         seconds = time.perf_counter() - t0
         self.seconds[kind] += seconds
-        self.recent_seconds[kind].add(seconds)
+        recent = self.recent_seconds[kind]  # _RecentSeconds.add, inline: this runs once per action
+        values = recent.values
+        values[recent.count % len(values)] = seconds
+        recent.count += 1
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.is_floating_point() and x.dtype not in (self.layout.dtype, self.autocast) and self.layout.numel:
@@ -680,6 +696,16 @@ class _ActionRange:
             torch.cuda.nvtx.range_pop()
         if self._record is not None:
             self._record.__exit__(*exc)
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    """Whether calling ``module`` would do more than call its forward: run a hook (its own or a global one),
+    a compiled call (``module.compile()``) or a JIT trace, as ``nn.Module.__call__`` checks."""
+    return bool(getattr(module, "_compiled_call_impl", None) is not None or torch._C._get_tracing_state()
+                or module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or _module_hooks._global_forward_hooks
+                or _module_hooks._global_forward_pre_hooks or _module_hooks._global_backward_hooks
+                or _module_hooks._global_backward_pre_hooks)
 
 
 def _tensors(payload: Any) -> list[torch.Tensor]:

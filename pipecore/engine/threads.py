@@ -6,12 +6,16 @@ machine, so P stage threads would run P x cores threads, each stage's parallel r
 (on a busy 2-core machine, ``examples/train_mlp.py`` took 52 s this way against 7 s with
 ``OMP_NUM_THREADS=1``). The default share is ``cores // stages`` (at least 1), and no more than the caller's
 own setting (``torch.get_num_threads()``), so that a caller who asked torch for fewer threads gets no more.
+Stages that run in turn on the calling thread compute with the same count there (set around the run, then
+restored): a reduction split over another number of threads may round differently, and a pipeline's results
+must not depend on whether its stages run in turn or on threads.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 
@@ -42,7 +46,26 @@ def check_threads_per_stage(value: object) -> int | None:
 
 
 def thread_setup(threads: int) -> Callable[[], None]:
-    """What a stage thread runs once when it starts: set its intra-op thread count to ``threads``."""
+    """What a stage thread runs once when it starts: set its intra-op thread count to ``threads``. (Each run of
+    actions on the thread then enters the caller's torch state, ``pipecore._C.ThreadState``, which sets the
+    count to the one last set on any thread; the stage sets ``threads`` again after it, see
+    ``TensorStage.running``.)"""
     def setup() -> None:
         torch.set_num_threads(threads)
     return setup
+
+
+@contextmanager
+def calling_thread_threads(threads: int) -> Iterator[None]:
+    """The calling thread computes with ``threads`` intra-op threads inside the block (restored after): stages
+    that run in turn on it compute as they would on their own threads. A reduction split over a different
+    number of threads may round differently, and in turn or on threads the results must be the same bits."""
+    before = torch.get_num_threads()
+    if before == threads:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

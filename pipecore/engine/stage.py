@@ -106,6 +106,9 @@ class TensorStage(StageWorker):
         self.device = device
         # The stream this stage computes on when stages run concurrently on CUDA (see use_stream).
         self.stream: Any = None
+        # The modules that hold buffers (BatchNorm's statistics), found once: an undo point copies their buffers
+        # at every step, and the module's structure does not change while it trains.
+        self.modules_with_buffers = [m for m in module.modules() if m._buffers]
         # torch intra-op threads of its runs on a stage thread (Pipeline's threads_per_stage; None: as set).
         self.intra_op_threads: int | None = None
         self._nvtx = device.type == "cuda"

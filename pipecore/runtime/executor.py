@@ -33,7 +33,7 @@ from .threads import StageThreads
 from .transport import LocalTransport, Transport
 from .worker import ActionRecord, Message, StageWorker
 
-_RECHECKED = 256
+_RECHECKED = 64
 _POLL = 0.05  # seconds between the caller's checks for Ctrl-C while it waits for a stage thread
 
 

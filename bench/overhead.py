@@ -6,6 +6,8 @@
 
 ``python bench/overhead.py --profile [--width 16] [--steps 5] [--cprofile CONFIG]``
 
+``python bench/overhead.py --example [--example-rounds 3] [--out bench/results/overhead-example-cpu.json]``
+
 The model is ``8 x (Linear(w, w) + ReLU)`` (cross-entropy over ``w`` classes), cut into 4 stages of equal
 length, 8 micro-batches of a batch of 64, float32, one torch intra-op thread per thread that computes
 (``torch.set_num_threads(1)`` for the in-turn configurations; a stage thread of pipecore takes its share,
@@ -32,6 +34,10 @@ and a backward of every micro-batch on every stage, an update per stage).
 ``call`` events, Python functions, and ``call`` + ``c_call`` events, every call as cProfile counts them,
 over ``--steps`` steps, divided by 68 x steps);
 ``--cprofile CONFIG`` also prints that configuration's cProfile listing (top 40 by own time).
+
+``--example``: ``python examples/train_mlp.py`` as a new user runs it (a process, the defaults) against the same
+with ``OMP_NUM_THREADS=1``, alternating, ``--example-rounds`` times each: wall time and the children's CPU time
+(user + system) per run, and per round the ratio default / ``OMP_NUM_THREADS=1``.
 """
 
 from __future__ import annotations
@@ -41,7 +47,9 @@ import copy
 import cProfile
 import os
 import pstats
+import resource
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -251,6 +259,46 @@ def profile(args: argparse.Namespace, algorithms: list[str]) -> int:
     return 0
 
 
+def run_example(env_extra: dict[str, str], cwd: Path) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (user + system, of the child) of one ``python examples/train_mlp.py``."""
+    env = dict(os.environ, **env_extra)
+    if not env_extra:
+        env.pop("OMP_NUM_THREADS", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    subprocess.run([sys.executable, str(ROOT / "examples" / "train_mlp.py")], cwd=cwd, env=env, check=True,
+                   stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def example(args: argparse.Namespace, argv: list[str]) -> int:
+    import tempfile
+
+    runs: dict[str, list[tuple[float, float]]] = {"default": [], "OMP_NUM_THREADS=1": []}
+    with tempfile.TemporaryDirectory() as cwd:  # the example writes its checkpoint into the working folder
+        for r in range(args.example_rounds):
+            order = [("default", {}), ("OMP_NUM_THREADS=1", {"OMP_NUM_THREADS": "1"})]
+            for name, extra in (order if r % 2 == 0 else order[::-1]):
+                runs[name].append(run_example(extra, Path(cwd)))
+                print(f"round {r}: {name}: {runs[name][-1][0]:.2f} s wall, {runs[name][-1][1]:.2f} s CPU", flush=True)
+    ratio = {clock: median_range([d[i] / o[i] for d, o in zip(runs["default"], runs["OMP_NUM_THREADS=1"])])
+             for i, clock in enumerate(("wall", "cpu"))}
+    summary = {name: {"wall_s": round(statistics.median(w for w, _ in r), 2),
+                      "cpu_s": round(statistics.median(c for _, c in r), 2)} for name, r in runs.items()}
+    print(f"median: {summary}; default / OMP_NUM_THREADS=1: wall {ratio['wall']['median']}, cpu {ratio['cpu']['median']}")
+    report = {"benchmark": "overhead-example", "command": "python bench/overhead.py " + " ".join(argv),
+              "machine": machine(), "device": "cpu", "program": "python examples/train_mlp.py (300 steps)",
+              "statistic": "per run: wall seconds and the child's CPU seconds (user + system); medians over rounds; "
+                           "default_over_omp1: median and range of per-round ratios",
+              "results": summary, "default_over_omp1": ratio,
+              "runs": {name: [[round(w, 3), round(c, 3)] for w, c in r] for name, r in runs.items()}}
+    print(f"wrote {write_report(report, args.out)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--widths", default="16,256")
@@ -267,8 +315,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="print Python calls per action and exit")
     parser.add_argument("--steps", type=int, default=5, help="--profile: steps counted")
     parser.add_argument("--cprofile", default=None, help="--profile: also a cProfile listing of this configuration")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "overhead-cpu.json"))
+    parser.add_argument("--example", action="store_true",
+                        help="time python examples/train_mlp.py against OMP_NUM_THREADS=1 and exit")
+    parser.add_argument("--example-rounds", type=int, default=3)
+    parser.add_argument("--out", default=None, help="default bench/results/overhead-cpu.json "
+                        "(--example: overhead-example-cpu.json)")
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = str(ROOT / "bench" / "results" / ("overhead-example-cpu.json" if args.example else
+                                                     "overhead-cpu.json"))
+    if args.example:
+        return example(args, sys.argv[1:] if argv is None else argv)
     algorithms = [a for a in args.algorithms.split(",") if a]
     torch.set_num_threads(1)
     if args.profile:

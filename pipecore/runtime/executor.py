@@ -347,10 +347,54 @@ class Executor:
         self.failed_actions.clear()
 
     def _execute(self, action: Action) -> None:
+        """Run one action on its stage's worker and hand its messages on. An action that raises is noted in
+        ``failed_actions``, with whether it left no trace. (One method: this runs once per action.)"""
+        worker = self.workers[action.stage]
         try:
-            self._execute_action(action)
+            s, last = action.stage, self.schedule.num_stages - 1
+            transport = self.transport
+            if action.kind is F:
+                incoming = transport.receive(s, F, action.index) if s > 0 else Message(self.source(action.index))
+                start = max(self.stage_free[s], incoming.ready_at)
+                try:
+                    out, record = worker.forward(action, incoming)
+                except BaseException:
+                    if worker.failed_cleanly and s > 0:
+                        transport.give_back(s, F, action.index, incoming)  # the action can run again: give its input back
+                    raise
+            elif action.kind is B:
+                microbatches = action.microbatches  # a property that builds a range: once per action
+                incoming = self._receive_gradients(s, microbatches) if s < last else [Message() for _ in microbatches]
+                start = max([self.stage_free[s]] + [m.ready_at for m in incoming])
+                try:
+                    outs, record = worker.backward(action, incoming)
+                except BaseException:
+                    if worker.failed_cleanly and s < last:
+                        for k, m in zip(microbatches, incoming):
+                            transport.give_back(s, B, k, m)
+                    raise
+            else:
+                start = self.stage_free[s]
+                record = worker.update(action)
+            costs = self.costs
+            end = start + (costs.forward[s] if action.kind is F else costs.backward[s] * action.count
+                           if action.kind is B else costs.update[s])  # Costs.of, inline: once per action
+            self.stage_free[s] = end
+            if action.kind is F and s < last:
+                out.ready_at = end + self.costs.send
+                transport.send(s + 1, F, action.index, out)
+            elif action.kind is B and s > 0:
+                for k, m in zip(microbatches, outs):
+                    m.ready_at = end + self.costs.send
+                    transport.send(s - 1, B, k, m)
+            if action.kind is B:
+                worker.finish_backward()  # after the send: the upstream stage waits only for the input gradient
+            event = Event(action, start, end, record)
+            if self.keep_events:
+                self.events.append(event)
+            if self.on_event is not None:
+                self.on_event(event)
         except BaseException:
-            worker = self.workers[action.stage]
             self.failed_actions.append((action, worker.failed_cleanly if worker.last_action == action else True))
             raise
 
@@ -368,48 +412,3 @@ class Executor:
             raise
         return received
 
-    def _execute_action(self, action: Action) -> None:
-        worker = self.workers[action.stage]
-        s, last = action.stage, self.schedule.num_stages - 1
-        transport = self.transport
-        if action.kind is F:
-            incoming = transport.receive(s, F, action.index) if s > 0 else Message(self.source(action.index))
-            start = max(self.stage_free[s], incoming.ready_at)
-            try:
-                out, record = worker.forward(action, incoming)
-            except BaseException:
-                if worker.failed_cleanly and s > 0:
-                    transport.give_back(s, F, action.index, incoming)  # the action can run again: give its input back
-                raise
-        elif action.kind is B:
-            microbatches = action.microbatches  # a property that builds a range: once per action
-            incoming = self._receive_gradients(s, microbatches) if s < last else [Message() for _ in microbatches]
-            start = max([self.stage_free[s]] + [m.ready_at for m in incoming])
-            try:
-                outs, record = worker.backward(action, incoming)
-            except BaseException:
-                if worker.failed_cleanly and s < last:
-                    for k, m in zip(microbatches, incoming):
-                        transport.give_back(s, B, k, m)
-                raise
-        else:
-            start = self.stage_free[s]
-            record = worker.update(action)
-        costs = self.costs
-        end = start + (costs.forward[s] if action.kind is F else costs.backward[s] * action.count
-                       if action.kind is B else costs.update[s])  # Costs.of, inline: once per action
-        self.stage_free[s] = end
-        if action.kind is F and s < last:
-            out.ready_at = end + self.costs.send
-            transport.send(s + 1, F, action.index, out)
-        elif action.kind is B and s > 0:
-            for k, m in zip(microbatches, outs):
-                m.ready_at = end + self.costs.send
-                transport.send(s - 1, B, k, m)
-        if action.kind is B:
-            worker.finish_backward()  # after the send: the upstream stage waits only for the input gradient
-        event = Event(action, start, end, record)
-        if self.keep_events:
-            self.events.append(event)
-        if self.on_event is not None:
-            self.on_event(event)

@@ -93,7 +93,9 @@ class StageWorker:
     # The version logic, shared by every kind of stage.
     def forward(self, action: Action, message: Message) -> tuple[Message, ActionRecord]:
         live = self.book.live
-        mark = self._begin(action)
+        # _begin, inline: this runs once per action.
+        self.last_action, self.mutated, self.failed_cleanly = action, False, False
+        mark = self.book.mark()
         try:
             read, tag = self.book.forward(action.index, message.tag)
             with self.action_range(action, {action.index: read}):
@@ -111,7 +113,9 @@ class StageWorker:
         for k, m in zip(microbatches, messages):
             if m.poisoned:
                 poisoned.add(k // every)
-        mark = self._begin(action)
+        # _begin, inline: this runs once per action.
+        self.last_action, self.mutated, self.failed_cleanly = action, False, False
+        mark = self.book.mark()
         try:
             book = self.book
             if len(microbatches) == 1:  # the common case, without the per-micro-batch lists
@@ -146,7 +150,9 @@ class StageWorker:
 
     def update(self, action: Action) -> ActionRecord:
         live = self.book.live
-        mark = self._begin(action)
+        # _begin, inline: this runs once per action.
+        self.last_action, self.mutated, self.failed_cleanly = action, False, False
+        mark = self.book.mark()
         try:
             info = self.book.update()
             if info.new_version != self.book.base + action.index:

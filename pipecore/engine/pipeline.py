@@ -136,8 +136,8 @@ class Pipeline:
         track_memory: keep each CPU stage's memory account (``stats()[s]["peak_bytes"]``), counted only when
             asked for: it sees the saved tensors through saved-tensor hooks, a Python call per saved tensor in
             every forward and backward (each wrapping the tensor in a new Python object), which with stages on
-            threads also waits for the GIL inside the backward; with small stages that made steps about 1.2x as
-            long (docs/training.md, "What an action costs"). Without it, ``peak_bytes`` of a CPU stage is None.
+            threads also waits for the GIL inside the backward; with small stages that made steps 1.14x as long
+            (docs/training.md, "What an action costs"). Without it, ``peak_bytes`` of a CPU stage is None.
             CUDA stages need no account (the allocator measures) and never install the hooks. Default False.
         **options: algorithm options (``backward_rule``, ``update_every``, ``lam``, ``alpha``, ...).
 

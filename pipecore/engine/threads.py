@@ -3,8 +3,8 @@
 Stage threads in one process share the machine's cores. torch keeps its intra-op thread count per thread
 (OpenMP's per-thread setting): a stage thread that has never set it uses torch's process default, the whole
 machine, so P stage threads would run P x cores threads, each stage's parallel regions fighting the others'
-(on a busy 2-core machine, ``examples/train_mlp.py`` took 52 s this way against 7 s with
-``OMP_NUM_THREADS=1``). The default share is ``cores // stages`` (at least 1), and no more than the caller's
+(``python bench/overhead.py --example`` times ``examples/train_mlp.py`` against ``OMP_NUM_THREADS=1``). The
+default share is ``cores // stages`` (at least 1), and no more than the caller's
 own setting (``torch.get_num_threads()``), so that a caller who asked torch for fewer threads gets no more.
 Stages that run in turn on the calling thread compute with the same count there (set around the run, then
 restored): a reduction split over another number of threads may round differently, and a pipeline's results

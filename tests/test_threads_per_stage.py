@@ -82,3 +82,68 @@ def test_pipeline_reports_its_setting(monkeypatch):
 def test_bad_threads_per_stage(bad):
     with pytest.raises(ValueError, match="threads_per_stage"):
         pipecore.Pipeline(_model(), 2, "1f1b", 2, loss_fn=nn.MSELoss(), threads_per_stage=bad)
+
+
+def test_the_planner_profiles_with_the_stage_threads_setting(monkeypatch):
+    """plan() times the nodes with threads_per_stage (default: the share for num_stages), and gives the calling
+    thread its own count back."""
+    import pipecore.planning.api as api
+
+    seen = []
+    real = api.profile
+
+    def profile(*args, threads=None, **kwargs):
+        seen.append(threads)
+        return real(*args, threads=threads, **kwargs)
+
+    monkeypatch.setattr(api, "profile", profile)
+    monkeypatch.setattr(stage_threads, "available_cores", lambda: 8)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(8)
+        x = torch.randn(4, 8)
+        pipecore.plan(_model(), x, 2, "1f1b", objective="parameters")
+        pipecore.plan(_model(), x, 2, "1f1b", objective="parameters", threads_per_stage=3)
+        assert seen == [4, 3] and torch.get_num_threads() == 8
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_profile_runs_with_the_given_threads_and_restores_the_callers(monkeypatch):
+    import pipecore.planning.profiler as profiler
+
+    counts = []
+    real = profiler._profile
+    monkeypatch.setattr(profiler, "_profile", lambda *a: (counts.append(torch.get_num_threads()), real(*a))[1])
+    before = torch.get_num_threads()
+    pipecore.profile(_model(), torch.randn(4, 8), threads=1)
+    assert counts == [1] and torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="threads_per_stage"):
+        pipecore.profile(_model(), torch.randn(4, 8), threads=0)
+
+
+def test_pipecore_plan_takes_threads(monkeypatch, capsys):
+    from pipecore.cli import main
+    import pipecore.planning as planning
+
+    seen = {}
+    real = planning.plan
+
+    def plan(*args, **kwargs):
+        seen["threads_per_stage"] = kwargs.get("threads_per_stage")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planning, "plan", plan)
+    before = torch.get_num_threads()
+    assert main(["plan", "--objective", "parameters", "--threads", "1"]) == 0
+    assert seen == {"threads_per_stage": 1} and torch.get_num_threads() == before
+
+
+def test_in_turn_runs_compute_with_the_stage_setting_and_restore_the_callers(monkeypatch):
+    before = torch.get_num_threads()
+    _Probe.seen = []
+    model = nn.Sequential(nn.Linear(8, 8), _Probe(), nn.Linear(8, 8), _Probe())
+    pipe = pipecore.Pipeline(model, 2, "1f1b", 2, loss_fn=nn.MSELoss(), concurrent=False, leaf_modules=(_Probe,),
+                             threads_per_stage=1)
+    pipe.step(torch.randn(4, 8), torch.randn(4, 8))
+    assert set(_Probe.seen) == {1} and torch.get_num_threads() == before

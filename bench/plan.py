@@ -81,7 +81,7 @@ def largest_memory_plan(costs, algorithm: str, limit: int, cuts, ceiling: int):
 
 def train(plan, algorithm: str, batch: int, steps: int) -> tuple[list[int], float]:
     pipe = pipecore.Pipeline(gpt(), STAGES, algorithm, M, loss_fn=loss_fn, partition=plan, recover=False,
-                             optimizer=pipecore.SGD(lr=0.01, momentum=0.9))
+                             optimizer=pipecore.SGD(lr=0.01, momentum=0.9), track_memory=True)
     start = time.perf_counter()
     for i in range(steps):
         pipe.step(tokens(batch, i), tokens(batch, 1000 + i))

@@ -110,7 +110,7 @@ def test_recomputed_segments_leave_training_unchanged_and_free_memory(algorithm)
 
     def train(p):
         pipe = pipecore.Pipeline(gpt64(), 4, algorithm, 4, loss_fn=lm_loss, partition=p, recover=False,
-                                 optimizer=pipecore.SGD(lr=0.1, momentum=0.9))
+                                 optimizer=pipecore.SGD(lr=0.1, momentum=0.9), track_memory=True)
         g = torch.Generator().manual_seed(7)
         losses = [pipe.step(torch.randint(0, 32, (16, 16), generator=g), torch.randint(0, 32, (16, 16), generator=g))
                   for _ in range(4)]
@@ -202,7 +202,8 @@ def test_a_stage_accounts_its_micro_batches_in_flight(algorithm):
     width, m, batch = 8, 4, 16
     model = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
                           nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 3)).double()
-    pipe = pipecore.Pipeline(model, 3, algorithm, m, loss_fn=nn.CrossEntropyLoss(), partition=[2, 4], recover=False)
+    pipe = pipecore.Pipeline(model, 3, algorithm, m, loss_fn=nn.CrossEntropyLoss(), partition=[2, 4], recover=False,
+                             track_memory=True)
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         pipe.step(torch.randn(batch, width, generator=g, dtype=torch.float64), torch.randint(0, 3, (batch,), generator=g))
@@ -220,11 +221,14 @@ def test_a_stage_accounts_its_micro_batches_in_flight(algorithm):
 def test_without_the_memory_account_training_is_the_same_and_no_hook_counts(algorithm, options, monkeypatch):
     """track_memory=False installs no saved-tensor hook of the account and counts nothing (peak_bytes None);
     the weights and losses are bit-identical to the pipeline that keeps it."""
-    from pipecore.engine.memory import MemoryAccount
+    from pipecore.engine.memory import Kept, MemoryAccount
 
     counted = []
     original = MemoryAccount.note
     monkeypatch.setattr(MemoryAccount, "note", lambda self, t: (counted.append(self.enabled), original(self, t)))
+    # A counted forward's own pack hook (what an enabled account installs): it counts, so it is enabled.
+    original_add = Kept.add
+    monkeypatch.setattr(Kept, "add", lambda self, t: (counted.append(True), original_add(self, t))[1])
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(16, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (16,), generator=g))
                for _ in range(3)]
@@ -288,7 +292,7 @@ def test_predicted_peak_memory_is_within_10_percent_of_measured(name, algorithm,
     else:
         plan = plan_costs(costs, num_stages, algorithm, 32, 4, objective="parameters", allowed_cuts=cuts, **options)
     pipe = pipecore.Pipeline(model, num_stages, algorithm, 4, loss_fn=loss_fn, partition=plan, optimizer=optimizer,
-                             recover=False, **options)
+                             recover=False, track_memory=True, **options)
     for _ in range(3):
         pipe.step(inputs(32), targets(32))
     measured = [s["peak_bytes"] for s in pipe.stats()]
@@ -316,7 +320,8 @@ def test_recomputed_segments_are_accounted_as_predicted(algorithm):
                          loss_fn=loss_fn, example_target=y, cuts="nodes")
     assert plan.starts == (3,)
     plan = dataclasses.replace(plan, recomputed=(((1, 3),), ((5, 6),)))
-    pipe = pipecore.Pipeline(model, 2, algorithm, 4, loss_fn=loss_fn, partition=plan, recover=False)
+    pipe = pipecore.Pipeline(model, 2, algorithm, 4, loss_fn=loss_fn, partition=plan, recover=False,
+                             track_memory=True)
     for _ in range(2):
         pipe.step(*data(16))
     for s, predicted in enumerate(plan.memory_breakdown()):

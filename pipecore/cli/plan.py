@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "host memory, so that the plan may offload activations)")
     parser.add_argument("--png", metavar="PATH", help="draw the plan (memory terms per stage, time) to a PNG file")
     parser.add_argument("--progress", action="store_true", help="show a progress bar while profiling")
+    parser.add_argument("--threads", type=positive_int, metavar="N",
+                        help="torch intra-op threads per stage, as Pipeline(threads_per_stage=N) trains with "
+                             "(default: cores // stages, at least 1)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{task.name(model)}; profiling {len(example)} samples per micro-batch")
     result = plan(model, example, args.stages, args.algorithm, args.batch_size, args.microbatches, limit,
                   args.objective, optimizer=optimizer, loss_fn=task.loss_fn, example_target=target, cuts=args.cuts,
-                  progress=args.progress, **dict(args.option))
+                  progress=args.progress, threads_per_stage=args.threads, **dict(args.option))
     print(result.table())
     if limit is not None:
         print(f"largest mini-batch within the limit with these cuts: {result.max_batch_size()}")

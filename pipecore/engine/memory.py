@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
@@ -47,16 +47,18 @@ class Kept:
         self.excluded = excluded
         self.spans: dict[int, tuple[int, int]] = {}  # storage -> (first byte, end byte)
 
-    def add(self, t: Any) -> None:
+    def add(self, t: Any) -> Any:
+        """Count ``t`` (anything that is not a CPU tensor counts nothing); returns ``t``, so that this method is
+        itself the saved-tensor pack hook: one Python call per saved tensor."""
         if not isinstance(t, torch.Tensor) or not t.is_cpu:
-            return
+            return t
         count = t.numel()
         if count == 0:
-            return
+            return t
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if key in self.excluded:
-            return
+            return t
         size = t.element_size()
         first = t.storage_offset() * size
         if t.is_contiguous():  # most saved tensors: no need to walk the strides
@@ -66,6 +68,7 @@ class Kept:
                       first + size * (1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))))
         span = self.spans.get(key)
         self.spans[key] = (first, end) if span is None else (min(span[0], first), max(span[1], end))
+        return t
 
     def ranges(self) -> dict[tuple[int, int, int], int]:
         """The byte ranges kept, each with its bytes."""
@@ -81,11 +84,14 @@ class _NothingKept(Kept):
     def __init__(self) -> None:
         super().__init__(set())
 
-    def add(self, t: Any) -> None:
-        return None
+    def add(self, t: Any) -> Any:
+        return t
 
 
 _NOTHING_KEPT = _NothingKept()
+# What a disabled account's blocks are: reusable, as they hold nothing.
+_COUNT_NOTHING = nullcontext(_NOTHING_KEPT)
+_NOTHING = nullcontext()
 
 
 class MemoryAccount:
@@ -118,14 +124,17 @@ class MemoryAccount:
     def hooks(self) -> Any:
         """Around a forward inside :meth:`counting`: the saved-tensor hooks that count what it saves (none when
         not enabled)."""
-        return saving(self.pack, identity) if self.enabled else nullcontext()
+        if not self.enabled:
+            return _NOTHING
+        # Inside counting(): the forward's own Kept is the pack hook (one Python call per saved tensor).
+        return saving(self.pack if self._kept is None else self._kept.add, identity)
+
+    def counting(self, kept: Iterable[Any] = ()) -> AbstractContextManager[Kept]:
+        """Count what the block's forward saves, plus the tensors in ``kept`` (nothing when not enabled)."""
+        return self._counting(kept) if self.enabled else _COUNT_NOTHING
 
     @contextmanager
-    def counting(self, kept: Iterable[Any] = ()) -> Iterator[Kept]:
-        """Count what the block's forward saves, plus the tensors in ``kept`` (nothing when not enabled)."""
-        if not self.enabled:
-            yield _NOTHING_KEPT
-            return
+    def _counting(self, kept: Iterable[Any]) -> Iterator[Kept]:
         excluded = self.excluded
         if self._with_buffers:  # looked up each time: a buffer may be replaced (buffer_copies, load_state_dict)
             excluded = excluded | {b.untyped_storage().data_ptr() for m in self._with_buffers
@@ -174,13 +183,13 @@ class MemoryAccount:
         """The backward of the micro-batch last backwarded has ended: what it kept is freed."""
         self.backwarding = 0
 
-    @contextmanager
-    def backward(self) -> Iterator[None]:
+    def backward(self) -> AbstractContextManager[None]:
         """The block runs the stage's backward: recomputed segments count their transient here
         (:func:`counting_recomputation`)."""
-        if not self.enabled:
-            yield
-            return
+        return self._backward() if self.enabled else _NOTHING
+
+    @contextmanager
+    def _backward(self) -> Iterator[None]:
         _COUNTING.backward = self
         try:
             yield

@@ -12,6 +12,7 @@ import os
 import statistics
 import warnings
 from collections import OrderedDict
+from functools import partial
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -44,6 +45,7 @@ from .reshard import canonical_names, has_parameter_names, parameter_states, sta
 from .backward_rules import GLOBAL_RANDOM
 from .buffers import buffer_copies
 from .stage import TensorStage
+from .threads import calling_thread_threads, check_threads_per_stage, default_threads_per_stage, thread_setup
 from .undo import Unrecoverable, UndoPoint, minibatches_in_flight, release, undo
 from .tied import StageTies
 
@@ -102,8 +104,13 @@ class Pipeline:
         concurrent: run each stage's actions on its own worker thread (and, on CUDA, its own stream), so
             that stages in one process compute at the same time; each stage keeps the schedule's order, so
             the results are bit-identical to ``concurrent=False`` (one thread running the stages in turn).
-            Default: True in one process with more than one stage. Stage threads share torch's intra-op
-            thread pool: give each about ``cores / num_stages`` threads (``torch.set_num_threads``).
+            Default: True in one process with more than one stage.
+        threads_per_stage: torch intra-op threads a stage computes with: set once on each stage thread when
+            it starts (``concurrent``), and on the calling thread around the actions it runs in turn (then
+            restored), so that results are the same bits either way. Default None: the process's share,
+            ``cores // stages in this process`` (at least 1, at most the caller's ``torch.get_num_threads()``);
+            without a share each stage thread would use every core and the stages would oversubscribe the
+            machine. In turn, a larger count (up to the cores) lets the one stage running use them all.
         overlap_steps: let the stage threads go on with a mini-batch's remaining work after ``step()`` has
             returned its loss, so that they work while the caller prepares the next mini-batch (``step()``
             returns once the last stage has computed the loss; the stages keep their order, so the results
@@ -126,11 +133,12 @@ class Pipeline:
             weights unless the ring still holds them when the step completes (algorithms that keep the previous
             version, such as 2bw, mostly skip that copy). False skips the copies; a failed step then leaves the
             pipeline unusable. Default True.
-        track_memory: keep each CPU stage's memory account (``stats()[s]["peak_bytes"]``). It sees the saved
-            tensors through saved-tensor hooks, a Python call per saved tensor in every forward and backward,
-            which with stages on threads also waits for the GIL inside the backward. False skips them;
-            ``peak_bytes`` of a CPU stage is then None. CUDA stages need no account (the allocator measures)
-            and never install the hooks. Default True.
+        track_memory: keep each CPU stage's memory account (``stats()[s]["peak_bytes"]``), counted only when
+            asked for: it sees the saved tensors through saved-tensor hooks, a Python call per saved tensor in
+            every forward and backward (each wrapping the tensor in a new Python object), which with stages on
+            threads also waits for the GIL inside the backward; with small stages that made steps 1.14x as long
+            (docs/training.md, "What an action costs"). Without it, ``peak_bytes`` of a CPU stage is None.
+            CUDA stages need no account (the allocator measures) and never install the hooks. Default False.
         **options: algorithm options (``backward_rule``, ``update_every``, ``lam``, ``alpha``, ...).
 
     Each micro-batch loss is divided by the number of micro-batches one update accumulates (``m`` for the
@@ -155,11 +163,12 @@ class Pipeline:
         devices: Sequence[str | torch.device] | str | torch.device | None = None,
         concurrent: bool | None = None,
         overlap_steps: bool = False,
+        threads_per_stage: int | None = None,
         lr_scheduler: Callable[..., Any] | None = None,
         clip_grad_norm: float | None = None,
         autocast: torch.dtype | None = None,
         recover: bool = True,
-        track_memory: bool = True,
+        track_memory: bool = False,
         **options: Any,
     ):
         if concurrent is not None and not isinstance(concurrent, bool):
@@ -168,6 +177,7 @@ class Pipeline:
             raise TypeError(f"overlap_steps must be True or False, got {overlap_steps!r}")
         if not isinstance(recover, bool):
             raise TypeError(f"recover must be True or False, got {recover!r}")
+        threads_per_stage = check_threads_per_stage(threads_per_stage)
         if not isinstance(track_memory, bool):
             raise TypeError(f"track_memory must be True or False, got {track_memory!r}")
         if not isinstance(split_backward, bool):
@@ -248,7 +258,10 @@ class Pipeline:
 
             self._transport = DistributedTransport(self.rank, num_stages, timeout, self.devices[self.rank])
         # Stage worker threads, kept from step to step (one process, several stages, concurrent).
-        self._threads = StageThreads() if self.concurrent and len(self.stages) > 1 else None
+        self.threads_per_stage = (default_threads_per_stage(len(self.stages)) if threads_per_stage is None
+                                  else threads_per_stage)
+        self._threads = (StageThreads(thread_setup(self.threads_per_stage))
+                         if self.concurrent and len(self.stages) > 1 else None)
         if overlap_steps and self._threads is None:
             raise ValueError(
                 "overlap_steps=True needs a worker thread per stage: concurrent=True with more than one stage in "
@@ -257,6 +270,7 @@ class Pipeline:
         self.overlap_steps = overlap_steps
         for st in self.stages.values():
             st.use_stream(self._threads is not None)  # a stream of its own only where it runs on its own thread
+            st.intra_op_threads = self.threads_per_stage
         self._staleness = {s: _Tally() for s in self.stages}
         self._delays = {s: _Tally() for s in self.stages}
         self._closed = False
@@ -293,6 +307,7 @@ class Pipeline:
             schedule, self.stages, Costs.uniform(self.num_stages), transport=self._transport,
             source=self._inputs.pop, keep_events=False, on_event=self._observe,
             needs=self._needs(None if sync is None else sync.needs), threads=self._threads,
+            calling_thread=partial(calling_thread_threads, self.threads_per_stage),
         )
 
     def _recompute_planned(self, plan: Plan, graphs: Sequence[StageGraph]) -> None:
@@ -362,11 +377,23 @@ class Pipeline:
                                        else math.fsum(n * loss for n, loss in zip(sizes, losses)) / sum(sizes))
             if self.rank is not None:
                 self._transport.publish_loss(j, self._minibatch_loss[j])
+        # _Tally.add, inline: this runs once per action.
+        live = rec.live
+        tally = self._staleness[s]
         for read in rec.reads.values():
-            self._staleness[s].add(rec.live - read.version)
-        if event.action.kind is B:
+            value = live - read.version
+            tally.count += 1
+            tally.total += value
+            if value > tally.max:
+                tally.max = value
+        if action.kind is B:
+            tally = self._delays[s]
             for r in rec.forward_reads.values():
-                self._delays[s].add(rec.live - r.version)
+                value = live - r.version
+                tally.count += 1
+                tally.total += value
+                if value > tally.max:
+                    tally.max = value
 
     def _owns(self, stage: int) -> bool:
         return stage in self.stages
@@ -1043,7 +1070,7 @@ class Pipeline:
         backward), the learning rate of the stage's next update (``lr``, before per-stage scaling), the peak
         memory measured while training (``peak_bytes``: on CUDA the allocator's peak of the stage's device, on
         the CPU the stage's account of what it allocates and what its micro-batches in flight keep, see
-        ``pipecore.engine.memory``; None with ``track_memory=False``), and the median seconds of the stage's
+        ``pipecore.engine.memory``, kept with ``track_memory=True``; None without it), and the median seconds of the stage's
         recent actions of each kind."""
         if all_stages:
             return sorted((st for part in self._gather(self.stats()) for st in part), key=lambda st: st["stage"])

@@ -17,6 +17,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
+import torch.nn.modules.module as _module_hooks
 
 from ..algorithms.base import Algorithm, WeightRead
 from ..algorithms.derivations import derive
@@ -57,6 +58,10 @@ class _RecentSeconds:
 
     def median(self) -> float:
         return statistics.median(self.values[: min(self.count, len(self.values))])
+
+
+_profiler_enabled = torch.autograd._profiler_enabled
+_NO_RANGE = nullcontext()  # reusable: it holds nothing
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -101,6 +106,11 @@ class TensorStage(StageWorker):
         self.device = device
         # The stream this stage computes on when stages run concurrently on CUDA (see use_stream).
         self.stream: Any = None
+        # The modules that hold buffers (BatchNorm's statistics), found once: an undo point copies their buffers
+        # at every step, and the module's structure does not change while it trains.
+        self.modules_with_buffers = [m for m in module.modules() if m._buffers]
+        # torch intra-op threads of its runs on a stage thread (Pipeline's threads_per_stage; None: as set).
+        self.intra_op_threads: int | None = None
         self._nvtx = device.type == "cuda"
         flat = torch.zeros(self.layout.buffer_numel, dtype=self.layout.dtype, device=device)
         self.layout.gather(module, flat)
@@ -165,6 +175,11 @@ class TensorStage(StageWorker):
         self.stream = torch.cuda.Stream(self.device) if concurrent and self.device.type == "cuda" else None
 
     def running(self) -> AbstractContextManager[Any]:
+        # Entered on a stage thread after the caller's torch state (pipecore._C.ThreadState), which sets the
+        # thread's intra-op count to the one last set on any thread: this stage's count again, so that every
+        # run computes with it (a reduction's bits depend on it).
+        if self.intra_op_threads is not None and torch.get_num_threads() != self.intra_op_threads:
+            torch.set_num_threads(self.intra_op_threads)
         return nullcontext() if self.stream is None else self._on_own_stream()
 
     @contextmanager
@@ -178,8 +193,8 @@ class TensorStage(StageWorker):
             ambient.wait_stream(self.stream)  # and whatever the caller does after the run sees its results
 
     def action_range(self, action: Action, reads: Mapping[int, WeightRead]) -> AbstractContextManager[Any]:
-        if not (self._nvtx or torch.autograd._profiler_enabled()):
-            return nullcontext()  # the check costs far less than an idle record_function
+        if not (self._nvtx or _profiler_enabled()):
+            return _NO_RANGE  # the check costs far less than an idle record_function
         return _ActionRange(traced(action, reads), self._nvtx)
 
     def accept(self, message: Message) -> Any:
@@ -250,7 +265,7 @@ class TensorStage(StageWorker):
     def autocasting(self) -> AbstractContextManager:
         """Where a forward runs: under ``torch.autocast`` to the stage's ``autocast`` dtype, if it has one."""
         if self.autocast is None:
-            return nullcontext()
+            return _NO_RANGE  # a shared null context: this runs once per forward
         return torch.autocast(device_type=self.device.type, dtype=self.autocast)
 
     def weight_views(self, weights: torch.Tensor) -> list[torch.Tensor]:
@@ -288,7 +303,12 @@ class TensorStage(StageWorker):
         try:
             for sub, name, i in slots:
                 sub._parameters[name] = params[i]
-            return self.module(*inputs)
+            module = self.module
+            if _hooked(module):
+                return module(*inputs)
+            # No hook to run: the generated forward itself, without the four Python frames of the module call
+            # (GraphModule's wrapper, nn.Module's call and its dispatch) that would only find no hook.
+            return module.forward(*inputs)
         finally:
             for (sub, name, _), original in zip(slots, originals):
                 sub._parameters[name] = original
@@ -359,12 +379,13 @@ class TensorStage(StageWorker):
     def compute_backward(self, action: Action, reads: Sequence[WeightRead], forward_reads: Sequence[WeightRead],
                          payloads: Sequence[Any]) -> list[Any]:
         t0 = time.perf_counter()
-        self._last_backward_count = len(action.microbatches)
+        microbatches = action.microbatches  # a property that builds a range: once per action
+        self._last_backward_count = len(microbatches)
         rule = self.rule
         outs = []
         # A recomputed segment's transient counts against this stage (on the CPU; CUDA's allocator sees it).
         with self.memory.backward():
-            for k, read, grad_out in zip(action.microbatches, reads, payloads):
+            for k, read, grad_out in zip(microbatches, reads, payloads):
                 self.memory.released()  # the action's previous micro-batch, if any, is done
                 # Taken out of in_flight once the backward starts changing state (see _committed).
                 graph = rule.graph(self, self.in_flight[k], read)
@@ -385,7 +406,7 @@ class TensorStage(StageWorker):
                 # Only the action's last micro-batch defers: an earlier one's derived weights (scratch) are
                 # overwritten by the next micro-batch's read. Split backwards take one tensor in and one out.
                 if (self.split_backward and len(wanted) == 1 and len(inputs) == 1 and len(tensors) == 1
-                        and graph.leaves and k == action.microbatches[-1]):
+                        and graph.leaves and k == microbatches[-1]):
                     self._committed(k)
                     with rule.reading(graph.weights):
                         dx, pending = input_gradient(tensors[0], None if grads is None else grads[0], wanted[0],
@@ -557,7 +578,10 @@ class TensorStage(StageWorker):
     def _timed(self, kind: str, t0: float) -> None:
         seconds = time.perf_counter() - t0
         self.seconds[kind] += seconds
-        self.recent_seconds[kind].add(seconds)
+        recent = self.recent_seconds[kind]  # _RecentSeconds.add, inline: this runs once per action
+        values = recent.values
+        values[recent.count % len(values)] = seconds
+        recent.count += 1
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.is_floating_point() and x.dtype not in (self.layout.dtype, self.autocast) and self.layout.numel:
@@ -675,6 +699,16 @@ class _ActionRange:
             torch.cuda.nvtx.range_pop()
         if self._record is not None:
             self._record.__exit__(*exc)
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    """Whether calling ``module`` would do more than call its forward: run a hook (its own or a global one),
+    a compiled call (``module.compile()``) or a JIT trace, as ``nn.Module.__call__`` checks."""
+    return bool(getattr(module, "_compiled_call_impl", None) is not None or torch._C._get_tracing_state()
+                or module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or _module_hooks._global_forward_hooks
+                or _module_hooks._global_forward_pre_hooks or _module_hooks._global_backward_hooks
+                or _module_hooks._global_backward_pre_hooks)
 
 
 def _tensors(payload: Any) -> list[torch.Tensor]:

@@ -131,7 +131,7 @@ class UndoPoint:
 
     @classmethod
     def at(cls, stage: "TensorStage", first: int) -> "UndoPoint":
-        buffers = [(m, name, b.detach().clone()) for m in stage.module.modules()
+        buffers = [(m, name, b.detach().clone()) for m in stage.modules_with_buffers
                    for name, b in m._buffers.items() if b is not None]
         return cls(first, stage.book.latest_tag, buffers)
 

@@ -49,6 +49,7 @@ def plan(
     leaf_modules: Sequence[type | str] = (),
     cuts: str = "modules",
     progress: bool = False,
+    threads_per_stage: int | None = None,
     **algorithm_options: Any,
 ) -> Plan:
     """Where to cut ``model`` into ``num_stages`` stages for ``algorithm``, from measured per-node costs.
@@ -70,19 +71,26 @@ def plan(
     ``loss_fn`` and ``example_target`` (the pipeline's loss and ``example_input``'s targets) let the last
     stage's prediction include the loss's time and what it saves.
 
+    The nodes are timed with the intra-op threads a stage thread of the pipeline will use:
+    ``threads_per_stage``, as ``Pipeline`` takes it (default: the process's share, ``cores // num_stages``, at
+    least 1, at most the caller's ``torch.get_num_threads()``).
+
     Returns a :class:`~pipecore.planning.Plan`: ``starts`` (pass the plan as ``Pipeline(...,
     partition=plan)``), ``recomputed``, ``offloaded``, ``stage_time``, ``stage_memory`` (predicted peak bytes per
     stage), ``max_batch_size()``, ``table()`` and ``plot(path)``. A limit no partition meets raises
     :class:`~pipecore.planning.InfeasibleMemoryLimit`, which names the smallest limit that works.
     """
     from ..engine.graph import CapturedModel
+    from ..engine.threads import default_threads_per_stage
     from ..engine.partition import module_units
 
     if cuts not in _CUTS:
         raise ValueError(f"cuts must be one of {_CUTS}, got {cuts!r}")
     limit = None if memory_limit is None else parse_bytes(memory_limit)
     costs = profile(model, example_input, leaf_modules=leaf_modules, optimizer=optimizer, loss_fn=loss_fn,
-                    example_target=example_target, progress=progress)
+                    example_target=example_target, progress=progress,
+                    threads=(default_threads_per_stage(num_stages) if threads_per_stage is None
+                             else threads_per_stage))
     if batch_size is None:
         batch_size = costs.microbatch_size * n_microbatches
     allowed = None

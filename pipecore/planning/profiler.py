@@ -64,7 +64,8 @@ __all__ = ["profile"]
 
 def profile(model: nn.Module, example_input: Any, *, leaf_modules: Sequence[type | str] = (),
             optimizer: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-            example_target: Any = None, warmup: int = 2, repeats: int = 5, progress: bool = False) -> GraphCosts:
+            example_target: Any = None, warmup: int = 2, repeats: int = 5, progress: bool = False,
+            threads: int | None = None) -> GraphCosts:
     """Measure the costs of every compute node of ``model``'s captured graph for one micro-batch.
 
     Args:
@@ -85,6 +86,8 @@ def profile(model: nn.Module, example_input: Any, *, leaf_modules: Sequence[type
         warmup: untimed runs of each node before the timed ones (>= 0).
         repeats: timed runs of each node; each time is their median (>= 1).
         progress: show a progress bar on stderr (tqdm if installed, else a counter).
+        threads: torch intra-op threads while measuring (restored after), as a stage thread of the pipeline
+            will compute with (``Pipeline(threads_per_stage=...)``); None: the calling thread's setting.
 
     Returns:
         A :class:`GraphCosts` with one entry per node of ``CapturedModel(model).nodes``, in order; ``device``
@@ -107,6 +110,22 @@ def profile(model: nn.Module, example_input: Any, *, leaf_modules: Sequence[type
         raise TypeError("profile() needs an example_input: one micro-batch of the model's inputs (a tensor, a "
                         "tuple or a dict of tensors) to run every node on")
     _check_optimizer(optimizer)
+    from ..engine.threads import check_threads_per_stage  # here: engine imports the planner
+
+    threads = check_threads_per_stage(threads)
+    caller_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _profile(model, example_input, leaf_modules, optimizer, loss_fn, example_target, warmup, repeats,
+                        progress)
+    finally:
+        torch.set_num_threads(caller_threads)
+
+
+def _profile(model: nn.Module, example_input: Any, leaf_modules: Sequence[type | str], optimizer: Any,
+             loss_fn: Callable[[Any, Any], torch.Tensor] | None, example_target: Any, warmup: int, repeats: int,
+             progress: bool) -> GraphCosts:
     captured = CapturedModel(model, leaf_modules, example_input)
     model = captured.model
     inputs = as_model_inputs(example_input, captured)

@@ -19,6 +19,7 @@ them, and :meth:`Executor.settle` waits for all.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Mapping, Sequence
@@ -32,7 +33,7 @@ from .threads import StageThreads
 from .transport import LocalTransport, Transport
 from .worker import ActionRecord, Message, StageWorker
 
-_RECHECKED = 256
+_RECHECKED = 64
 _POLL = 0.05  # seconds between the caller's checks for Ctrl-C while it waits for a stage thread
 
 
@@ -90,6 +91,9 @@ class Executor:
     #: Run each stage that has work on its own thread of this pool (the transport must block in ``receive``
     #: and support ``abort``, as :class:`LocalTransport` does); None: run the stages in turn on this thread.
     threads: StageThreads | None = None
+    #: Entered around every run of actions on the calling thread (in turn), as a stage thread's setup runs on
+    #: that thread (e.g. the stages' intra-op thread count, on which a reduction's bits depend); None: nothing.
+    calling_thread: Callable[[], AbstractContextManager[Any]] | None = None
     events: list[Event] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -101,6 +105,8 @@ class Executor:
             raise ValueError(f"workers given for stages {bad}; the schedule has stages 0..{P - 1}")
         self.cursor = [0] * P
         self.stage_free = [0.0] * P
+        # In-process mailboxes: a stage whose message is not there yet can wait for another stage's turn.
+        self._local = isinstance(self.transport, LocalTransport)
         self._index = positions(self.schedule)
         # Actions handed out: every stage will have run up to here once the stage threads settle (the
         # cursors are where each stage is now).
@@ -138,6 +144,18 @@ class Executor:
         """
         self._check_failure()
         rows = self.schedule.stages
+        if (available is not None and self.threads is None and self._local
+                and len(self.workers) == self.schedule.num_stages):
+            # Every stage is here and runs on this thread: the dependency closure is what running in turn
+            # until no stage can go on reaches, so it need not be computed first (a walk over every action).
+            try:
+                with self._on_calling_thread():
+                    self._run_in_turn(None, available)
+            except BaseException as exc:
+                self.failure = exc
+                raise
+            self.planned = list(self.cursor)
+            return
         target = runnable(self.schedule, self.planned, available, self._index, self.needs)
         if available is None and any(t < len(rows[s]) for s, t in enumerate(target)):
             blocked = next(rows[s][t] for s, t in enumerate(target) if t < len(rows[s]))
@@ -153,7 +171,8 @@ class Executor:
                 self._wait_until(until)
         else:
             try:
-                self._run_in_turn(target)
+                with self._on_calling_thread():
+                    self._run_in_turn(target)
             except BaseException as exc:
                 self.failure = exc
                 raise
@@ -162,6 +181,9 @@ class Executor:
         for s in range(len(rows)):
             if s not in self.workers:
                 self.cursor[s] = target[s]
+
+    def _on_calling_thread(self) -> AbstractContextManager[Any]:
+        return nullcontext() if self.calling_thread is None else self.calling_thread()
 
     def settle(self) -> None:
         """Wait until the stage threads have run every action handed to them. Raises the first error a stage
@@ -198,22 +220,37 @@ class Executor:
         if self._failures and not settling:
             self.settle()  # a stage thread failed after the last run returned: raise its error now
 
-    def _run_in_turn(self, target: Sequence[int]) -> None:
+    def _run_in_turn(self, target: Sequence[int] | None, available: int | None = None) -> None:
+        """Run the stages in turn on this thread, each as far as its messages allow, up to ``target`` (None: as
+        far as they go without forwards of micro-batch ``available`` or later)."""
         rows = self.schedule.stages
+        last = self.schedule.num_stages - 1
+        ready, needs, cursor, workers, execute = self.transport.ready, self.needs, self.cursor, self.workers, \
+            self._execute
         progressed = True
         while progressed:
             progressed = False
-            for s in self.workers:
-                while self.cursor[s] < target[s]:
-                    action = rows[s][self.cursor[s]]
-                    need = upstream(action, self.schedule.num_stages)
-                    if need is not None and not self.transport.ready(action.stage, action.kind, need[2]):
+            for s in workers:
+                row = rows[s]
+                end = len(row) if target is None else target[s]
+                c = cursor[s]
+                while c < end:
+                    action = row[c]
+                    kind = action.kind
+                    # The upstream message (see schedule.upstream), checked inline: this runs once per action.
+                    if kind is F:
+                        if available is not None and action.index >= available:
+                            break
+                        if s > 0 and not ready(s, F, action.index):
+                            break
+                    elif kind is B and s < last and not ready(s, B, action.index + action.count - 1):
                         break
-                    if self.needs is not None and not all(
-                            self._index[n] < self.cursor[n[0]] for n in self.needs(action) if n[0] in self.workers):
+                    if needs is not None and not all(
+                            self._index[n] < cursor[n[0]] for n in needs(action) if n[0] in workers):
                         break
-                    self._execute(action)
-                    self.cursor[s] += 1
+                    execute(action)
+                    c += 1
+                    cursor[s] = c
                     progressed = True
 
     def _submit(self, stages: Sequence[int], target: Sequence[int]) -> None:
@@ -310,10 +347,54 @@ class Executor:
         self.failed_actions.clear()
 
     def _execute(self, action: Action) -> None:
+        """Run one action on its stage's worker and hand its messages on. An action that raises is noted in
+        ``failed_actions``, with whether it left no trace. (One method: this runs once per action.)"""
+        worker = self.workers[action.stage]
         try:
-            self._execute_action(action)
+            s, last = action.stage, self.schedule.num_stages - 1
+            transport = self.transport
+            if action.kind is F:
+                incoming = transport.receive(s, F, action.index) if s > 0 else Message(self.source(action.index))
+                start = max(self.stage_free[s], incoming.ready_at)
+                try:
+                    out, record = worker.forward(action, incoming)
+                except BaseException:
+                    if worker.failed_cleanly and s > 0:
+                        transport.give_back(s, F, action.index, incoming)  # the action can run again: give its input back
+                    raise
+            elif action.kind is B:
+                microbatches = action.microbatches  # a property that builds a range: once per action
+                incoming = self._receive_gradients(s, microbatches) if s < last else [Message() for _ in microbatches]
+                start = max([self.stage_free[s]] + [m.ready_at for m in incoming])
+                try:
+                    outs, record = worker.backward(action, incoming)
+                except BaseException:
+                    if worker.failed_cleanly and s < last:
+                        for k, m in zip(microbatches, incoming):
+                            transport.give_back(s, B, k, m)
+                    raise
+            else:
+                start = self.stage_free[s]
+                record = worker.update(action)
+            costs = self.costs
+            end = start + (costs.forward[s] if action.kind is F else costs.backward[s] * action.count
+                           if action.kind is B else costs.update[s])  # Costs.of, inline: once per action
+            self.stage_free[s] = end
+            if action.kind is F and s < last:
+                out.ready_at = end + self.costs.send
+                transport.send(s + 1, F, action.index, out)
+            elif action.kind is B and s > 0:
+                for k, m in zip(microbatches, outs):
+                    m.ready_at = end + self.costs.send
+                    transport.send(s - 1, B, k, m)
+            if action.kind is B:
+                worker.finish_backward()  # after the send: the upstream stage waits only for the input gradient
+            event = Event(action, start, end, record)
+            if self.keep_events:
+                self.events.append(event)
+            if self.on_event is not None:
+                self.on_event(event)
         except BaseException:
-            worker = self.workers[action.stage]
             self.failed_actions.append((action, worker.failed_cleanly if worker.last_action == action else True))
             raise
 
@@ -331,46 +412,3 @@ class Executor:
             raise
         return received
 
-    def _execute_action(self, action: Action) -> None:
-        worker = self.workers[action.stage]
-        s, last = action.stage, self.schedule.num_stages - 1
-        transport = self.transport
-        if action.kind is F:
-            incoming = transport.receive(s, F, action.index) if s > 0 else Message(self.source(action.index))
-            start = max(self.stage_free[s], incoming.ready_at)
-            try:
-                out, record = worker.forward(action, incoming)
-            except BaseException:
-                if worker.failed_cleanly and s > 0:
-                    transport.give_back(s, F, action.index, incoming)  # the action can run again: give its input back
-                raise
-        elif action.kind is B:
-            incoming = self._receive_gradients(s, action.microbatches) if s < last else \
-                [Message() for _ in action.microbatches]
-            start = max([self.stage_free[s]] + [m.ready_at for m in incoming])
-            try:
-                outs, record = worker.backward(action, incoming)
-            except BaseException:
-                if worker.failed_cleanly and s < last:
-                    for k, m in zip(action.microbatches, incoming):
-                        transport.give_back(s, B, k, m)
-                raise
-        else:
-            start = self.stage_free[s]
-            record = worker.update(action)
-        end = start + self.costs.of(action)
-        self.stage_free[s] = end
-        if action.kind is F and s < last:
-            out.ready_at = end + self.costs.send
-            transport.send(s + 1, F, action.index, out)
-        elif action.kind is B and s > 0:
-            for k, m in zip(action.microbatches, outs):
-                m.ready_at = end + self.costs.send
-                transport.send(s - 1, B, k, m)
-        if action.kind is B:
-            worker.finish_backward()  # after the send: the upstream stage waits only for the input gradient
-        event = Event(action, start, end, record)
-        if self.keep_events:
-            self.events.append(event)
-        if self.on_event is not None:
-            self.on_event(event)

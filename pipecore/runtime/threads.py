@@ -12,16 +12,19 @@ from __future__ import annotations
 import queue
 import threading
 import weakref
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional
 
 _STOP = None  # the job that ends a thread
 _POLL = 0.05  # seconds between the caller's checks for Ctrl-C while stage threads run
 
 
 class StageThreads:
-    """One daemon thread per stage, started on first use."""
+    """One daemon thread per stage, started on first use. ``on_start``, if given, runs once on each thread
+    when it starts, before its first job (the pipeline sets the thread's intra-op thread count there: torch
+    keeps that count per thread, so a setting made on the caller's thread does not reach the stage threads)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_start: Optional[Callable[[], None]] = None) -> None:
+        self._on_start = on_start
         self._inboxes: dict[int, queue.SimpleQueue] = {}
         self._threads: dict[int, threading.Thread] = {}
         self._closed = False
@@ -65,7 +68,8 @@ class StageThreads:
         inbox = self._inboxes.get(stage)
         if inbox is None or not self._threads[stage].is_alive():
             inbox = self._inboxes[stage] = queue.SimpleQueue()
-            thread = threading.Thread(target=_serve, args=(inbox,), name=f"pipecore-stage-{stage}", daemon=True)
+            thread = threading.Thread(target=_serve, args=(inbox, self._on_start), name=f"pipecore-stage-{stage}",
+                                      daemon=True)
             self._threads[stage] = thread
             thread.start()
         return inbox
@@ -80,7 +84,9 @@ class StageThreads:
         self._finalizer()
 
 
-def _serve(inbox: queue.SimpleQueue) -> None:
+def _serve(inbox: queue.SimpleQueue, on_start: Optional[Callable[[], None]] = None) -> None:
+    if on_start is not None:
+        on_start()
     while True:
         item = inbox.get()
         if item is _STOP:

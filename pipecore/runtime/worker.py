@@ -93,7 +93,9 @@ class StageWorker:
     # The version logic, shared by every kind of stage.
     def forward(self, action: Action, message: Message) -> tuple[Message, ActionRecord]:
         live = self.book.live
-        mark = self._begin(action)
+        # _begin, inline: this runs once per action.
+        self.last_action, self.mutated, self.failed_cleanly = action, False, False
+        mark = self.book.mark()
         try:
             read, tag = self.book.forward(action.index, message.tag)
             with self.action_range(action, {action.index: read}):
@@ -106,25 +108,35 @@ class StageWorker:
     def backward(self, action: Action, messages: Sequence[Message]) -> tuple[list[Message], ActionRecord]:
         live = self.book.live
         every = self.algorithm.update_every
-        for k, m in zip(action.microbatches, messages):
+        microbatches = action.microbatches  # a property that builds a range: once per action
+        poisoned = self.poisoned_groups
+        for k, m in zip(microbatches, messages):
             if m.poisoned:
-                self.poisoned_groups.add(k // every)
-        mark = self._begin(action)
+                poisoned.add(k // every)
+        # _begin, inline: this runs once per action.
+        self.last_action, self.mutated, self.failed_cleanly = action, False, False
+        mark = self.book.mark()
         try:
-            pairs = [self.book.backward(k) for k in action.microbatches]
-            reads = [p[0] for p in pairs]
-            forward_reads = [p[1] for p in pairs]
-            record = ActionRecord(
-                dict(zip(action.microbatches, reads)), dict(zip(action.microbatches, forward_reads)), live=live
-            )
+            book = self.book
+            if len(microbatches) == 1:  # the common case, without the per-micro-batch lists
+                k = microbatches[0]
+                read, forward_read = book.backward(k)
+                reads, forward_reads = [read], [forward_read]
+                record = ActionRecord({k: read}, {k: forward_read}, live=live)
+            else:
+                pairs = [book.backward(k) for k in microbatches]
+                reads = [p[0] for p in pairs]
+                forward_reads = [p[1] for p in pairs]
+                record = ActionRecord(dict(zip(microbatches, reads)), dict(zip(microbatches, forward_reads)),
+                                      live=live)
             with self.action_range(action, record.reads):
                 payloads = self.compute_backward(action, reads, forward_reads, [self.accept(m) for m in messages])
         except BaseException:
             self._failed(mark)
             raise
-        self.book.release_backward()
-        outs = [self.stamp(Message(p, poisoned=k // every in self.poisoned_groups))
-                for k, p in zip(action.microbatches, payloads)]
+        book.release_backward()
+        stamp = self.stamp
+        outs = [stamp(Message(p, poisoned=k // every in poisoned)) for k, p in zip(microbatches, payloads)]
         return outs, record
 
     def finish_backward(self) -> None:
@@ -138,7 +150,9 @@ class StageWorker:
 
     def update(self, action: Action) -> ActionRecord:
         live = self.book.live
-        mark = self._begin(action)
+        # _begin, inline: this runs once per action.
+        self.last_action, self.mutated, self.failed_cleanly = action, False, False
+        mark = self.book.mark()
         try:
             info = self.book.update()
             if info.new_version != self.book.base + action.index:

@@ -172,9 +172,6 @@ def _cuts(model: StageModel, positions: Sequence[int], num_stages: int, objectiv
         from ..engine.partition import balanced_by_parameters
 
         units = [model.params(a, b) for a, b in zip(positions, positions[1:])]
-        # Imported here: importing pipecore.engine imports the planner (Plan), which imports this module.
-        from ..engine.partition import balanced_by_parameters
-
         return [0, *balanced_by_parameters(units, num_stages), last]
     if objective == "time":
         def seconds(u: int, v: int, s: int) -> float:

@@ -29,7 +29,7 @@ from ..schedule.validate import validate
 from ..simulate import simulate
 from ..schedule.ties import TieSync, partners_of, smallest_delay
 from .flat import FlatLayout
-from .graph import CapturedModel, StageGraph, tied_parameters
+from .graph import CapturedModel, StageGraph, state_aliases, tied_parameters
 from .inputs import (Batch, LossTarget, as_model_inputs, as_payload, input_label, loss_divisor, split_batch,
                      to_device)
 from .clip import (ClipDependencies, DistributedGlobalNorm, GlobalNorm, GradClip, LocalGlobalNorm, check_max_norm,
@@ -131,6 +131,11 @@ class Pipeline:
             which with stages on threads also waits for the GIL inside the backward. False skips them;
             ``peak_bytes`` of a CPU stage is then None. CUDA stages need no account (the allocator measures)
             and never install the hooks. Default True.
+        capture: how the forward becomes a graph: ``"fx"`` (``torch.fx`` symbolic tracing: modules stay nodes,
+            no example needed), ``"export"`` (``torch.export``, non-strict, with the batch and sequence dimensions
+            of ``example_input`` dynamic: captures what fx cannot, such as Hugging Face models and masks built
+            from traced lengths; needs ``example_input``) or ``"auto"`` (default: fx, and export where fx cannot
+            capture the forward). See docs/models.md, "Two captures".
         **options: algorithm options (``backward_rule``, ``update_every``, ``lam``, ``alpha``, ...).
 
     Each micro-batch loss is divided by the number of micro-batches one update accumulates (``m`` for the
@@ -160,6 +165,7 @@ class Pipeline:
         autocast: torch.dtype | None = None,
         recover: bool = True,
         track_memory: bool = True,
+        capture: str = "auto",
         **options: Any,
     ):
         if concurrent is not None and not isinstance(concurrent, bool):
@@ -186,7 +192,7 @@ class Pipeline:
         self.num_stages = num_stages
         self.n_microbatches = n_microbatches
         self.on_nonfinite = on_nonfinite
-        self.captured = captured = CapturedModel(model, leaf_modules, example_input)
+        self.captured = captured = CapturedModel(model, leaf_modules, example_input, capture)
         graphs = captured.split(stage_starts(captured, num_stages, partition))
         if isinstance(partition, Plan) and any(partition.recomputed):
             self._recompute_planned(partition, graphs)
@@ -194,7 +200,10 @@ class Pipeline:
         self.stage_layers = [list(g.modules) for g in graphs]
         # The state_dict keys of every stage, this process's or not (a full state names them all).
         model_keys = set(captured.model.state_dict())
-        self._stage_keys = [[k for k in g.module.state_dict() if k in model_keys] for g in graphs]
+        # A tied weight's other names (aliases) are served from the one name its first stage holds it under.
+        self._aliases = state_aliases(graphs, captured.model)
+        aliased = {a for names in self._aliases for a in names}
+        self._stage_keys = [[k for k in g.module.state_dict() if k in model_keys and k not in aliased] for g in graphs]
         self._boundary_meta = _boundary_meta(captured, graphs, example_input) if example_input is not None else None
         self.rank = _join_process_group(num_stages, timeout)
         owned = range(num_stages) if self.rank is None else [self.rank]
@@ -905,6 +914,7 @@ class Pipeline:
         meta = {}
         for s, st in self.stages.items():
             state.update(st.module_state())
+            state.update({alias: state[own].clone() for alias, own in self._aliases[s].items()})
             meta[s] = {
                 "version": st.book.live,
                 "updates": st.book.updates,
@@ -951,7 +961,7 @@ class Pipeline:
                 "Pipeline.state_dict(); load it into the model before building the pipeline "
                 "(model.load_state_dict(...)), which then starts with a new optimizer state")
         own = {k for s in self.stages for k in self._stage_keys[s]} | {"pipecore"}
-        known = {k for keys in self._stage_keys for k in keys} | {"pipecore"}
+        known = {k for keys in self._stage_keys for k in keys} | {"pipecore"} | {a for d in self._aliases for a in d}
         missing, extra = sorted(own - set(state)), sorted(set(state) - known)
         if missing or extra:
             raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {extra}")

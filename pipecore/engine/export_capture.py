@@ -43,9 +43,30 @@ _DROPPED = {
 }
 
 
+class CacheReturned(TypeError):
+    """The model returns a cache of keys and values (``use_cache``), which a pipeline does not train with."""
+
+
 def _train_only_add_(buffer: torch.Tensor, other: Any, training: bool) -> torch.Tensor:
     """``buffer.add_(other)`` in training mode only: BatchNorm's ``num_batches_tracked`` increment."""
     return buffer.add_(other) if training else buffer
+
+
+def _attention(training: bool, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``aten.scaled_dot_product_attention`` whose dropout applies in training mode only (the exported graph
+    holds the probability the forward passed in the mode it was captured in)."""
+    if not training:
+        if len(args) > 4:
+            args = (*args[:4], 0.0, *args[5:])
+        kwargs = {**kwargs, "dropout_p": 0.0} if "dropout_p" in kwargs else kwargs
+    return torch.ops.aten.scaled_dot_product_attention.default(*args, **kwargs)
+
+
+#: Dropout operations: ``(input, p, train)``; ``train`` becomes the stage module's training flag.
+_DROPOUTS = {
+    torch.ops.aten.dropout.default, torch.ops.aten.feature_dropout.default, torch.ops.aten.alpha_dropout.default,
+    torch.ops.aten.feature_alpha_dropout.default,
+}
 
 
 def _is_tensor_value(value: Any) -> bool:
@@ -120,6 +141,11 @@ def export_program(model: nn.Module, example_input: Any, signature: inspect.Sign
     model.train()  # dropout and BatchNorm as training nodes; their mode is made a flag of the stage module
     try:
         program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+    except Exception as exc:
+        found = re.search(r"<class '[\w.]*?(\w*Cache)'>", str(exc))
+        if found:
+            raise CacheReturned(_CACHE_HINT.format(what=found.group(1))) from exc
+        raise
     finally:
         model.train(was_training)
     return program, args, kwargs
@@ -214,8 +240,11 @@ def graph_from_program(model: nn.Module, program: Any, args: tuple, kwargs: dict
 
         new = graph.node_copy(node, arg)
         target = node.target
-        if target is torch.ops.aten.dropout.default:
+        if target in _DROPOUTS:
             new.args = (new.args[0], new.args[1], flag())
+        elif target is torch.ops.aten.scaled_dot_product_attention.default:
+            new.target = _attention
+            new.args = (flag(), *new.args)
         elif target is torch.ops.aten.batch_norm.default:
             new.args = (*new.args[:5], flag(), *new.args[6:])
         elif target is torch.ops.aten.add_.Tensor and node.args[0] in state_reads and \
@@ -244,6 +273,8 @@ def _impure(node: fx.Node) -> bool:
         return True
     if node.target is _train_only_add_:
         return True
+    if node.target is _attention:
+        return False
     if isinstance(node.target, torch._ops.OpOverload):
         schema = node.target._schema
         return schema.is_mutable or node.target in _DROPPED
@@ -307,7 +338,7 @@ def _check_no_cache(program: Any) -> None:
 
     walk(spec)
     if found:
-        raise TypeError(_CACHE_HINT.format(what=", ".join(dict.fromkeys(found))))
+        raise CacheReturned(_CACHE_HINT.format(what=", ".join(dict.fromkeys(found))))
 
 
 def unwrap_compiled(model: Any) -> Any:

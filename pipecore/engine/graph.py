@@ -62,12 +62,21 @@ class _Tracer(fx.Tracer):
         return super().is_leaf_module(m, qualname)
 
 
-def _user_frame(exc: BaseException) -> str:
-    """``file:line: code`` of the innermost frame outside torch in ``exc``'s traceback."""
+def _user_frame(exc: BaseException, model: nn.Module | None = None) -> str:
+    """``file:line: code`` of the innermost frame outside torch in ``exc``'s traceback; without one (fx
+    failing to patch the forward's code), where ``model``'s forward is defined."""
     torch_dir = torch.__file__.rsplit("/", 1)[0]
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(torch_dir)
-              and not f.filename.endswith(("graph.py", "export_capture.py"))]
+              and not f.filename.startswith("<") and not f.filename.endswith(("graph.py", "export_capture.py"))]
     if not frames:
+        if model is not None:
+            try:
+                forward = inspect.unwrap(type(model).forward)
+                lines, start = inspect.getsourcelines(forward)
+                return (f"{inspect.getsourcefile(forward)}:{start}: {lines[0].strip()} (the forward itself: "
+                        "no line of it was reached)")
+            except (OSError, TypeError):
+                pass
         return "an unknown place"
     f = frames[-1]
     return f"{f.filename}:{f.lineno}: {f.line}"
@@ -91,7 +100,7 @@ class CapturedModel:
             raise ValueError(f"capture must be one of {CAPTURES} ('fx': torch.fx symbolic tracing; 'export': "
                              f"torch.export, which needs example_input; 'auto': fx, and export where fx cannot "
                              f"capture the forward), got {capture!r}")
-        from .export_capture import captured_from_export, unwrap_compiled
+        from .export_capture import CacheReturned, captured_from_export, unwrap_compiled
 
         model = unwrap_compiled(model)
         if isinstance(model, (list, tuple, nn.ModuleList)):
@@ -129,6 +138,8 @@ class CapturedModel:
             except Exception as exc:  # noqa: BLE001 - reported with the fx failure, if any
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
                 said = f"torch.export failed: {type(exc).__name__}: {first}\n  at {_user_frame(exc)}"
+                if isinstance(exc, CacheReturned):
+                    raise CaptureError(f"cannot capture {type(model).__name__}.forward: {exc}") from exc
                 if fx_failure is not None:
                     raise CaptureError(f"neither capture works for {type(model).__name__}.forward.\n"
                                        f"torch.fx failed: {fx_failure}\n{said}") from exc
@@ -148,7 +159,7 @@ class CapturedModel:
         except Exception as exc:  # noqa: BLE001 - every capture failure gets the same advice
             raise CaptureError(
                 f"cannot capture {type(model).__name__}.forward as a graph: {type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else exc!r}\n  at {_user_frame(exc)}\n"
+                f"{str(exc).splitlines()[0] if str(exc) else exc!r}\n  at {_user_frame(exc, model)}\n"
                 "pipecore captures forwards with torch.fx, which cannot follow Python control flow on tensor values "
                 "or other data-dependent Python. Fallback: move that code into a submodule and pass its type (or "
                 "its name) in Pipeline(..., leaf_modules=[...]) so it stays one node, or give the pipeline an "

@@ -1161,7 +1161,13 @@ def _concatenate(parts: Sequence[Any]) -> Any:
                              "samples along dimension 0")
         return first if len(parts) == 1 else torch.cat(list(parts))
     if isinstance(first, dict):
-        return {k: _concatenate([p[k] for p in parts]) for k in first}
+        merged = {k: _concatenate([p[k] for p in parts]) for k in first}
+        if type(first) is dict:
+            return merged
+        try:  # a dict of the model's own type, such as a Hugging Face ModelOutput (a dataclass)
+            return type(first)(**merged)
+        except TypeError:
+            return type(first)(merged)
     if isinstance(first, tuple) and hasattr(first, "_fields"):
         return type(first)(*(_concatenate(column) for column in zip(*parts)))
     if isinstance(first, (tuple, list)):
@@ -1202,8 +1208,16 @@ def _boundary_meta(captured: CapturedModel, graphs: Sequence[StageGraph], exampl
             recorded[n.name] = out
             return out
 
-    with torch.no_grad():
-        _Recorder(captured.gm).run(*values)
+    # The example never trains: buffers updated in place by the run (BatchNorm's statistics) are put back.
+    buffers = {id(b): b for b in (*captured.model.buffers(), *captured.gm.buffers())}
+    saved = [(b, b.detach().clone()) for b in buffers.values()]
+    try:
+        with torch.no_grad():
+            _Recorder(captured.gm).run(*values)
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
     meta = {}
     for g in graphs[:-1]:
         for name in g.outputs:

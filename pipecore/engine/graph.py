@@ -250,7 +250,7 @@ class CapturedModel:
         uses: dict[fx.Node, set[int]] = {}
         for node in [*self.nodes, self._output]:
             s = stage_of.get(node, last)
-            for arg in self._reads(node):
+            for arg in self.reads(node):
                 if arg.op != "get_attr":
                     uses.setdefault(arg, set()).add(s)
         values = [n for n in self.graph.nodes if n.op == "placeholder" and n.users] + self.nodes
@@ -270,7 +270,7 @@ class CapturedModel:
             _private_tied_copies([st.module for st in stages])
         return stages
 
-    def _reads(self, node: fx.Node) -> list[fx.Node]:
+    def reads(self, node: fx.Node) -> list[fx.Node]:
         """The values a node needs from its stage: its inputs, with a recomputed size replaced by what it is
         computed from."""
         out, work = [], list(node.all_input_nodes)
@@ -324,6 +324,12 @@ class CapturedModel:
                 env[arg] = graph.node_copy(arg, value)
             return env[arg]
 
+        # Sizes this stage recomputes come first, so that they never sit inside a run of its nodes (a
+        # segment that recompute or offload replaces).
+        for node in nodes:
+            for arg in node.all_input_nodes:
+                if arg in self.rematerialized:
+                    value(arg)
         for node in nodes:
             env[node] = graph.node_copy(node, value)
         if outputs is None:

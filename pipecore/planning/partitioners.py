@@ -19,7 +19,6 @@ import numbers
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from ..engine.partition import balanced_by_parameters
 from .costs import GraphCosts
 from .memory import Segment, Sizing, StageFit, StageMemory, StageModel
 
@@ -170,6 +169,8 @@ def _cuts(model: StageModel, positions: Sequence[int], num_stages: int, objectiv
     last = len(positions) - 1
     if objective == "parameters":
         units = [model.params(a, b) for a, b in zip(positions, positions[1:])]
+        from ..engine.partition import balanced_by_parameters  # here: pipecore.engine imports the planner
+
         return [0, *balanced_by_parameters(units, num_stages), last]
     if objective == "time":
         def seconds(u: int, v: int, s: int) -> float:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 import operator
 import re
+import sys
 from typing import Any
 
 import torch
@@ -344,7 +345,8 @@ def _check_no_cache(program: Any) -> None:
 def unwrap_compiled(model: Any) -> Any:
     """The module inside a ``torch.compile``'d model (``OptimizedModule._orig_mod``), with a note: pipecore
     captures the original forward and runs its stages eagerly."""
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")  # a compiled model has imported it (costly to import)
+    if dynamo is not None and isinstance(model, dynamo.OptimizedModule):
         import warnings
 
         warnings.warn("the model is a torch.compile'd module (OptimizedModule); pipecore pipelines the module it "

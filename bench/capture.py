@@ -22,7 +22,7 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 from _machine import machine, write_report  # noqa: E402
 
-_HF = "import transformers as T; "
+_HF = ""  # the child imports transformers as T
 MODELS = {
     "gpt": ("GPT(vocab_size=96, block_size=64, n_layer=4, n_head=4, n_embd=128)", "torch.randint(0, 96, (2, 64))"),
     "resnet": ("ResNet()", "torch.randn(2, 64)"),
@@ -50,6 +50,10 @@ MODELS = {
 _CHILD = """
 import json, logging, time, torch
 logging.disable(logging.WARNING)
+try:
+    import transformers as T
+except ImportError:
+    T = None
 from pipecore.models import GPT, ResNet, Encoder
 from pipecore.engine.graph import CapturedModel
 model, example = {model}, {args}

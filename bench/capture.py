@@ -22,27 +22,26 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 from _machine import machine, write_report  # noqa: E402
 
-_HF = ""  # the child imports transformers as T
 MODELS = {
     "gpt": ("GPT(vocab_size=96, block_size=64, n_layer=4, n_head=4, n_embd=128)", "torch.randint(0, 96, (2, 64))"),
     "resnet": ("ResNet()", "torch.randn(2, 64)"),
     "encoder": ("Encoder(96, 64, 3)", "(torch.randint(0, 96, (2, 64)), torch.ones(2, 64, dtype=torch.bool))"),
-    "hf-gpt2": (_HF + "T.GPT2LMHeadModel(T.GPT2Config(vocab_size=96, n_positions=64, n_embd=128, n_layer=4, "
+    "hf-gpt2": ("T.GPT2LMHeadModel(T.GPT2Config(vocab_size=96, n_positions=64, n_embd=128, n_layer=4, "
                 "n_head=4, use_cache=False))", "{'input_ids': torch.randint(0, 96, (2, 64))}"),
-    "hf-llama": (_HF + "T.LlamaForCausalLM(T.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, "
+    "hf-llama": ("T.LlamaForCausalLM(T.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, "
                  "num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=64, use_cache=False))",
                  "{'input_ids': torch.randint(0, 96, (2, 64))}"),
-    "hf-bert": (_HF + "T.BertForSequenceClassification(T.BertConfig(vocab_size=96, hidden_size=128, "
+    "hf-bert": ("T.BertForSequenceClassification(T.BertConfig(vocab_size=96, hidden_size=128, "
                 "num_hidden_layers=4, num_attention_heads=4, intermediate_size=256, max_position_embeddings=64))",
                 "{'input_ids': torch.randint(0, 96, (2, 64)), 'attention_mask': torch.ones(2, 64, dtype=torch.long)}"),
-    "hf-bart": (_HF + "T.BartForConditionalGeneration(T.BartConfig(vocab_size=96, d_model=128, encoder_layers=2, "
+    "hf-bart": ("T.BartForConditionalGeneration(T.BartConfig(vocab_size=96, d_model=128, encoder_layers=2, "
                 "decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=256, "
                 "decoder_ffn_dim=256, max_position_embeddings=64, use_cache=False))",
                 "{'input_ids': torch.randint(3, 96, (2, 64)), 'decoder_input_ids': torch.randint(3, 96, (2, 64))}"),
-    "hf-t5": (_HF + "T.T5ForConditionalGeneration(T.T5Config(vocab_size=96, d_model=128, d_kv=32, d_ff=256, "
+    "hf-t5": ("T.T5ForConditionalGeneration(T.T5Config(vocab_size=96, d_model=128, d_kv=32, d_ff=256, "
               "num_layers=2, num_decoder_layers=2, num_heads=4, use_cache=False, decoder_start_token_id=0))",
               "{'input_ids': torch.randint(1, 96, (2, 64)), 'decoder_input_ids': torch.randint(1, 96, (2, 64))}"),
-    "hf-vit": (_HF + "T.ViTForImageClassification(T.ViTConfig(image_size=32, patch_size=8, hidden_size=128, "
+    "hf-vit": ("T.ViTForImageClassification(T.ViTConfig(image_size=32, patch_size=8, hidden_size=128, "
                "num_hidden_layers=4, num_attention_heads=4, intermediate_size=256))",
                "{'pixel_values': torch.randn(2, 3, 32, 32)}"),
 }

@@ -315,3 +315,51 @@ def test_gpt2_across_two_processes_equals_one_process(tmp_path):
             assert torch.equal(parts[0]["state"]["transformer.wte.weight"], parts[1]["state"]["lm_head.weight"])
     finally:
         torch.set_num_threads(threads)
+
+
+def test_tensors_the_forward_creates_are_made_on_the_stage_device():
+    """torch.export records the device of torch.ones(T, T, device=x.device) and of HF's torch.arange as a
+    constant; the pipeline makes them the device of the module running the node, so a stage moved to another
+    device (here the meta device, standing in for a GPU) creates them there."""
+    from pipecore.engine.graph import CapturedModel
+
+    torch.manual_seed(0)
+    captured = CapturedModel(_Causal(), example_input=torch.randint(0, 16, (4, 7)))
+    assert captured.capture == "export"
+    gm = captured.gm.to("meta")
+    out = gm(torch.zeros(4, 5, dtype=torch.long, device="meta"))
+    assert out.device.type == "meta" and out.shape == (4, 5, 16)
+
+
+def test_options_in_the_inputs_are_captured_as_constants():
+    """A non-tensor argument (use_cache=False) in example_input and step() is an option, not an input."""
+    x, y = batch("gpt2")
+    pipe = Pipeline(make("gpt2", 2), 2, "1f1b", M, optimizer=SGD(lr=LR), loss_fn=_hf.lm_loss,
+                    example_input={**x, "use_cache": False})
+    assert pipe.captured.input_names == ("input_ids",)
+    got = pipe.step({**x, "use_cache": False}, y)
+    assert math.isclose(got, sequential_step(make("gpt2", 2), x, y, _hf.lm_loss, M, LR), rel_tol=1e-12)
+    pipe.close()
+
+
+class _Branchy(nn.Module):
+    """Control flow on a tensor value: neither capture can follow it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.sum() > 0:
+            h = h * 2
+        return self.b(h)
+
+
+def test_when_neither_capture_works_the_error_says_how_each_failed_and_where():
+    with pytest.raises(CaptureError) as info:
+        Pipeline(_Branchy(), 2, "1f1b", M, loss_fn=nn.functional.cross_entropy, example_input=torch.randn(8, 4))
+    message = str(info.value)
+    assert "neither capture works" in message and "torch.fx failed" in message and "torch.export failed" in message
+    assert message.count("if h.sum() > 0") == 2, message  # each failure names the line

@@ -16,6 +16,8 @@ declared dynamic. This module turns the exported program back into the form the 
   (``Pipeline.train()``/``eval()``), as the modules would in eager mode;
 - symbolic sizes (``x.size(1)``) are recomputed in each stage that needs them from the graph inputs (they
   are Python ints, not tensors, so they never cross a cut);
+- tensors the forward creates (``torch.ones(T, T, device=x.device)``, position ids) are created on the device
+  of the stage that runs the operation, not on the device the capture ran on;
 - the model's output is rebuilt as the model returns it (a ``ModelOutput``, dict, tuple or tensor).
 """
 
@@ -36,12 +38,18 @@ from torch import nn
 _CACHE_HINT = ("the model returns a cache object ({what}); a pipeline trains without one: set "
                "model.config.use_cache = False (or pass use_cache=False in the config) before building the Pipeline")
 
-_DROPPED = {
-    torch.ops.aten._assert_tensor_metadata.default,
-    torch.ops.aten._assert_scalar.default,
-    torch.ops.aten.sym_constrain_range_for_size.default,
-    torch.ops.aten.sym_constrain_range.default,
-}
+#: Checks that torch.export records (of dtypes and of its assumptions on sizes): the pipeline drops them.
+_DROPPED = {getattr(torch.ops.aten, name).default for name in (
+    "_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "sym_constrain_range")
+    if hasattr(torch.ops.aten, name)}
+
+#: A stage's device: an empty buffer of every generated module, which moves with it (``module.to(device)``).
+DEVICE_ANCHOR = "_pipecore_device"
+
+
+def _device_of(anchor: torch.Tensor) -> torch.device:
+    """The device of the stage that runs the node (tensors the forward creates are made there)."""
+    return anchor.device
 
 
 class CacheReturned(TypeError):
@@ -68,11 +76,6 @@ _DROPOUTS = {
     torch.ops.aten.dropout.default, torch.ops.aten.feature_dropout.default, torch.ops.aten.alpha_dropout.default,
     torch.ops.aten.feature_alpha_dropout.default,
 }
-
-
-def _is_tensor_value(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) or (
-        isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value))
 
 
 def _model_output(spec: pytree.TreeSpec):
@@ -187,11 +190,17 @@ def graph_from_program(model: nn.Module, program: Any, args: tuple, kwargs: dict
                             f"({pytree.keystr(path)}); the torch.export capture takes tensors as the forward's "
                             "arguments (input_ids=..., attention_mask=...)")
         input_names.append(names[key.idx] if where.idx == 0 else key.key)
+    # The exported program's user inputs follow the flattened (args, kwargs), constants (a bool option) included.
+    user_specs = [spec for spec in sig.input_specs if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+    if len(user_specs) != len(input_names):
+        tensors = [name for (_, leaf), name in zip(leaves, input_names) if isinstance(leaf, torch.Tensor)]
+        user_specs = [s for s in user_specs if isinstance(s.arg, torch.export.graph_signature.TensorArgument)]
+        input_names = tensors
+    argument_of = {spec.arg.name: name for spec, name in zip(user_specs, input_names)}
 
     graph = fx.Graph()
     env: dict[fx.Node, Any] = {}
     old = program.graph
-    user_inputs = iter(input_names)
     extra_constants: dict[str, torch.Tensor] = {}
     training: fx.Node | None = None
 
@@ -217,14 +226,14 @@ def graph_from_program(model: nn.Module, program: Any, args: tuple, kwargs: dict
                 extra_constants[attr] = value
                 state_reads[node] = attr
             else:
-                name = next(user_inputs)
-                new = graph.placeholder(name)
+                new = graph.placeholder(argument_of.get(node.name, node.name))
                 new.meta = dict(node.meta)
                 env[node] = new
             continue
         if node.op == "output":
             flat = node.args[0]
-            outs = [env[a] if isinstance(a, fx.Node) else a for a in flat]
+            outs = [(_read_state(graph, state_reads[a], [], aliases, params, buffers, env, a) if a in state_reads
+                     else env[a]) if isinstance(a, fx.Node) else a for a in flat]
             rebuild = graph.call_function(_model_output(program.call_spec.out_spec), tuple(outs))
             rebuild.meta["nn_module_stack"] = {}
             graph.output(rebuild)
@@ -246,7 +255,8 @@ def graph_from_program(model: nn.Module, program: Any, args: tuple, kwargs: dict
         elif target is torch.ops.aten.scaled_dot_product_attention.default:
             new.target = _attention
             new.args = (flag(), *new.args)
-        elif target is torch.ops.aten.batch_norm.default:
+        elif target is torch.ops.aten.batch_norm.default and new.args[3] is not None:
+            # With running statistics, BatchNorm uses them in eval mode (without, it uses the batch's always).
             new.args = (*new.args[:5], flag(), *new.args[6:])
         elif target is torch.ops.aten.add_.Tensor and node.args[0] in state_reads and \
                 state_reads[node.args[0]].endswith("num_batches_tracked"):
@@ -254,14 +264,51 @@ def graph_from_program(model: nn.Module, program: Any, args: tuple, kwargs: dict
             new.args = (*new.args, flag())
         env[node] = new
     graph.eliminate_dead_code(is_impure_node=_impure)
-    gm = fx.GraphModule(model, graph, type(model).__name__)
+    for node in [n for n in graph.nodes if n.op == "placeholder" and not n.users]:
+        graph.erase_node(node)  # an input the forward does not read (an option such as use_cache=False)
+    device_nodes = _stage_devices(graph, _capture_device(model, args, kwargs))
+    # The generated module reads the model's own modules, parameters and buffers, plus the pipeline's own
+    # buffers (constants the forward made, the device anchor): a shallow root holding both.
+    root = nn.Module()
+    root._modules, root._parameters, root._buffers = dict(model._modules), dict(model._parameters), dict(model._buffers)
+    root.training = model.training
     for attr, value in extra_constants.items():
-        gm.register_buffer(attr, value.detach().clone(), persistent=False)
+        root.register_buffer(attr, value.detach().clone(), persistent=False)
+    if device_nodes:
+        root.register_buffer(DEVICE_ANCHOR, torch.empty(0, device=_capture_device(model, args, kwargs)),
+                             persistent=False)
+    gm = fx.GraphModule(root, graph, type(model).__name__)
     _anchor_sizes(gm.graph)
-    rematerialized = {n for n in gm.graph.nodes if n.op == "call_function" and not _is_tensor_value(n.meta.get("val"))
-                      and "val" in n.meta and n.target is not operator.getitem}
+    rematerialized = {n for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem
+                      and isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float,
+                                                         bool))}
     gm.recompile()
-    return gm, rematerialized
+    return gm, rematerialized | set(device_nodes)
+
+
+def _capture_device(model: nn.Module, args: tuple, kwargs: dict) -> torch.device:
+    for t in (*model.parameters(), *model.buffers(), *pytree.tree_leaves((args, kwargs))):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def _stage_devices(graph: fx.Graph, device: torch.device) -> list[fx.Node]:
+    """Make the operations that create tensors on the capture's device (``torch.ones(T, T, device=x.device)``,
+    ``torch.arange(T)``) create them on the device of the stage that runs them: the device becomes a node
+    reading the device of an empty buffer that moves with the stage. Returns the new nodes (empty if no
+    operation names the device)."""
+    users = [n for n in graph.nodes if n.op == "call_function" and isinstance(n.kwargs.get("device"), torch.device)
+             and n.kwargs["device"] == device]
+    if not users:
+        return []
+    with graph.inserting_after(_last_placeholder(graph)):
+        anchor = graph.get_attr(DEVICE_ANCHOR)
+    with graph.inserting_after(anchor):
+        where = graph.call_function(_device_of, (anchor,))
+    for node in users:
+        node.kwargs = {**node.kwargs, "device": where}
+    return [where]
 
 
 def _last_placeholder(graph: fx.Graph) -> fx.Node:

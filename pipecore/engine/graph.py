@@ -29,6 +29,8 @@ import torch.fx as fx
 from torch import nn
 
 _COMPUTE = ("call_module", "call_function", "call_method")
+#: The ways a forward is captured (``Pipeline(..., capture=...)``).
+CAPTURES = ("fx", "export", "auto")
 
 
 class CaptureError(TypeError):
@@ -60,12 +62,21 @@ class _Tracer(fx.Tracer):
         return super().is_leaf_module(m, qualname)
 
 
-def _user_frame(exc: BaseException) -> str:
-    """``file:line: code`` of the innermost frame outside torch in ``exc``'s traceback."""
+def _user_frame(exc: BaseException, model: nn.Module | None = None) -> str:
+    """``file:line: code`` of the innermost frame outside torch in ``exc``'s traceback; without one (fx
+    failing to patch the forward's code), where ``model``'s forward is defined."""
     torch_dir = torch.__file__.rsplit("/", 1)[0]
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(torch_dir)
-              and not f.filename.endswith("graph.py")]
+              and not f.filename.startswith("<") and not f.filename.endswith(("graph.py", "export_capture.py"))]
     if not frames:
+        if model is not None:
+            try:
+                forward = inspect.unwrap(type(model).forward)
+                lines, start = inspect.getsourcelines(forward)
+                return (f"{inspect.getsourcefile(forward)}:{start}: {lines[0].strip()} (the forward itself: "
+                        "no line of it was reached)")
+            except (OSError, TypeError):
+                pass
         return "an unknown place"
     f = frames[-1]
     return f"{f.filename}:{f.lineno}: {f.line}"
@@ -83,7 +94,15 @@ class CapturedModel:
             arguments with defaults that it does not give are captured as their defaults.
     """
 
-    def __init__(self, model: nn.Module, leaf_modules: Sequence[type | str] = (), example_input: Any = None):
+    def __init__(self, model: nn.Module, leaf_modules: Sequence[type | str] = (), example_input: Any = None,
+                 capture: str = "auto"):
+        if capture not in CAPTURES:
+            raise ValueError(f"capture must be one of {CAPTURES} ('fx': torch.fx symbolic tracing; 'export': "
+                             f"torch.export, which needs example_input; 'auto': fx, and export where fx cannot "
+                             f"capture the forward), got {capture!r}")
+        from .export_capture import CacheReturned, captured_from_export, unwrap_compiled
+
+        model = unwrap_compiled(model)
         if isinstance(model, (list, tuple, nn.ModuleList)):
             model = nn.Sequential(*model)
         if not isinstance(model, nn.Module):
@@ -93,13 +112,54 @@ class CapturedModel:
         given = _given_names(example_input, signature)
         concrete = {name: p.default for name, p in signature.parameters.items()
                     if p.default is not inspect.Parameter.empty and name not in given}
+        #: Nodes computing Python numbers (symbolic sizes) that every stage using them recomputes from its own
+        #: inputs; they are not cut between and never cross a cut (the torch.export capture has them).
+        self.rematerialized: set[fx.Node] = set()
+        #: Which capture made the graph: "fx" or "export".
+        self.capture = "fx"
+        fx_failure: CaptureError | None = None
+        if capture != "export":
+            try:
+                self._trace(model, leaf_modules, concrete)
+            except CaptureError as exc:
+                if capture == "fx":
+                    raise
+                fx_failure = exc
+                if example_input is None:
+                    raise CaptureError(
+                        f"{exc}\nOr give the pipeline example_input=... (a mini-batch as step() takes it): with it, "
+                        "capture='auto' (the default) captures what torch.fx cannot with torch.export") from exc
+        if capture == "export" or fx_failure is not None:
+            if example_input is None:
+                raise ValueError("capture='export' needs example_input=... (a mini-batch as step() takes it): "
+                                 "torch.export runs the forward on it to record the graph")
+            try:
+                gm, self.rematerialized = captured_from_export(model, example_input, signature)
+            except Exception as exc:  # noqa: BLE001 - reported with the fx failure, if any
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                said = f"torch.export failed: {type(exc).__name__}: {first}\n  at {_user_frame(exc)}"
+                if isinstance(exc, CacheReturned):
+                    raise CaptureError(f"cannot capture {type(model).__name__}.forward: {exc}") from exc
+                if fx_failure is not None:
+                    raise CaptureError(f"neither capture works for {type(model).__name__}.forward.\n"
+                                       f"torch.fx failed: {fx_failure}\n{said}") from exc
+                raise CaptureError(f"cannot capture {type(model).__name__}.forward with torch.export: {said}") from exc
+            self.capture = "export"
+            self.gm, self.graph = gm, gm.graph
+            self.input_paths: dict[str, tuple[str, tuple[Access, ...]]] = {}
+            self._finish(model, signature, tuple(concrete))
+            return
+        self._finish(model, signature, tuple(concrete))
+
+    def _trace(self, model: nn.Module, leaf_modules: Sequence[type | str], concrete: dict[str, Any]) -> None:
+        """Capture with ``torch.fx.symbolic_trace`` (arguments in ``concrete`` as constants)."""
         tracer = _Tracer(leaf_modules)
         try:
             graph = tracer.trace(model, concrete_args=concrete or None)
         except Exception as exc:  # noqa: BLE001 - every capture failure gets the same advice
             raise CaptureError(
                 f"cannot capture {type(model).__name__}.forward as a graph: {type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else exc!r}\n  at {_user_frame(exc)}\n"
+                f"{str(exc).splitlines()[0] if str(exc) else exc!r}\n  at {_user_frame(exc, model)}\n"
                 "pipecore captures forwards with torch.fx, which cannot follow Python control flow on tensor values "
                 "or other data-dependent Python. Fallback: move that code into a submodule and pass its type (or "
                 "its name) in Pipeline(..., leaf_modules=[...]) so it stays one node, or give the pipeline an "
@@ -109,14 +169,16 @@ class CapturedModel:
         self.input_paths = _split_containers(graph, set(concrete))
         self.gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         self.graph = self.gm.graph
+
+    def _finish(self, model: nn.Module, signature: inspect.Signature, concrete: tuple[str, ...]) -> None:
         self.placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         self.input_names = tuple(n.target for n in self.placeholders if n.users)
-        self.specialised = tuple(concrete)
+        self.specialised = concrete
         self.argument_names = tuple(signature.parameters)
         #: Arguments that the forward reads as a dict or dataclass of tensors (``batch["x"]``, ``batch.x``):
         #: the graph reads their entries, each as an input of its own (see :func:`_split_containers`).
         self.container_arguments = tuple(dict.fromkeys(argument for argument, _ in self.input_paths.values()))
-        self.nodes = [n for n in self.graph.nodes if n.op in _COMPUTE]
+        self.nodes = [n for n in self.graph.nodes if n.op in _COMPUTE and n not in self.rematerialized]
         if not self.nodes:
             raise CaptureError(f"{type(model).__name__}.forward captured no computation; nothing to pipeline")
         self._output = next(n for n in self.graph.nodes if n.op == "output")
@@ -188,7 +250,7 @@ class CapturedModel:
         uses: dict[fx.Node, set[int]] = {}
         for node in [*self.nodes, self._output]:
             s = stage_of.get(node, last)
-            for arg in node.all_input_nodes:
+            for arg in self.reads(node):
                 if arg.op != "get_attr":
                     uses.setdefault(arg, set()).add(s)
         values = [n for n in self.graph.nodes if n.op == "placeholder" and n.users] + self.nodes
@@ -207,6 +269,18 @@ class CapturedModel:
         if tied_copies:
             _private_tied_copies([st.module for st in stages])
         return stages
+
+    def reads(self, node: fx.Node) -> list[fx.Node]:
+        """The values a node needs from its stage: its inputs, with a recomputed size replaced by what it is
+        computed from."""
+        out, work = [], list(node.all_input_nodes)
+        while work:
+            arg = work.pop()
+            if arg in self.rematerialized:
+                work.extend(arg.all_input_nodes)
+            elif arg not in out:
+                out.append(arg)
+        return out
 
     def _adopt_unused(self, stages: Sequence[StageGraph]) -> None:
         """Parameters and buffers the forward never reads still belong to the model's state: each goes to the
@@ -245,10 +319,17 @@ class CapturedModel:
 
         def value(arg: fx.Node) -> fx.Node:
             if arg not in env:
-                assert arg.op == "get_attr", f"stage {s} uses {arg.name} before it is defined"
+                assert arg.op == "get_attr" or arg in self.rematerialized, \
+                    f"stage {s} uses {arg.name} before it is defined"
                 env[arg] = graph.node_copy(arg, value)
             return env[arg]
 
+        # Sizes this stage recomputes come first, so that they never sit inside a run of its nodes (a
+        # segment that recompute or offload replaces).
+        for node in nodes:
+            for arg in node.all_input_nodes:
+                if arg in self.rematerialized:
+                    value(arg)
         for node in nodes:
             env[node] = graph.node_copy(node, value)
         if outputs is None:
@@ -403,3 +484,27 @@ def tied_parameters(stages: Sequence[StageGraph], model: nn.Module) -> dict[str,
                 seen.add(canonical)
                 owners.setdefault(canonical, []).append((st.index, name))
     return {name: tuple(o) for name, o in owners.items() if len(o) > 1}
+
+
+def state_aliases(stages: Sequence[StageGraph], model: nn.Module) -> list[dict[str, str]]:
+    """Per stage: the names of the model's parameters that the stage serves from another name it holds.
+
+    A parameter reachable under several names (a tied weight: BART's ``model.shared.weight``,
+    ``model.encoder.embed_tokens.weight``, ``model.decoder.embed_tokens.weight`` and ``lm_head.weight``) is one
+    entry of a stage's flat weights, under the first of its names that the stage's module has. Every other
+    name is an alias of that entry, in the first stage holding it, so that a checkpoint holds every key of the
+    model's own ``state_dict`` with the live value and loads strictly into a plain copy of the model."""
+    ids = {name: id(p) for name, p in model.named_parameters(remove_duplicate=False)}
+    holder: dict[int, tuple[int, str]] = {}
+    held: set[str] = set()
+    for st in stages:
+        for name, _ in st.module.named_parameters():
+            if name in ids:
+                holder.setdefault(ids[name], (st.index, name))
+                held.add(name)
+    aliases: list[dict[str, str]] = [{} for _ in stages]
+    for name, key in ids.items():
+        if name not in held and key in holder:
+            s, own = holder[key]
+            aliases[s][name] = own
+    return aliases

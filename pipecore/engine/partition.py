@@ -83,6 +83,11 @@ def module_units(captured: "CapturedModel") -> list[tuple[int, int]]:
     containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
     root = captured.model
 
+    def stack_holder(module: nn.Module) -> bool:
+        """A module that holds a stack of layers (a ``ModuleList``) below it, such as Hugging Face's
+        ``GPT2Model`` (``transformer.h``) or ``BertModel`` (``bert.encoder.layer``): its units are its parts."""
+        return not isinstance(module, containers) and any(isinstance(m, nn.ModuleList) for m in module.modules())
+
     def unit(name: str | None) -> str | None:
         if name is None:
             return None
@@ -90,8 +95,11 @@ def module_units(captured: "CapturedModel") -> list[tuple[int, int]]:
         for part in name.split("."):
             parts.append(part)
             module = module.get_submodule(part) if module is not None and hasattr(module, "get_submodule") else None
-            if module is None or not isinstance(module, containers):
+            if module is None or not (isinstance(module, containers) or stack_holder(module)):
                 break
+        else:
+            if module is not None and stack_holder(module):
+                return None  # the own code of a module holding a stack (masks, positions) joins the unit before it
         return ".".join(parts)
 
     # A new unit starts where a module starts; the model's own code before the first module (an input

@@ -30,7 +30,7 @@ from ..schedule.validate import validate
 from ..simulate import simulate
 from ..schedule.ties import TieSync, partners_of, smallest_delay
 from .flat import FlatLayout
-from .graph import CapturedModel, StageGraph, tied_parameters
+from .graph import CapturedModel, StageGraph, state_aliases, tied_parameters
 from .inputs import (Batch, LossTarget, as_model_inputs, as_payload, input_label, loss_divisor, split_batch,
                      to_device)
 from .clip import (ClipDependencies, DistributedGlobalNorm, GlobalNorm, GradClip, LocalGlobalNorm, check_max_norm,
@@ -139,6 +139,11 @@ class Pipeline:
             threads also waits for the GIL inside the backward; with small stages that made steps 1.14x as long
             (docs/training.md, "What an action costs"). Without it, ``peak_bytes`` of a CPU stage is None.
             CUDA stages need no account (the allocator measures) and never install the hooks. Default False.
+        capture: how the forward becomes a graph: ``"fx"`` (``torch.fx`` symbolic tracing: modules stay nodes,
+            no example needed), ``"export"`` (``torch.export``, non-strict, with the batch and sequence dimensions
+            of ``example_input`` dynamic: captures what fx cannot, such as Hugging Face models and masks built
+            from traced lengths; needs ``example_input``) or ``"auto"`` (default: fx, and export where fx cannot
+            capture the forward). See docs/models.md, "Two captures".
         **options: algorithm options (``backward_rule``, ``update_every``, ``lam``, ``alpha``, ...).
 
     Each micro-batch loss is divided by the number of micro-batches one update accumulates (``m`` for the
@@ -169,6 +174,7 @@ class Pipeline:
         autocast: torch.dtype | None = None,
         recover: bool = True,
         track_memory: bool = False,
+        capture: str = "auto",
         **options: Any,
     ):
         if concurrent is not None and not isinstance(concurrent, bool):
@@ -196,7 +202,7 @@ class Pipeline:
         self.num_stages = num_stages
         self.n_microbatches = n_microbatches
         self.on_nonfinite = on_nonfinite
-        self.captured = captured = CapturedModel(model, leaf_modules, example_input)
+        self.captured = captured = CapturedModel(model, leaf_modules, example_input, capture)
         graphs = captured.split(stage_starts(captured, num_stages, partition))
         if isinstance(partition, Plan) and any(partition.recomputed):
             self._recompute_planned(partition, graphs)
@@ -204,7 +210,10 @@ class Pipeline:
         self.stage_layers = [list(g.modules) for g in graphs]
         # The state_dict keys of every stage, this process's or not (a full state names them all).
         model_keys = set(captured.model.state_dict())
-        self._stage_keys = [[k for k in g.module.state_dict() if k in model_keys] for g in graphs]
+        # A tied weight's other names (aliases) are served from the one name its first stage holds it under.
+        self._aliases = state_aliases(graphs, captured.model)
+        aliased = {a for names in self._aliases for a in names}
+        self._stage_keys = [[k for k in g.module.state_dict() if k in model_keys and k not in aliased] for g in graphs]
         self._boundary_meta = _boundary_meta(captured, graphs, example_input) if example_input is not None else None
         self.rank = _join_process_group(num_stages, timeout)
         owned = range(num_stages) if self.rank is None else [self.rank]
@@ -932,6 +941,7 @@ class Pipeline:
         meta = {}
         for s, st in self.stages.items():
             state.update(st.module_state())
+            state.update({alias: state[own].clone() for alias, own in self._aliases[s].items()})
             meta[s] = {
                 "version": st.book.live,
                 "updates": st.book.updates,
@@ -978,7 +988,7 @@ class Pipeline:
                 "Pipeline.state_dict(); load it into the model before building the pipeline "
                 "(model.load_state_dict(...)), which then starts with a new optimizer state")
         own = {k for s in self.stages for k in self._stage_keys[s]} | {"pipecore"}
-        known = {k for keys in self._stage_keys for k in keys} | {"pipecore"}
+        known = {k for keys in self._stage_keys for k in keys} | {"pipecore"} | {a for d in self._aliases for a in d}
         missing, extra = sorted(own - set(state)), sorted(set(state) - known)
         if missing or extra:
             raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {extra}")
@@ -1178,7 +1188,13 @@ def _concatenate(parts: Sequence[Any]) -> Any:
                              "samples along dimension 0")
         return first if len(parts) == 1 else torch.cat(list(parts))
     if isinstance(first, dict):
-        return {k: _concatenate([p[k] for p in parts]) for k in first}
+        merged = {k: _concatenate([p[k] for p in parts]) for k in first}
+        if type(first) is dict:
+            return merged
+        try:  # a dict of the model's own type, such as a Hugging Face ModelOutput (a dataclass)
+            return type(first)(**merged)
+        except TypeError:
+            return type(first)(merged)
     if isinstance(first, tuple) and hasattr(first, "_fields"):
         return type(first)(*(_concatenate(column) for column in zip(*parts)))
     if isinstance(first, (tuple, list)):
@@ -1219,8 +1235,16 @@ def _boundary_meta(captured: CapturedModel, graphs: Sequence[StageGraph], exampl
             recorded[n.name] = out
             return out
 
-    with torch.no_grad():
-        _Recorder(captured.gm).run(*values)
+    # The example never trains: buffers updated in place by the run (BatchNorm's statistics) are put back.
+    buffers = {id(b): b for b in (*captured.model.buffers(), *captured.gm.buffers())}
+    saved = [(b, b.detach().clone()) for b in buffers.values()]
+    try:
+        with torch.no_grad():
+            _Recorder(captured.gm).run(*values)
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
     meta = {}
     for g in graphs[:-1]:
         for name in g.outputs:

@@ -376,6 +376,9 @@ class _Profiler:
                         self.aliases[node] = {node}
                 elif node.op == "get_attr":
                     env[node] = _fetch_attr(self.gm, str(node.target))
+                elif node in self.captured.rematerialized:  # a size every stage recomputes: not a node to cut
+                    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+                    env[node] = node.target(*args, **kwargs)
                 elif node.op == "output":
                     out.output = fx.node.map_arg(node.args[0], lambda n: env[n])
                     break
@@ -622,10 +625,10 @@ def _values(captured: CapturedModel, value_bytes: dict[fx.Node, int], savers: di
     position = _positions(captured)
     users: dict[fx.Node, set[int]] = {}
     for node in captured.gm.graph.nodes:
-        if node.op in ("placeholder", "get_attr"):
+        if node.op in ("placeholder", "get_attr") or node in captured.rematerialized:
             continue
         at = n if node.op == "output" else position[node]
-        for arg in node.all_input_nodes:
+        for arg in captured.reads(node):
             for value in aliases.get(arg, ()):
                 users.setdefault(value, set()).add(at)
     made = [node for node in (*captured.placeholders, *captured.nodes) if node in value_bytes and node in users]
@@ -662,10 +665,10 @@ def _last_uses(captured: CapturedModel, position: dict[fx.Node, int]) -> dict[fx
     n = len(captured.nodes)
     last: dict[fx.Node, int] = {}
     for node in captured.gm.graph.nodes:
-        if node.op in ("placeholder", "get_attr"):
+        if node.op in ("placeholder", "get_attr") or node in captured.rematerialized:
             continue
         at = n if node.op == "output" else position[node]
-        for arg in node.all_input_nodes:
+        for arg in captured.reads(node):
             if arg.op != "get_attr":
                 last[arg] = max(last.get(arg, -1), at)
     return last
@@ -718,7 +721,13 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(value, list):
         return [_map_tensors(v, fn) for v in value]
     if isinstance(value, dict):
-        return {k: _map_tensors(v, fn) for k, v in value.items()}
+        mapped = {k: _map_tensors(v, fn) for k, v in value.items()}
+        if type(value) is not dict:  # a dict of the model's own type (a Hugging Face ModelOutput) keeps it
+            try:
+                return type(value)(**mapped)
+            except TypeError:
+                return type(value)(mapped)
+        return mapped
     return value
 
 

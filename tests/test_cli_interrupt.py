@@ -182,3 +182,20 @@ def test_a_second_sigint_undoes_the_step_in_progress_and_the_resumed_run_is_unch
     a, b = load(reference), load(ckpt)
     assert b["history"] == a["history"]
     assert_same(b["pipeline"], a["pipeline"])
+
+
+def test_a_signal_the_process_ignores_stays_ignored() -> None:
+    """``nohup pipecore train &``: a background job starts with SIGINT ignored, and Ctrl-C in the shell must not
+    stop it; SIGTERM, not ignored, still gets the handler, and both are put back afterwards."""
+    from pipecore.cli.train import Interrupts
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    term = signal.getsignal(signal.SIGTERM)
+    try:
+        with Interrupts() as interrupts:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) == interrupts._handle
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is term
+    finally:
+        signal.signal(signal.SIGINT, previous)

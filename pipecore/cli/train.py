@@ -716,7 +716,8 @@ class Interrupts:
     * ``"hold"`` (the end of an epoch: flush, evaluation, saves; stopping): remember it only, so that what
       is under way (a checkpoint being written) is finished; training stops after it.
 
-    Handlers are installed only from the main thread (Python delivers signals there) and restored on exit.
+    Handlers are installed only from the main thread (Python delivers signals there) and restored on exit;
+    a signal the process ignores (started in the background, or under ``nohup``) is left ignored.
     """
 
     def __init__(self) -> None:
@@ -728,7 +729,10 @@ class Interrupts:
     def __enter__(self) -> "Interrupts":
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
-                self._previous[signum] = signal.signal(signum, self._handle)
+                # A signal the process was started ignoring stays ignored: `nohup pipecore train &` (a
+                # background job ignores SIGINT) must not be stopped by a Ctrl-C meant for the shell.
+                if signal.getsignal(signum) is not signal.SIG_IGN:
+                    self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def __exit__(self, *exc: Any) -> None:

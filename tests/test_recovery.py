@@ -25,7 +25,8 @@ class Injected(Exception):
 
 class Fault:
     """Makes one action of ``kind`` at ``stage`` raise, once: the first after arming (``target="first"``, which
-    may belong to an earlier mini-batch still in flight) or the first of the newest mini-batch (``"newest"``);
+    may belong to an earlier mini-batch still in flight), the first of the newest mini-batch (``"newest"``) or
+    the last of the mini-batch fed next after arming (``"next-last"``);
     ``when="start"`` raises before the action does anything, ``"end"`` after its compute is done (the worst
     case: gradients added, weights written)."""
 
@@ -36,8 +37,12 @@ class Fault:
         self.stage, self.kind, self.when, self.target, self.error = stage, kind, when, target, error
         self.gate = gate  # if given, the action waits for it before it fails
         self.fired = False
+        self.next_minibatch = 0
 
     def arm(self, pipe: pipecore.Pipeline) -> None:
+        # Read now, not when an action runs: with overlap_steps the previous mini-batch's last actions may run
+        # after arming, before the next step() counts its mini-batch.
+        self.next_minibatch = pipe._fed
         st = pipe.stages[self.stage]
         name = self.HOOKS[self.kind]
         original = getattr(st, name)
@@ -59,10 +64,9 @@ class Fault:
             return True
         every, m = pipe.algorithm.update_every, pipe.n_microbatches
         first = action.index if self.kind != "U" else (action.index - 1) * every
-        newest = (pipe._fed - 1) * m
-        if self.target == "newest-last":  # the newest mini-batch's last backward or update
-            return first == newest + m - (every if self.kind == "U" else 1)
-        return first >= newest
+        if self.target == "next-last":  # that mini-batch's last backward or update
+            return first == (self.next_minibatch + 1) * m - (every if self.kind == "U" else 1)
+        return first >= (pipe._fed - 1) * m
 
 
 def mlp(seed: int = 0, width: int = 8, extra: tuple[nn.Module, ...] = ()) -> nn.Sequential:
@@ -262,7 +266,7 @@ def test_overlapping_steps_raise_the_error_from_the_next_call(algorithm, stage):
                              optimizer=pipecore.SGD(lr=0.05, momentum=0.9), overlap_steps=True)
     losses = [pipe.step(x, y) for x, y in batches[:3]]
     returned = threading.Event()
-    fault = Fault(stage, "B", when="end", target="newest-last", gate=returned)
+    fault = Fault(stage, "B", when="end", target="next-last", gate=returned)
     fault.arm(pipe)
     losses.append(pipe.step(*batches[3]))  # returns once the last stage has the loss
     returned.set()

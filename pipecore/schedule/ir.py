@@ -1,7 +1,10 @@
 """Schedule IR: actions as data, with the short grammar of ``torch.distributed.pipelining``.
 
 An action is ``<stage><kind><microbatch>``: ``"2F0"`` is stage 2's forward of micro-batch 0, ``"1B3"``
-stage 1's backward of micro-batch 3. pipecore extends the grammar in three small ways:
+stage 1's backward of micro-batch 3, ``"1W3"`` its weight-gradient part when the schedule splits the backward
+(zero-bubble schedules: ``B`` then computes only the gradient of the stage's input, which the upstream stage
+waits for, and ``W`` the weights' gradients, later, in a bubble). pipecore extends the grammar in three small
+ways:
 
 * ``"1B4-7"``: one backward that covers micro-batches 4..7 (the nF1B family runs one backward per
   mini-batch);
@@ -26,13 +29,14 @@ class Kind(str, Enum):
 
     FORWARD = "F"
     BACKWARD = "B"
+    WEIGHT = "W"
     UPDATE = "U"
 
     def __str__(self) -> str:
         return self.value
 
 
-F, B, U = Kind.FORWARD, Kind.BACKWARD, Kind.UPDATE
+F, B, W, U = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT, Kind.UPDATE
 
 _KINDS = "|".join(k.value for k in Kind)
 _ACTION_RE = re.compile(rf"^(\d+)({_KINDS})(\d+)(?:-(\d+))?(?:@(\S+))?$")
@@ -42,7 +46,7 @@ _ACTION_RE = re.compile(rf"^(\d+)({_KINDS})(\d+)(?:-(\d+))?(?:@(\S+))?$")
 class Action:
     """One step of one stage's action list.
 
-    ``index`` is the (first) micro-batch for ``F``/``B``, and the produced version for
+    ``index`` is the (first) micro-batch for ``F``/``B``/``W``, and the produced version for
     ``U``. ``count`` is the number of consecutive micro-batches a backward covers (1 except in nF1B).
     """
 
@@ -72,7 +76,7 @@ class Action:
 
     @classmethod
     def parse(cls, text: str) -> "Action":
-        """Parse ``"2F0"``, ``"1B4-7"``, ``"0U3"``; a trailing ``@version`` tag is accepted and ignored."""
+        """Parse ``"2F0"``, ``"1B4-7"``, ``"1W4"``, ``"0U3"``; a trailing ``@version`` tag is accepted and ignored."""
         action, _ = parse_traced(text)
         return action
 
@@ -93,7 +97,7 @@ def parse_traced(text: str) -> tuple[Action, str | None]:
     if match is None:
         raise ValueError(
             f"cannot parse action {text!r}: expected <stage><kind><microbatch>[-<last>][@<version>] with kind "
-            f"one of {', '.join(k.value for k in Kind)} (e.g. '2F0', '1B4-7', '0U3', '2F0@v3')"
+            f"one of {', '.join(k.value for k in Kind)} (e.g. '2F0', '1B4-7', '1W4', '0U3', '2F0@v3')"
         )
     stage, kind, first, last, tag = match.groups()
     count = int(last) - int(first) + 1 if last is not None else 1

@@ -167,7 +167,8 @@ class PeriodicForm:
         copies = 1 + (n_minibatches - b) // self.period
         base = self.bases[r]
         rows = tuple(row.with_copies(copies) for row in base.stages)  # type: ignore[attr-defined]
-        return Schedule(base.num_stages, base.n_microbatches, n_minibatches, rows)
+        ranks = None if base.ranks is None else tuple(row.with_copies(copies) for row in base.ranks)  # type: ignore[attr-defined]
+        return Schedule(base.num_stages, base.n_microbatches, n_minibatches, rows, ranks)
 
 
 def periodic_form(generate: Callable[[int], Schedule], n_microbatches: int, update_every: int,
@@ -192,7 +193,16 @@ def periodic_form(generate: Callable[[int], Schedule], n_microbatches: int, upda
             if row is None:
                 return None
             rows.append(row)
-        bases[b % period] = Schedule(generated[0].num_stages, m, b, tuple(rows))
+        ranks = None
+        if generated[0].ranks is not None:  # several stages per rank: the ranks' lists repeat as well
+            ranks = []
+            for r in range(generated[0].num_ranks):
+                row = _split_row([g.ranks[r] for g in generated], shift)  # type: ignore[index]
+                if row is None:
+                    return None
+                ranks.append(row)
+            ranks = tuple(ranks)
+        bases[b % period] = Schedule(generated[0].num_stages, m, b, tuple(rows), ranks)
         counts[b % period] = b
     return PeriodicForm(period, MappingProxyType(bases), MappingProxyType(counts))
 

@@ -63,6 +63,8 @@ def runnable(
     index = positions(schedule) if index is None else index
     P = schedule.num_stages
     cur = list(cursors)
+    if schedule.ranks is not None:
+        return _runnable_ranks(schedule, cur, available, index, needs)
     rows = schedule.stages
     progressed = True
     while progressed:
@@ -79,5 +81,38 @@ def runnable(
                 if needs is not None and not all(index[n] < cur[n[0]] for n in needs(a)):
                     break
                 cur[s] += 1
+                progressed = True
+    return cur
+
+
+def rank_cursor(schedule: Schedule, cursors: Sequence[int], rank: int) -> int:
+    """Where rank ``rank`` is in its list, given every stage's cursor: its stages' actions so far, summed (a
+    rank runs a prefix of its list, which holds each stage's actions in that stage's order)."""
+    if schedule.ranks is None:
+        return cursors[rank]
+    return sum(cursors[s] for s in schedule.stages_of(rank))
+
+
+def _runnable_ranks(schedule: Schedule, cur: list[int], available: int | None, index: Positions,
+                    needs: Callable[[Action], Sequence[tuple[int, Kind, int]]] | None) -> list[int]:
+    """:func:`runnable` for several stages per rank: each rank goes down its own list, in its order."""
+    P = schedule.num_stages
+    rows = schedule.rank_rows
+    at = [rank_cursor(schedule, cur, r) for r in range(len(rows))]
+    progressed = True
+    while progressed:
+        progressed = False
+        for r, row in enumerate(rows):
+            while at[r] < len(row):
+                a = row[at[r]]
+                if available is not None and a.kind is F and a.index >= available:
+                    break
+                need = upstream(a, P)
+                if need is not None and not index[need] < cur[need[0]]:
+                    break
+                if needs is not None and not all(index[n] < cur[n[0]] for n in needs(a)):
+                    break
+                cur[a.stage] += 1
+                at[r] += 1
                 progressed = True
     return cur

@@ -5,18 +5,64 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Collection, Iterable, Sequence
 
-from .ir import Action, B, F, Kind, U
+from .ir import Action, B, F, Kind, U, W
 
 
 @dataclass(frozen=True)
 class Schedule:
     """Per-stage action lists. ``stages[s]`` is stage ``s``'s list in execution order: a tuple, or for long
-    asynchronous schedules a :class:`~pipecore.schedule.periodic.PeriodicRow` computed on demand."""
+    asynchronous schedules a :class:`~pipecore.schedule.periodic.PeriodicRow` computed on demand.
+
+    ``ranks``, when given, places several stages on one rank (one worker thread or process): ``ranks[r]`` is
+    rank ``r``'s single list, its stages' actions interleaved in the order the rank runs them (each stage's
+    actions in the order of ``stages[s]``, which :func:`~pipecore.schedule.validate.validate` checks). Without
+    it every stage is its own rank. Numerics depend only on each stage's own order; the interleaving decides
+    when a rank is busy, and whether the lists can run at all.
+    """
 
     num_stages: int
     n_microbatches: int
     n_minibatches: int
     stages: tuple[Sequence[Action], ...]
+    ranks: tuple[Sequence[Action], ...] | None = None
+
+    @classmethod
+    def from_ranks(cls, ranks: Sequence[Sequence[Action]], num_stages: int, n_microbatches: int,
+                   n_minibatches: int = 1) -> "Schedule":
+        """A schedule given as one list per rank (several stages each); the per-stage lists are read off it."""
+        stages: list[list[Action]] = [[] for _ in range(num_stages)]
+        for row in ranks:
+            for a in row:
+                if not 0 <= a.stage < num_stages:
+                    raise ValueError(f"action {a} names stage {a.stage}; the schedule has stages 0..{num_stages - 1}")
+                stages[a.stage].append(a)
+        return cls(num_stages, n_microbatches, n_minibatches, tuple(tuple(r) for r in stages),
+                   tuple(tuple(r) for r in ranks))
+
+    @property
+    def num_ranks(self) -> int:
+        """How many ranks run this schedule (``num_stages`` without ``ranks``)."""
+        return self.num_stages if self.ranks is None else len(self.ranks)
+
+    @property
+    def rank_rows(self) -> tuple[Sequence[Action], ...]:
+        """Each rank's list in execution order (the stage lists when every stage is its own rank)."""
+        return self.stages if self.ranks is None else self.ranks
+
+    @property
+    def placement(self) -> tuple[int, ...]:
+        """The rank of every stage."""
+        if self.ranks is None:
+            return tuple(range(self.num_stages))
+        return _placement(self)
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages rank ``rank`` runs, in increasing order."""
+        return tuple(s for s, r in enumerate(self.placement) if r == rank)
+
+    def splits_backward(self, stage: int) -> bool:
+        """Whether ``stage``'s list splits backwards into ``B`` (input gradient) and ``W`` (weight gradients)."""
+        return _splits(self, stage)
 
     @classmethod
     def from_strings(
@@ -47,15 +93,23 @@ class Schedule:
         mark_at: Collection[tuple[int, int]] = (),
     ) -> str:
         """Text table, one row per stage. ``mark`` is bracketed as ``>>1B3<<`` wherever it occurs;
-        ``mark_at`` brackets the actions at the given ``(stage, position)`` only; ``tags`` adds ``@v..``."""
+        ``mark_at`` brackets the actions at the given ``(stage, position)`` only; ``tags`` adds ``@v..``.
+        A schedule with several stages per rank adds one row per rank, in the order the rank runs them."""
         marked = set(mark_at)
         lines = []
-        for s, row in enumerate(self.stages):
-            cells = []
+
+        def cells(row: Sequence[Action], stage: int | None) -> str:
+            out = []
             for i, a in enumerate(row):
                 text = str(a) + (f"@{tags[a]}" if tags and a in tags else "")
-                cells.append(f">>{text}<<" if a == mark or (s, i) in marked else text)
-            lines.append(f"stage {s}: " + " ".join(cells))
+                out.append(f">>{text}<<" if a == mark or (stage is not None and (stage, i) in marked) else text)
+            return " ".join(out)
+
+        for s, row in enumerate(self.stages):
+            lines.append(f"stage {s}: " + cells(row, s))
+        if self.ranks is not None:
+            for r, row in enumerate(self.ranks):
+                lines.append(f"rank {r}: " + cells(row, None))
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -79,26 +133,61 @@ class Schedule:
         """Insert an update after each backward that completes ``every`` more micro-batches at that stage.
 
         Stages count their own backwarded micro-batches; an update closes each group of ``every``. A backward
-        covering several micro-batches (nF1B) counts all of them. Any trailing partial group is left
-        without an update (``flush`` semantics belong to the caller, which sizes ``every`` to divide the work).
+        covering several micro-batches (nF1B) counts all of them; in a stage list that splits backwards, the
+        weight-gradient actions (``W``) count, since they complete the gradients. Any trailing partial group is
+        left without an update (``flush`` semantics belong to the caller, which sizes ``every`` to divide the
+        work). With several stages per rank, each update follows the action that completed its group in the
+        rank's list as well.
         """
         if every < 1:
             raise ValueError(f"update interval must be >= 1 micro-batch, got {every}")
         stages = []
         for s, row in enumerate(self.stages):
+            completes = W if self.splits_backward(s) else B
             out, done, version = [], 0, 0
             for a in row:
                 if a.kind is U:
                     raise ValueError(f"schedule already holds updates ({a}); insert them once")
                 out.append(a)
-                if a.kind is B:
+                if a.kind is completes:
                     done += a.count
                     while done >= every:
                         done -= every
                         version += 1
                         out.append(Action(s, U, version))
             stages.append(tuple(out))
-        return Schedule(self.num_stages, self.n_microbatches, self.n_minibatches, tuple(stages))
+        ranks = None
+        if self.ranks is not None:
+            ranks = []
+            cursor = [0] * self.num_stages
+            for row in self.ranks:
+                merged = []
+                for a in row:
+                    own = stages[a.stage]
+                    merged.append(own[cursor[a.stage]])
+                    cursor[a.stage] += 1
+                    while cursor[a.stage] < len(own) and own[cursor[a.stage]].kind is U:
+                        merged.append(own[cursor[a.stage]])
+                        cursor[a.stage] += 1
+                ranks.append(tuple(merged))
+            ranks = tuple(ranks)
+        return Schedule(self.num_stages, self.n_microbatches, self.n_minibatches, tuple(stages), ranks)
+
+
+def _placement(schedule: Schedule) -> tuple[int, ...]:
+    placement = [-1] * schedule.num_stages
+    for r, row in enumerate(schedule.rank_rows):
+        for a in row:
+            placement[a.stage] = r
+            # A rank's first actions name all its stages well before its list ends; stop once every stage has one.
+            if -1 not in placement:
+                return tuple(placement)
+    return tuple(placement)
+
+
+def _splits(schedule: Schedule, stage: int) -> bool:
+    # A scan of the list (callers ask once per stage and schedule): cheap next to running it.
+    return any(a.kind is W for a in schedule.stages[stage])
 
 
 def upstream(action: Action, num_stages: int) -> tuple[int, Kind, int] | None:
@@ -106,7 +195,7 @@ def upstream(action: Action, num_stages: int) -> tuple[int, Kind, int] | None:
 
     F at stage s needs F of the same micro-batch at s-1. B at stage s < P-1 needs the backward of the same
     micro-batches at s+1 (checked through the last micro-batch it covers). B at the last stage needs only
-    its own forwards, which the stage's order guarantees.
+    its own forwards, which the stage's order guarantees; a W (weight gradients) its own B, likewise.
     """
     if action.kind is F and action.stage > 0:
         return (action.stage - 1, F, action.index)

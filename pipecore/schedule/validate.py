@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .ir import Action, B, F, Kind, U
-from .progress import runnable
+from .ir import Action, B, F, Kind, U, W
+from .progress import rank_cursor, runnable
 from .schedule import Schedule, upstream
 
 
@@ -33,8 +33,10 @@ def validate(schedule: Schedule) -> Schedule:
     """Check a schedule and return it unchanged, or raise :class:`ScheduleError`.
 
     Checks: every stage forwards and backwards every micro-batch exactly once, each backward after its own
-    forward; multi-micro-batch backwards cover the same ranges on every stage; updates are numbered
-    1, 2, 3, ...; and the lists can run to completion (no dependency cycle between stages).
+    forward; a stage that splits backwards runs the weight-gradient part (``W``) of every micro-batch once,
+    after its ``B``; multi-micro-batch backwards cover the same ranges on every stage; updates are numbered
+    1, 2, 3, ...; with several stages per rank, each stage is on one rank whose list holds its actions in the
+    stage's order; and the lists can run to completion (no dependency cycle between stages or within a rank).
     """
     P = schedule.num_stages
     if len(schedule.stages) != P:
@@ -44,6 +46,7 @@ def validate(schedule: Schedule) -> Schedule:
     for s, row in enumerate(schedule.stages):
         forwarded: set[int] = set()
         backwarded: set[int] = set()
+        weighted: set[int] = set()
         ranges = []
         updates = 0
         for i, a in enumerate(row):
@@ -68,6 +71,14 @@ def validate(schedule: Schedule) -> Schedule:
                         raise ScheduleError(f"{a} backwards micro-batch {k} a second time", schedule, a, at)
                     backwarded.add(k)
                 ranges.append((a.index, a.count))
+            elif a.kind is W:
+                if a.index not in backwarded:
+                    raise ScheduleError(f"{a} computes micro-batch {a.index}'s weight gradients before its backward",
+                                        schedule, a, at)
+                if a.index in weighted:
+                    raise ScheduleError(f"{a} computes micro-batch {a.index}'s weight gradients a second time",
+                                        schedule, a, at)
+                weighted.add(a.index)
             elif a.kind is U:
                 updates += 1
                 if a.index != updates:
@@ -76,12 +87,16 @@ def validate(schedule: Schedule) -> Schedule:
                     )
         missing_f = sorted(set(range(total)) - forwarded)
         missing_b = sorted(forwarded - backwarded)
-        if missing_f or missing_b:
+        missing_w = sorted(backwarded - weighted) if weighted else []
+        if missing_f or missing_b or missing_w:
             what = []
             if missing_f:
                 what.append(f"no forward for micro-batch(es) {missing_f[:8]}")
             if missing_b:
                 what.append(f"no backward for micro-batch(es) {missing_b[:8]}")
+            if missing_w:
+                what.append(f"no weight-gradient action (W) for micro-batch(es) {missing_w[:8]} though the stage "
+                            "splits its other backwards")
             raise ScheduleError(f"stage {s} is unbalanced: " + "; ".join(what), schedule)
         ranges_by_stage.append(ranges)
     for s in range(P - 1):
@@ -89,14 +104,46 @@ def validate(schedule: Schedule) -> Schedule:
             raise ScheduleError(
                 f"stages {s} and {s + 1} group micro-batches into backwards differently", schedule
             )
+    if schedule.ranks is not None:
+        _check_ranks(schedule)
     _check_runs_to_completion(schedule)
     return schedule
+
+
+def _check_ranks(schedule: Schedule) -> None:
+    """Each stage on one rank, whose list holds exactly the stage's actions in the stage's order."""
+    owner: dict[int, int] = {}
+    for r, row in enumerate(schedule.ranks or ()):
+        mine: dict[int, list[Action]] = {}
+        for a in row:
+            if owner.setdefault(a.stage, r) != r:
+                raise ScheduleError(f"stage {a.stage} has actions on ranks {owner[a.stage]} and {r}; a stage runs on "
+                                    "one rank", schedule, a)
+            mine.setdefault(a.stage, []).append(a)
+        for s, actions in mine.items():
+            if tuple(actions) != tuple(schedule.stages[s]):
+                at = next((i for i, (x, y) in enumerate(zip(actions, schedule.stages[s])) if x != y),
+                          min(len(actions), len(schedule.stages[s])))
+                raise ScheduleError(f"rank {r}'s list does not hold stage {s}'s actions in the stage's order (first "
+                                    f"difference at the stage's action {at})", schedule,
+                                    schedule.stages[s][at] if at < len(schedule.stages[s]) else None)
+    unplaced = sorted(set(range(schedule.num_stages)) - set(owner))
+    if unplaced:
+        raise ScheduleError(f"stages {unplaced} are on no rank", schedule)
 
 
 def _check_runs_to_completion(schedule: Schedule) -> None:
     P = schedule.num_stages
     rows = schedule.stages
     cursor = runnable(schedule, [0] * P)
+    if schedule.ranks is not None and any(cursor[s] < len(rows[s]) for s in range(P)):
+        heads = []
+        for r, row in enumerate(schedule.ranks):
+            at = rank_cursor(schedule, cursor, r)
+            if at < len(row):
+                heads.append(f"rank {r} at {row[at]} waits for {_describe(upstream(row[at], P))}")
+        blocked = next(rows[s][cursor[s]] for s in range(P) if cursor[s] < len(rows[s]))
+        raise ScheduleError(f"deadlock: no rank can make progress ({', '.join(heads)})", schedule, blocked)
     if any(cursor[s] < len(rows[s]) for s in range(P)):
         heads = [(s, cursor[s]) for s in range(P) if cursor[s] < len(rows[s])]
         waits = ", ".join(f"{rows[s][i]} waits for {_describe(upstream(rows[s][i], P))}" for s, i in heads)

@@ -9,10 +9,10 @@ from typing import Sequence
 
 from .algorithms.base import Algorithm, WeightRead
 from .runtime.executor import Event
-from .schedule.ir import B, F, Kind, U, traced
+from .schedule.ir import B, F, Kind, U, W, traced
 from .schedule.schedule import Schedule
 
-_COLOURS = {F: "#4c78a8", B: "#59a14f", U: "#9d9d9d"}
+_COLOURS = {F: "#4c78a8", B: "#59a14f", W: "#b07aa1", U: "#9d9d9d"}
 
 
 @dataclass(frozen=True)
@@ -97,13 +97,25 @@ class Trace:
         return any(r.derivation for _, _, r, _ in self._stage_reads[stage])
 
     def peak_activations(self, stage: int) -> int:
-        """Peak number of micro-batches whose forward ran at the stage and whose backward has not."""
+        """Peak number of micro-batches whose forward ran at the stage and whose backward has not (for a
+        stage that splits backwards: whose weight gradients, W, have not: W still needs the saved inputs)."""
+        return self._peak_in_flight(self._stage_events[stage])
+
+    def rank_peak_activations(self, rank: int) -> int:
+        """Peak number of micro-batch activations a rank holds at once, over all its stages (as
+        :meth:`peak_activations`; with one stage per rank the two agree)."""
+        stages = set(self.schedule.stages_of(rank))
+        return self._peak_in_flight([e for e in self.events if e.action.stage in stages])
+
+    def _peak_in_flight(self, events: Sequence[Event]) -> int:
+        ends = {s: W if self.schedule.splits_backward(s) else B for s in {e.action.stage for e in events}}
         in_flight = peak = 0
-        for e in self._stage_events[stage]:
-            if e.action.kind is F:
+        for e in sorted(events, key=lambda e: (e.start, e.end)):
+            kind = e.action.kind
+            if kind is F:
                 in_flight += 1
                 peak = max(peak, in_flight)
-            elif e.action.kind is B:
+            elif kind is ends[e.action.stage]:
                 in_flight -= e.action.count
         return peak
 
@@ -111,14 +123,24 @@ class Trace:
     def makespan(self) -> float:
         return max((e.end for e in self.events), default=0.0)
 
+    @property
+    def num_ranks(self) -> int:
+        """Ranks (worker threads or processes) that ran the schedule: ``num_stages`` unless several stages
+        share one (``stages_per_rank``)."""
+        return self.schedule.num_ranks
+
     def busy(self, stage: int) -> float:
         """Time the stage spends computing (sum of its actions' durations)."""
         return sum(e.end - e.start for e in self._stage_events[stage])
 
+    def rank_busy(self, rank: int) -> float:
+        """Time the rank spends computing, over all its stages."""
+        return sum(self.busy(s) for s in self.schedule.stages_of(rank))
+
     @property
     def bubble_fraction(self) -> float:
-        """Idle share of ``num_stages * makespan``."""
-        total = self.num_stages * self.makespan
+        """Idle share of ``ranks * makespan`` (a rank is busy while any of its stages computes)."""
+        total = self.num_ranks * self.makespan
         return 0.0 if total == 0 else 1.0 - sum(self.busy(s) for s in range(self.num_stages)) / total
 
     def stage_summary(self, stage: int) -> StageSummary:
@@ -136,19 +158,27 @@ class Trace:
         return traced(e.action, e.record.reads)
 
     def grid(self) -> str:
-        """Text table: one row per stage, actions in order, F/B tagged with the version read."""
-        rows = [[] for _ in range(self.num_stages)]
-        for e in self.events:
-            rows[e.action.stage].append(self._label(e))
-        # Events arrive in execution order; a stage's own events are in its schedule order.
-        return "\n".join(f"stage {s}: " + " ".join(r) for s, r in enumerate(rows))
+        """Text table: one row per stage (per rank when ranks hold several stages), actions in order, F/B
+        tagged with the version read."""
+        placement = self.schedule.placement
+        by_rank = self.schedule.ranks is not None
+        rows: list[list[str]] = [[] for _ in range(self.num_ranks if by_rank else self.num_stages)]
+        for e in sorted(self.events, key=lambda e: e.start) if by_rank else self.events:
+            rows[placement[e.action.stage] if by_rank else e.action.stage].append(self._label(e))
+        # Events arrive in execution order; a stage's own events are in its schedule order (and a rank's,
+        # by their start times, in its list's order).
+        name = "rank" if by_rank else "stage"
+        return "\n".join(f"{name} {s}: " + " ".join(r) for s, r in enumerate(rows))
 
     def summary(self) -> str:
         """Bubble fraction, makespan and per-stage versions/staleness as text."""
         lines = [
             f"algorithm {self.algorithm.name}: {self.num_stages} stages, {self.schedule.n_microbatches} micro-batches "
             f"x {self.schedule.n_minibatches} mini-batch{'es' if self.schedule.n_minibatches != 1 else ''}",
-            f"makespan {self.makespan:g}, bubble fraction {self.bubble_fraction:.3f}",
+            f"makespan {self.makespan:g}, bubble fraction {self.bubble_fraction:.3f}"
+            + (f", {self.num_ranks} ranks (stages per rank: {self.num_stages // self.num_ranks}), peak activations per "
+               f"rank {[self.rank_peak_activations(r) for r in range(self.num_ranks)]}"
+               if self.schedule.ranks is not None else ""),
             "stage  versions  derived  activations  staleness(mean/max)  delay(mean/max)",
         ]
         for s in range(self.num_stages):
@@ -159,20 +189,29 @@ class Trace:
             )
         return "\n".join(lines)
 
+    def _rows(self) -> tuple[list[str], list[int]]:
+        """Timeline rows: their names, and each stage's row (ranks when ranks hold several stages)."""
+        if self.schedule.ranks is None:
+            return [f"stage {s}" for s in range(self.num_stages)], list(range(self.num_stages))
+        names = [f"rank {r} (stages {', '.join(map(str, self.schedule.stages_of(r)))})" for r in range(self.num_ranks)]
+        return names, list(self.schedule.placement)
+
     def to_chrome_trace(self, path: str) -> None:
-        """Write a Chrome trace (open in Perfetto or chrome://tracing); one row per stage, 1 unit = 1 ms."""
+        """Write a Chrome trace (open in Perfetto or chrome://tracing); one row per stage (per rank when ranks
+        hold several stages; each action is labelled with its stage), 1 unit = 1 ms."""
         events = [
             {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"pipecore {self.algorithm.name}"}},
         ]
-        for s in range(self.num_stages):
-            events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": f"stage {s}"}})
+        names, row_of = self._rows()
+        for i, name in enumerate(names):
+            events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": name}})
         for e in self.events:
             args = {"live": e.record.live}
             if e.record.reads:
                 args["reads"] = {str(k): str(r) for k, r in e.record.reads.items()}
                 args["staleness"] = max(e.record.live - r.version for r in e.record.reads.values())
             events.append({
-                "name": self._label(e), "cat": e.action.kind.value, "ph": "X", "pid": 0, "tid": e.action.stage,
+                "name": self._label(e), "cat": e.action.kind.value, "ph": "X", "pid": 0, "tid": row_of[e.action.stage],
                 "ts": e.start * 1000.0, "dur": max(e.end - e.start, 1e-3) * 1000.0, "args": args,
             })
         with open(path, "w") as f:
@@ -186,26 +225,33 @@ class Trace:
         import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
 
+        names, row_of = self._rows()
+        labelled = self.schedule.ranks is not None  # rows are ranks: each action says its stage
         fig_w = min(max(8.0, self.makespan * 0.25), 40.0)
-        fig, ax = plt.subplots(figsize=(fig_w, 1.0 + 0.6 * self.num_stages))
+        fig, ax = plt.subplots(figsize=(fig_w, 1.0 + 0.6 * len(names)))
         max_stale = max((self.staleness(s, k, kind) for (s, k, kind) in self._reads), default=0) or 1
         for e in self.events:
             a = e.action
             width = max(e.end - e.start, 0.15)
             stale = max((e.record.live - r.version for r in e.record.reads.values()), default=0)
             alpha = 0.45 + 0.55 * stale / max_stale
-            ax.barh(a.stage, width, left=e.start, height=0.8, color=_COLOURS[a.kind], alpha=alpha, edgecolor="white")
+            row = row_of[a.stage]
+            ax.barh(row, width, left=e.start, height=0.8, color=_COLOURS[a.kind], alpha=alpha, edgecolor="white")
             if a.kind is not U and width >= 0.6:
                 text = f"{a.index}" + (f"-{a.index + a.count - 1}" if a.count > 1 else "")
-                ax.text(e.start + width / 2, a.stage, text, ha="center", va="center", fontsize=7, color="white")
-        ax.set_yticks(range(self.num_stages), [f"stage {s}" for s in range(self.num_stages)])
+                if labelled:
+                    text = f"{a.stage}:{text}"
+                ax.text(e.start + width / 2, row, text, ha="center", va="center", fontsize=7, color="white")
+        ax.set_yticks(range(len(names)), names)
         ax.invert_yaxis()
         ax.set_xlabel("time")
         ax.set_title(title or f"{self.algorithm.name}: bubble {self.bubble_fraction:.1%}, "
                               f"versions per stage {[self.weight_versions(s) for s in range(self.num_stages)]}")
-        ax.legend(handles=[Patch(color=_COLOURS[k], label=n) for k, n in ((F, "forward"), (B, "backward"), (U, "update"))]
+        kinds = ((F, "forward"), (B, "backward"), (W, "weight gradients"), (U, "update"))
+        present = {e.action.kind for e in self.events}
+        ax.legend(handles=[Patch(color=_COLOURS[k], label=n) for k, n in kinds if k in present or k is not W]
                   + [Patch(color="black", alpha=0.9, label="darker = staler weights")],
-                  loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=8, frameon=False)
+                  loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=5, fontsize=8, frameon=False)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)

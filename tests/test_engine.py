@@ -448,7 +448,7 @@ def test_split_backward_defers_weight_gradients_until_after_the_send():
 
     def spy(target_stage, kind, microbatch, message):
         if kind is B:  # a gradient message, from stage 1
-            seen.append((float(stage.grad.abs().sum()), stage._deferred is not None))
+            seen.append((float(stage.grad.abs().sum()), bool(stage._deferred)))
         send(target_stage, kind, microbatch, message)
 
     pipe._transport.send = spy
@@ -457,7 +457,7 @@ def test_split_backward_defers_weight_gradients_until_after_the_send():
     assert len(seen) == M
     assert seen[0][0] == 0.0  # nothing accumulated yet when the first input gradient left
     assert all(pending for _, pending in seen)  # every send left before its weight gradients were computed
-    assert stage._deferred is None
+    assert not stage._deferred
     assert stage.grad.abs().sum() == 0.0  # all of them applied by the update
 
 

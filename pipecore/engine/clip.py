@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..schedule.ir import Action, B, Kind, U
+from ..schedule.ir import Action, B, Kind, U, W
 from ..schedule.schedule import Schedule
 
 if TYPE_CHECKING:
@@ -115,14 +115,16 @@ class ClipDependencies:
     backward of its group (composed with any other dependencies, e.g. tied weights')."""
 
     def __init__(self, num_stages: int, update_every: int,
-                 other: Callable[[Action], Sequence[tuple[int, Kind, int]]] | None = None):
+                 other: Callable[[Action], Sequence[tuple[int, Kind, int]]] | None = None,
+                 weight_actions: bool = False):
         self.num_stages, self.update_every, self.other = num_stages, update_every, other
+        self.completes = W if weight_actions else B  # the action that completes a micro-batch's gradients
 
     def __call__(self, action: Action) -> list[tuple[int, Kind, int]]:
         found = list(self.other(action)) if self.other is not None else []
         if action.kind is U:
             last = action.index * self.update_every - 1  # U index i applies group i - 1
-            found += [(t, B, last) for t in range(self.num_stages) if t != action.stage]
+            found += [(t, self.completes, last) for t in range(self.num_stages) if t != action.stage]
         return found
 
 

@@ -198,6 +198,10 @@ class Pipeline:
         if optimizer is not None:
             check_optimizer(optimizer)  # before capture and partitioning, which take a while
         self.algorithm = get_algorithm(algorithm, num_stages, n_microbatches, **options)
+        layout_schedule = self.algorithm.schedule(1)
+        #: The rank (worker thread, or process) of every stage: several stages share one with ``stages_per_rank``.
+        self.placement: tuple[int, ...] = layout_schedule.placement
+        self.num_ranks = layout_schedule.num_ranks
         self.model = model
         self.num_stages = num_stages
         self.n_microbatches = n_microbatches
@@ -218,7 +222,7 @@ class Pipeline:
         self.rank = _join_process_group(num_stages, timeout)
         owned = range(num_stages) if self.rank is None else [self.rank]
         self.concurrent = (self.rank is None and num_stages > 1) if concurrent is None else concurrent
-        self.devices = _stage_devices(devices, graphs, self.rank)
+        self.devices = _stage_devices(devices, graphs, self.rank, self.placement)
         if isinstance(partition, Plan) and any(partition.offloaded):
             self._offload_planned(partition, graphs, owned)
         # The ring of each stage holds exactly the versions the algorithm needs; the simulator says how many.
@@ -241,6 +245,8 @@ class Pipeline:
                 split_backward=split_backward and s > 0,  # stage 0 sends no input gradient
                 lr_schedule=None if lr_scheduler is None else LrSchedule(lr_scheduler, stage_optimizer.lr),
             )
+            # Zero-bubble schedules run each backward's weight gradients as an action of its own (W).
+            self.stages[s].weight_actions = layout_schedule.splits_backward(s)
         self.lr_scheduler = lr_scheduler
         if self.rank is not None:
             _release_other_stages(captured.model, graphs[self.rank].module)
@@ -266,19 +272,24 @@ class Pipeline:
             from ..runtime.distributed import DistributedTransport
 
             self._transport = DistributedTransport(self.rank, num_stages, timeout, self.devices[self.rank])
-        # Stage worker threads, kept from step to step (one process, several stages, concurrent).
-        self.threads_per_stage = (default_threads_per_stage(len(self.stages)) if threads_per_stage is None
+        # Worker threads, one per rank (a rank runs its stages' actions in one list), kept from step to step
+        # (one process, several ranks, concurrent).
+        ranks_here = len({self.placement[s] for s in self.stages})
+        self.threads_per_stage = (default_threads_per_stage(ranks_here) if threads_per_stage is None
                                   else threads_per_stage)
         self._threads = (StageThreads(thread_setup(self.threads_per_stage))
-                         if self.concurrent and len(self.stages) > 1 else None)
+                         if self.concurrent and ranks_here > 1 else None)
         if overlap_steps and self._threads is None:
             raise ValueError(
                 "overlap_steps=True needs a worker thread per stage: concurrent=True with more than one stage in "
                 f"this process (this process runs {len(self.stages)} stage(s), concurrent={self.concurrent})"
             )
         self.overlap_steps = overlap_steps
-        for st in self.stages.values():
+        rank_streams: dict[tuple[int, torch.device], Any] = {}
+        for s, st in self.stages.items():
             st.use_stream(self._threads is not None)  # a stream of its own only where it runs on its own thread
+            # The stages of one rank on one device compute on one stream, in the rank's order.
+            st.stream = rank_streams.setdefault((self.placement[s], st.device), st.stream)
             st.intra_op_threads = self.threads_per_stage
         self._staleness = {s: _Tally() for s in self.stages}
         self._delays = {s: _Tally() for s in self.stages}
@@ -348,7 +359,8 @@ class Pipeline:
         """What an action waits for besides its message: tied weights' partners, and with a global gradient
         norm in one process, every stage's last backward of the group an update applies."""
         if isinstance(self._global_norm, LocalGlobalNorm):
-            return ClipDependencies(self.num_stages, self.algorithm.update_every, ties)
+            return ClipDependencies(self.num_stages, self.algorithm.update_every, ties,
+                                    weight_actions=self.algorithm.schedule(1).splits_backward(0))
         return ties
 
     def _tie_stages(self, timeout: float) -> TieSync:
@@ -358,7 +370,9 @@ class Pipeline:
 
         owners = {name: tuple(s for s, _ in held) for name, held in self.ties.items()}
         partners = partners_of(list(owners.values()))
-        sync = TieSync(partners, self.algorithm.update_every, smallest_delay(self.algorithm, partners))
+        split = self.algorithm.schedule(1).splits_backward(0)
+        sync = TieSync(partners, self.algorithm.update_every, smallest_delay(self.algorithm, partners),
+                       weight_actions=split)
         # Per owned stage, the slices of its gradient buffer that hold its tied weights' gradients.
         views = {s: {name: st.grad_view(local) for name, held in self.ties.items() for owner, local in held if owner == s}
                  for s, st in self.stages.items()}
@@ -1259,10 +1273,14 @@ def _boundary_meta(captured: CapturedModel, graphs: Sequence[StageGraph], exampl
     return meta
 
 
-def _stage_devices(devices: Any, graphs: Sequence[StageGraph], rank: int | None) -> list[torch.device]:
-    """The device of every stage: as given (one per stage, or one for all), else where each stage's
-    parameters are (with one process per stage on NCCL, this rank's ``LOCAL_RANK`` GPU)."""
+def _stage_devices(devices: Any, graphs: Sequence[StageGraph], rank: int | None,
+                   placement: Sequence[int]) -> list[torch.device]:
+    """The device of every stage: as given (one per stage, one per rank, or one for all), else where each
+    stage's parameters are (with one process per stage on NCCL, this rank's ``LOCAL_RANK`` GPU)."""
     P = len(graphs)
+    ranks = max(placement) + 1
+    if devices is not None and not isinstance(devices, (str, torch.device)) and len(devices) == ranks != P:
+        devices = [list(devices)[placement[s]] for s in range(P)]  # one per rank: each stage on its rank's
     if devices is None:
         if rank is not None and torch.distributed.get_backend() == "nccl":
             own = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
@@ -1272,8 +1290,9 @@ def _stage_devices(devices: Any, graphs: Sequence[StageGraph], rank: int | None)
         devices = [devices] * P
     devices = list(devices)
     if len(devices) != P:
+        per_rank = f", one per rank ({ranks})" if ranks != P else ""
         raise ValueError(f"devices has {len(devices)} entries but there are {P} stages; give one device per "
-                         "stage, or one device for all of them")
+                         f"stage{per_rank}, or one device for all of them")
     out = []
     for s, spec in enumerate(devices):
         try:

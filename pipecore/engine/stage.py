@@ -155,7 +155,12 @@ class TensorStage(StageWorker):
         self.seconds: dict[str, float] = defaultdict(float)
         self.recent_seconds: dict[str, _RecentSeconds] = defaultdict(_RecentSeconds)
         self.split_backward = split_backward  # see split_backward: the input gradient first
-        self._deferred: tuple[PendingWeightGradients, torch.Tensor | None] | None = None
+        # The schedule runs each backward's weight gradients as a W action of its own (zero-bubble schedules;
+        # set by the pipeline): every backward leaves them, until its W.
+        self.weight_actions = False
+        # Weight gradients a backward left for later, by micro-batch: with split_backward until the backward's
+        # messages are sent, with weight_actions until the micro-batch's W.
+        self._deferred: dict[int, tuple[PendingWeightGradients, torch.Tensor | None]] = {}
         # Tied weights this stage shares with others (set by the pipeline); None when it shares none.
         self.ties: StageTies | None = None
         self._last_backward_count = 0
@@ -405,13 +410,13 @@ class TensorStage(StageWorker):
                     continue
                 # Only the action's last micro-batch defers: an earlier one's derived weights (scratch) are
                 # overwritten by the next micro-batch's read. Split backwards take one tensor in and one out.
-                if (self.split_backward and len(wanted) == 1 and len(inputs) == 1 and len(tensors) == 1
-                        and graph.leaves and k == microbatches[-1]):
+                if ((self.split_backward or self.weight_actions) and len(wanted) == 1 and len(inputs) == 1
+                        and len(tensors) == 1 and graph.leaves and k == microbatches[-1]):
                     self._committed(k)
                     with rule.reading(graph.weights):
                         dx, pending = input_gradient(tensors[0], None if grads is None else grads[0], wanted[0],
                                                      graph.leaves)
-                    self._deferred = (pending, graph.weights)
+                    self._deferred[k] = (pending, graph.weights)
                     outs.append(dx)
                     continue
                 # Weight gradients accumulate into the leaves' .grad, the gradient buffer (see weight_leaves); a
@@ -437,14 +442,27 @@ class TensorStage(StageWorker):
 
     def finish_backward(self) -> None:
         super().finish_backward()
-        if self.ties is not None:
+        if self.ties is not None and not self.weight_actions:
             self.ties.after_backward(self._last_backward_count)
 
     def compute_weight_gradients(self) -> None:
-        if self._deferred is None:
-            return
+        if self._deferred and not self.weight_actions:
+            (k, deferred), = self._deferred.items()
+            del self._deferred[k]
+            self._weight_gradients(*deferred)
+
+    def compute_weight(self, action: Action) -> None:
+        deferred = self._deferred.pop(action.index, None)
+        # None: the backward could not split (the first stage sends no input gradient; a stage with several
+        # inputs or outputs) and computed its weight gradients itself.
+        if deferred is not None:
+            self.mutated = True
+            self._weight_gradients(*deferred)
+        if self.ties is not None:
+            self.ties.after_backward(1)  # this micro-batch's gradients are complete only now
+
+    def _weight_gradients(self, pending: PendingWeightGradients, weights: torch.Tensor | None) -> None:
         t0 = time.perf_counter()
-        (pending, weights), self._deferred = self._deferred, None
         with self.rule.reading(weights):
             self._accumulate(weight_gradients(pending, len(self._grad_views)))
         seconds = time.perf_counter() - t0

@@ -152,7 +152,8 @@ def undo(stage: "TensorStage", point: UndoPoint) -> None:
             del table[k]
     every = stage.algorithm.update_every
     stage.poisoned_groups = {g for g in stage.poisoned_groups if g * every < first}
-    stage._deferred = None
+    waiting = sum(1 for k in stage._deferred if k < first)  # backwarded, their weight gradients still to come
+    stage._deferred = {k: d for k, d in stage._deferred.items() if k < first}
     live, updates = (stage.book.live, stage.book.updates) if snap is None else (snap.live, snap.updates)
     stage.book.discard(first, live, updates, point.latest_tag)
     stage.sync_ring()  # unpins the versions only the discarded micro-batches held
@@ -170,8 +171,9 @@ def undo(stage: "TensorStage", point: UndoPoint) -> None:
         if snap.velocity is not None:
             stage.velocity.copy_(snap.velocity)
     if stage.ties is not None:
-        # Every earlier micro-batch had its forward here; those not in flight any more had their backward.
-        stage.ties.undo(first - len(stage.in_flight), None if snap is None else snap.ties[1])
+        # Every earlier micro-batch had its forward here; those not in flight any more had their backward (and,
+        # unless waiting for their W, posted their tied gradients).
+        stage.ties.undo(first - len(stage.in_flight) - waiting, None if snap is None else snap.ties[1])
     if snap is not None and snap.grad is not None:
         stage.grad.copy_(snap.grad)
         stage.grad_span = snap.grad_span

@@ -9,7 +9,11 @@ each stage's own order, which the schedule fixes.
 The executor can stop before the end: ``run(available=n)`` executes every action it can without a
 stage-0 forward of micro-batch ``n`` or later, so a pipeline can keep running across ``step()`` calls.
 
-Two ways to run the same actions: in turn on the calling thread, or (given ``threads``) each stage on its
+A schedule with several stages per rank (``Schedule.ranks``) runs each rank's single list in its order: one
+thread per rank, and a rank is busy with one action at a time in the timing model. Weight-gradient actions
+(``W``) finish a split backward on their stage.
+
+Two ways to run the same actions: in turn on the calling thread, or (given ``threads``) each rank on its
 own worker thread, which waits for its next action's message in a mailbox (and, for tied weights, for the other
 owners' progress) without holding the GIL. Either way every stage executes the same actions in the same
 order, which is all its numerics depend on, so both give the same bits. With threads, a run queues each
@@ -19,14 +23,14 @@ them, and :meth:`Executor.settle` waits for all.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Mapping, Sequence
 
 from .. import _C
-from ..schedule.ir import Action, B, F, Kind
-from ..schedule.progress import positions, runnable
+from ..schedule.ir import Action, B, F, Kind, W
+from ..schedule.progress import positions, rank_cursor, runnable
 from ..schedule.schedule import Schedule, upstream
 from ..schedule.validate import ScheduleError
 from .threads import StageThreads
@@ -39,23 +43,40 @@ _POLL = 0.05  # seconds between the caller's checks for Ctrl-C while it waits fo
 
 @dataclass(frozen=True)
 class Costs:
-    """Per-stage times of one forward and one backward of a micro-batch, an update, and a send."""
+    """Per-stage times of one forward and one backward of a micro-batch, an update, and a send.
+
+    ``weight`` is the weight-gradient part of a backward: a schedule that splits backwards runs it as its own
+    action (``W``) and its ``B`` costs ``backward``; one that does not pays ``backward + weight`` for a ``B``.
+    A send between two stages on the same rank costs nothing.
+    """
 
     forward: tuple[float, ...]
     backward: tuple[float, ...]
     update: tuple[float, ...]
     send: float = 0.0
+    weight: tuple[float, ...] | None = None  # None: zeros
+
+    def __post_init__(self) -> None:
+        if self.weight is None:
+            object.__setattr__(self, "weight", (0.0,) * len(self.forward))
 
     @classmethod
     def uniform(cls, num_stages: int, forward: float = 1.0, backward: float = 2.0, update: float = 0.0,
-                send: float = 0.0) -> "Costs":
-        return cls((forward,) * num_stages, (backward,) * num_stages, (update,) * num_stages, send)
+                send: float = 0.0, weight: float = 0.0) -> "Costs":
+        return cls((forward,) * num_stages, (backward,) * num_stages, (update,) * num_stages, send,
+                   (weight,) * num_stages)
 
-    def of(self, action: Action) -> float:
+    def of(self, action: Action, split: bool = False) -> float:
+        """The time of ``action``; ``split``: its stage's schedule splits backwards (a B without its W part)."""
         if action.kind is F:
             return self.forward[action.stage]
         if action.kind is B:
-            return self.backward[action.stage] * action.count
+            assert self.weight is not None
+            whole = self.backward[action.stage] + (0.0 if split else self.weight[action.stage])
+            return whole * action.count
+        if action.kind is W:
+            assert self.weight is not None
+            return self.weight[action.stage]
         return self.update[action.stage]
 
 
@@ -104,7 +125,16 @@ class Executor:
         if bad:
             raise ValueError(f"workers given for stages {bad}; the schedule has stages 0..{P - 1}")
         self.cursor = [0] * P
-        self.stage_free = [0.0] * P
+        self._layout(self.schedule)
+        # The ranks this process runs: those whose every stage has a worker here.
+        self.lanes = [r for r in range(self.schedule.num_ranks)
+                      if all(s in self.workers for s in self.schedule.stages_of(r))]
+        partial_ranks = sorted({self._rank[s] for s in self.workers} - set(self.lanes))
+        if partial_ranks:
+            raise ValueError(f"workers given for some of the stages of ranks {partial_ranks}; a rank's stages run "
+                             "on one thread, so give a worker for each or for none")
+        self.lane_cursor = [0] * self.schedule.num_ranks
+        self.rank_free = [0.0] * self.schedule.num_ranks
         # In-process mailboxes: a stage whose message is not there yet can wait for another stage's turn.
         self._local = isinstance(self.transport, LocalTransport)
         self._index = positions(self.schedule)
@@ -133,6 +163,15 @@ class Executor:
                 raise ValueError(f"stage {s}: the new schedule does not continue the executed prefix")
         self.schedule = schedule
         self._index = positions(schedule)
+        self._layout(schedule)
+
+    def _layout(self, schedule: Schedule) -> None:
+        """Per-stage facts the hot path reads: each stage's rank, and whether its B leaves a W."""
+        placement = schedule.placement
+        if hasattr(self, "_rank") and tuple(self._rank) != placement:
+            raise ValueError(f"the new schedule places the stages on ranks {placement}, not {tuple(self._rank)}")
+        self._rank = list(placement)
+        self._split = [schedule.splits_backward(s) for s in range(schedule.num_stages)]
 
     def run(self, available: int | None = None, until: tuple[int, Kind, int] | None = None) -> None:
         """Run every action that can run; with ``available``, forwards of micro-batch ``available`` and
@@ -147,7 +186,7 @@ class Executor:
         if (available is not None and self.threads is None and self._local
                 and len(self.workers) == self.schedule.num_stages):
             # Every stage is here and runs on this thread: the dependency closure is what running in turn
-            # until no stage can go on reaches, so it need not be computed first (a walk over every action).
+            # until no rank can go on reaches, so it need not be computed first (a walk over every action).
             try:
                 with self._on_calling_thread():
                     self._run_in_turn(None, available)
@@ -160,7 +199,8 @@ class Executor:
         if available is None and any(t < len(rows[s]) for s, t in enumerate(target)):
             blocked = next(rows[s][t] for s, t in enumerate(target) if t < len(rows[s]))
             raise ScheduleError("deadlock: no stage can make progress", self.schedule, blocked)
-        busy = [s for s in self.workers if self.planned[s] < target[s]]
+        stages_of = self.schedule.stages_of
+        busy = [r for r in self.lanes if any(self.planned[s] < target[s] for s in stages_of(r))]
         threads = self.threads
         if threads is not None and (threads.pending or self._failures or len(busy) > 1):
             self._submit(busy, target)
@@ -221,22 +261,24 @@ class Executor:
             self.settle()  # a stage thread failed after the last run returned: raise its error now
 
     def _run_in_turn(self, target: Sequence[int] | None, available: int | None = None) -> None:
-        """Run the stages in turn on this thread, each as far as its messages allow, up to ``target`` (None: as
-        far as they go without forwards of micro-batch ``available`` or later)."""
-        rows = self.schedule.stages
+        """Run the ranks in turn on this thread, each as far as its messages allow, up to ``target`` (per stage;
+        None: as far as they go without forwards of micro-batch ``available`` or later)."""
+        rows = self.schedule.rank_rows
         last = self.schedule.num_stages - 1
-        ready, needs, cursor, workers, execute = self.transport.ready, self.needs, self.cursor, self.workers, \
-            self._execute
+        ready, needs, cursor, lane_cursor, workers, execute = self.transport.ready, self.needs, self.cursor, \
+            self.lane_cursor, self.workers, self._execute
         progressed = True
         while progressed:
             progressed = False
-            for s in workers:
-                row = rows[s]
-                end = len(row) if target is None else target[s]
-                c = cursor[s]
+            for r in self.lanes:
+                row = rows[r]
+                end = len(row)
+                c = lane_cursor[r]
                 while c < end:
                     action = row[c]
-                    kind = action.kind
+                    s, kind = action.stage, action.kind
+                    if target is not None and cursor[s] >= target[s]:
+                        break
                     # The upstream message (see schedule.upstream), checked inline: this runs once per action.
                     if kind is F:
                         if available is not None and action.index >= available:
@@ -250,13 +292,14 @@ class Executor:
                         break
                     execute(action)
                     c += 1
-                    cursor[s] = c
+                    lane_cursor[r] = c
+                    cursor[s] += 1
                     progressed = True
 
-    def _submit(self, stages: Sequence[int], target: Sequence[int]) -> None:
-        """Queue, on each of ``stages``' threads, a job running that stage up to ``target``. The first error
-        stops every thread (a waiting one is woken by aborting the mailboxes and the progress counters);
-        :meth:`settle` raises it."""
+    def _submit(self, lanes: Sequence[int], target: Sequence[int]) -> None:
+        """Queue, on each of ``lanes``' (ranks') threads, a job running that rank up to ``target`` (per stage). The
+        first error stops every thread (a waiting one is woken by aborting the mailboxes and the progress
+        counters); :meth:`settle` raises it."""
         assert self.threads is not None
         if self._progress is None:
             self._progress = _C.Progress(self.schedule.num_stages)
@@ -266,31 +309,39 @@ class Executor:
         # The caller's torch thread-local state (grad mode, autocast, an active profiler) applies on every
         # stage thread, as it does when the stages run in turn on the caller's thread.
         caller = _C.ThreadState()
-        self.threads.submit({s: partial(self._work, s, target[s], caller) for s in stages})
+        ends = tuple(target)
+        self.threads.submit({r: partial(self._work, r, ends, caller) for r in lanes})
 
-    def _work(self, s: int, end: int, caller: Any) -> None:
-        """Stage ``s``'s job on its thread: run its actions up to index ``end``."""
+    def _work(self, r: int, ends: Sequence[int], caller: Any) -> None:
+        """Rank ``r``'s job on its thread: run its list while its stages are short of ``ends``."""
         failures, progress, needs, index = self._failures, self._progress, self.needs, self._index
+        cursor, lane_cursor = self.cursor, self.lane_cursor
         action = None
         try:
-            with caller.enter(), self.workers[s].running():
-                row = self.schedule.stages[s]
-                while self.cursor[s] < end and not failures:
-                    action = row[self.cursor[s]]
+            with caller.enter(), ExitStack() as running:
+                for s in self.schedule.stages_of(r):
+                    running.enter_context(self.workers[s].running())
+                row = self.schedule.rank_rows[r]
+                while lane_cursor[r] < len(row) and not failures:
+                    action = row[lane_cursor[r]]
+                    s = action.stage
+                    if cursor[s] >= ends[s]:
+                        break
                     if needs is not None:
                         for n in needs(action):
                             if n[0] in self.workers:
                                 progress.wait_at_least(n[0], index[n] + 1)
                     self._execute(action)
-                    self.cursor[s] += 1
-                    progress.set(s, self.cursor[s])
+                    lane_cursor[r] += 1
+                    cursor[s] += 1
+                    progress.set(s, cursor[s])
         except _C.Aborted:
             pass  # another stage failed first; its error is the one raised
         except BaseException as exc:  # noqa: B902 - re-raised on the calling thread by settle()
             if action is not None and not any(a == action for a, _ in self.failed_actions):
                 self.failed_actions.append((action, True))  # it failed waiting, before it started
-            failures.append((s, action, exc))
-            self._stop_all(f"stage {s} failed")
+            failures.append((action.stage if action is not None else r, action, exc))
+            self._stop_all(f"stage {action.stage if action is not None else r} failed")
 
     def _stop_all(self, reason: str) -> None:
         self.transport.abort(reason)
@@ -336,6 +387,8 @@ class Executor:
         self.planned = list(new_cursor)
         self.schedule = schedule
         self._index = positions(schedule)
+        self._layout(schedule)
+        self.lane_cursor = [rank_cursor(schedule, new_cursor, r) for r in range(schedule.num_ranks)]
         self.transport.resume()
         self.transport.drop(drop_message)
         if self._progress is not None:
@@ -352,20 +405,24 @@ class Executor:
         worker = self.workers[action.stage]
         try:
             s, last = action.stage, self.schedule.num_stages - 1
+            kind = action.kind
             transport = self.transport
-            if action.kind is F:
+            rank = self._rank[s]
+            costs = self.costs
+            if kind is F:
                 incoming = transport.receive(s, F, action.index) if s > 0 else Message(self.source(action.index))
-                start = max(self.stage_free[s], incoming.ready_at)
+                start = max(self.rank_free[rank], incoming.ready_at)
                 try:
                     out, record = worker.forward(action, incoming)
                 except BaseException:
                     if worker.failed_cleanly and s > 0:
                         transport.give_back(s, F, action.index, incoming)  # the action can run again: give its input back
                     raise
-            elif action.kind is B:
+                end = start + costs.forward[s]
+            elif kind is B:
                 microbatches = action.microbatches  # a property that builds a range: once per action
                 incoming = self._receive_gradients(s, microbatches) if s < last else [Message() for _ in microbatches]
-                start = max([self.stage_free[s]] + [m.ready_at for m in incoming])
+                start = max([self.rank_free[rank]] + [m.ready_at for m in incoming])
                 try:
                     outs, record = worker.backward(action, incoming)
                 except BaseException:
@@ -373,21 +430,25 @@ class Executor:
                         for k, m in zip(microbatches, incoming):
                             transport.give_back(s, B, k, m)
                     raise
+                end = start + (costs.backward[s] + (0.0 if self._split[s] else costs.weight[s])) * action.count
+            elif kind is W:
+                start = self.rank_free[rank]
+                record = worker.weight(action)
+                end = start + costs.weight[s]
             else:
-                start = self.stage_free[s]
+                start = self.rank_free[rank]
                 record = worker.update(action)
-            costs = self.costs
-            end = start + (costs.forward[s] if action.kind is F else costs.backward[s] * action.count
-                           if action.kind is B else costs.update[s])  # Costs.of, inline: once per action
-            self.stage_free[s] = end
-            if action.kind is F and s < last:
-                out.ready_at = end + self.costs.send
+                end = start + costs.update[s]
+            self.rank_free[rank] = end
+            if kind is F and s < last:
+                out.ready_at = end + (costs.send if self._rank[s + 1] != rank else 0.0)
                 transport.send(s + 1, F, action.index, out)
-            elif action.kind is B and s > 0:
+            elif kind is B and s > 0:
+                ready_at = end + (costs.send if self._rank[s - 1] != rank else 0.0)
                 for k, m in zip(microbatches, outs):
-                    m.ready_at = end + self.costs.send
+                    m.ready_at = ready_at
                     transport.send(s - 1, B, k, m)
-            if action.kind is B:
+            if kind is B and not self._split[s]:
                 worker.finish_backward()  # after the send: the upstream stage waits only for the input gradient
             event = Event(action, start, end, record)
             if self.keep_events:

@@ -69,6 +69,10 @@ class StageWorker:
         """Finish the last backward, if ``compute_backward`` left its weight gradients for after the send."""
         return None
 
+    def compute_weight(self, action: Action) -> None:
+        """A ``W`` action: the weight gradients its micro-batch's ``B`` left (zero-bubble schedules)."""
+        return None
+
     def compute_update(self, action: Action, info: UpdateInfo) -> None:
         return None
 
@@ -142,6 +146,19 @@ class StageWorker:
     def finish_backward(self) -> None:
         """Complete the last backward after its messages were sent (weight gradients, if deferred)."""
         self.compute_weight_gradients()
+
+    def weight(self, action: Action) -> ActionRecord:
+        """Run a ``W`` action. It reads the weights its ``B`` read (the graph that B kept) and asks the version
+        book nothing: schedules that split backwards are synchronous."""
+        live = self.book.live
+        self.last_action, self.mutated, self.failed_cleanly = action, False, False
+        try:
+            with self.action_range(action, {}):
+                self.compute_weight(action)
+        except BaseException:
+            self.failed_cleanly = not self.mutated
+            raise
+        return ActionRecord(live=live)
 
     def restart(self) -> None:
         """Begin a new schedule after a flush: version offsets and update groups count from here."""

@@ -136,8 +136,9 @@ class Schedule:
         covering several micro-batches (nF1B) counts all of them; in a stage list that splits backwards, the
         weight-gradient actions (``W``) count, since they complete the gradients. Any trailing partial group is
         left without an update (``flush`` semantics belong to the caller, which sizes ``every`` to divide the
-        work). With several stages per rank, each update follows the action that completed its group in the
-        rank's list as well.
+        work). With several stages per rank, a rank runs its stages' updates of a group once it has run every
+        action of that group (an update may wait for the other stages' gradients: tied weights, a global
+        gradient norm; one of them may be on the same rank).
         """
         if every < 1:
             raise ValueError(f"update interval must be >= 1 micro-batch, got {every}")
@@ -158,20 +159,29 @@ class Schedule:
             stages.append(tuple(out))
         ranks = None
         if self.ranks is not None:
-            ranks = []
-            cursor = [0] * self.num_stages
-            for row in self.ranks:
-                merged = []
-                for a in row:
-                    own = stages[a.stage]
-                    merged.append(own[cursor[a.stage]])
-                    cursor[a.stage] += 1
-                    while cursor[a.stage] < len(own) and own[cursor[a.stage]].kind is U:
-                        merged.append(own[cursor[a.stage]])
-                        cursor[a.stage] += 1
-                ranks.append(tuple(merged))
-            ranks = tuple(ranks)
+            ranks = tuple(_merge_updates(row, stages, every) for row in self.ranks)
         return Schedule(self.num_stages, self.n_microbatches, self.n_minibatches, tuple(stages), ranks)
+
+
+def _merge_updates(row: Sequence[Action], stages: Sequence[Sequence[Action]], every: int) -> tuple[Action, ...]:
+    """Rank list ``row`` with the updates of ``stages`` (lists with updates) put in: a stage's update after its
+    group's last action, and after every other action of the rank on micro-batches of that group or earlier."""
+    merged: list[Action] = []
+    cursor: dict[int, int] = {}
+    pending: list[Action] = []  # updates of this rank not placed yet, in the order they became due
+    for a in row:
+        if pending and a.index >= pending[0].index * every:  # an action of a later group: updates go first
+            merged += pending
+            pending = []
+        own = stages[a.stage]
+        i = cursor.get(a.stage, 0)
+        merged.append(own[i])
+        i += 1
+        while i < len(own) and own[i].kind is U:
+            pending.append(own[i])
+            i += 1
+        cursor[a.stage] = i
+    return tuple(merged + pending)
 
 
 def _placement(schedule: Schedule) -> tuple[int, ...]:
@@ -186,8 +196,10 @@ def _placement(schedule: Schedule) -> tuple[int, ...]:
 
 
 def _splits(schedule: Schedule, stage: int) -> bool:
-    # A scan of the list (callers ask once per stage and schedule): cheap next to running it.
-    return any(a.kind is W for a in schedule.stages[stage])
+    # A stage that splits does so from its first mini-batch, whose actions (m each of F, B and W, and its
+    # updates) come first in its list: a bounded scan, so that a long periodic list is not walked.
+    row = schedule.stages[stage]
+    return any(a.kind is W for a in row[:4 * schedule.n_microbatches + 4])
 
 
 def upstream(action: Action, num_stages: int) -> tuple[int, Kind, int] | None:

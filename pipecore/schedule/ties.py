@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
-from .ir import Action, B, F, Kind, U
+from .ir import Action, B, F, Kind, U, W
 from .progress import positions, runnable
 from .schedule import Schedule
 
@@ -34,6 +34,8 @@ class TieSync:
     update_every: int
     delay: int = 0
     drain_last: Mapping[int, int] = field(default_factory=dict)
+    #: The schedule splits backwards: a micro-batch's gradients are complete after its W, not its B.
+    weight_actions: bool = False
 
     def group_applied(self, stage: int, update: int) -> int:
         """The last tied-gradient group (counted from the schedule's start) consumed by update ``update``."""
@@ -47,7 +49,8 @@ class TieSync:
         if group < 0:
             return []
         last = (group + 1) * self.update_every - 1
-        return [(b, B, last) for b in self.partners[action.stage]]
+        completes = W if self.weight_actions else B
+        return [(b, completes, last) for b in self.partners[action.stage]]
 
     def draining(self, schedule: Schedule) -> "TieSync":
         """The same dependencies while ``schedule`` (a finite, drained one) runs to its end."""
@@ -76,8 +79,9 @@ def smallest_delay(algorithm, partners: Mapping[int, tuple[int, ...]], max_delay
     limit = max_delay if max_delay is not None else 2 * P * m + 2
     long = algorithm.schedule(horizon)
     index = positions(long)
+    split = long.splits_backward(0)
     for delay in range(limit + 1):
-        sync = TieSync(partners, algorithm.update_every, delay)
+        sync = TieSync(partners, algorithm.update_every, delay, weight_actions=split)
         if _completes(algorithm, long, index, sync, horizon, P, m):
             return delay
     raise ValueError(f"{algorithm.name}: no delay up to {limit} updates lets the owners of tied weights "

@@ -108,15 +108,20 @@ class Trace:
         return self._peak_in_flight([e for e in self.events if e.action.stage in stages])
 
     def _peak_in_flight(self, events: Sequence[Event]) -> int:
+        """Activations are held from a forward's start to the end of the action that last needs them: the W of a
+        stage that splits backwards, else the B (one freed at the moment another is taken does not overlap it)."""
         ends = {s: W if self.schedule.splits_backward(s) else B for s in {e.action.stage for e in events}}
-        in_flight = peak = 0
-        for e in sorted(events, key=lambda e: (e.start, e.end)):
+        changes = []
+        for e in events:
             kind = e.action.kind
             if kind is F:
-                in_flight += 1
-                peak = max(peak, in_flight)
+                changes.append((e.start, 1, 1))
             elif kind is ends[e.action.stage]:
-                in_flight -= e.action.count
+                changes.append((e.end, 0, -e.action.count))
+        in_flight = peak = 0
+        for _, _, delta in sorted(changes):
+            in_flight += delta
+            peak = max(peak, in_flight)
         return peak
 
     @property

@@ -63,8 +63,10 @@ def test_unknown_algorithm_lists_the_names():
 def test_aliases_and_case():
     assert get_spec("PipeDream-Flush").name == "1f1b"
     assert get_spec("pipedream-2bw").name == "2bw"
+    assert get_spec("ZB1P").name == "zb-h1"
     assert algorithm_names() == [
         "gpipe", "1f1b", "pipedream", "2bw", "pipemare", "spectrain", "timeprest", "v-timeprest", "i-timeprest",
+        "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-v", "dualpipe-v",
     ]
 
 

@@ -143,7 +143,18 @@ def test_interleaved_is_depth_first_in_groups_of_ranks():
 def test_looped_bfs_order():
     s = looped_bfs(6, 3, stages_per_rank=3)  # R = 2: rank 0 holds 0, 2, 4
     assert " ".join(map(str, s.ranks[0])) == ("0F0 0F1 0F2 2F0 2F1 2F2 4F0 4F1 4F2 "
-                                              "4B2 4B1 4B0 2B2 2B1 2B0 0B2 0B1 0B0")
+                                              "4B0 4B1 4B2 2B0 2B1 2B2 0B0 0B1 0B2")
+
+
+@pytest.mark.parametrize("name", sorted(MODERN_FAMILIES))
+def test_every_stage_runs_its_backwards_in_microbatch_order(name):
+    """A stage accumulates gradients in the order sequential training does (bit for bit), and the last
+    micro-batch of an update group is its last B and W: tied weights and the global gradient norm wait for it."""
+    s = MODERN_FAMILIES[name](8, 8, 2, stages_per_rank=2)
+    for row in s.stages:
+        for kind in (B, W):
+            indices = [a.index for a in row if a.kind is kind]
+            assert indices == sorted(indices), (name, kind)
 
 
 def test_zero_bubble_h1_every_b_has_its_w_after_it():

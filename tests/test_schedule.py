@@ -93,7 +93,7 @@ def test_parse_errors_are_clear(text, expected):
     assert expected in str(info.value)
     if "cannot parse" in expected:
         # The message teaches the grammar.
-        assert "'2F0', '1B4-7', '0U3', '2F0@v3'" in str(info.value)
+        assert "'2F0', '1B4-7', '1W4', '0U3', '2F0@v3'" in str(info.value)
 
 
 def test_action_fields_are_checked():

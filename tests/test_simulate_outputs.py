@@ -88,9 +88,14 @@ def test_chrome_trace(tmp_path):
         data = json.loads(path.read_text())
         complete = [e for e in data["traceEvents"] if e["ph"] == "X"]
         assert len(complete) == len(t.events) == len(t.schedule)
-        assert sorted(e["tid"] for e in complete) == sorted(e.action.stage for e in t.events)
+        # One row per rank: a stage's own when it has one, else its rank's (V placements hold two each).
+        placement = t.schedule.placement
+        assert sorted(e["tid"] for e in complete) == sorted(placement[e.action.stage] for e in t.events)
         names = {e["args"]["name"] for e in data["traceEvents"] if e.get("name") == "thread_name"}
-        assert names == {f"stage {s}" for s in range(4)}
+        if t.schedule.ranks is None:
+            assert names == {f"stage {s}" for s in range(4)}
+        else:
+            assert names == {f"rank {r} (stages {r}, {3 - r})" for r in range(2)}, name
         for record, event in zip(complete, t.events):
             action, _ = parse_traced(record["name"])
             assert action == event.action and record["tid"] == action.stage
@@ -132,10 +137,15 @@ def test_nf1b_backward_costs_per_microbatch():
 
 
 def test_cost_forms_agree():
-    a = make_costs(3, None)
+    a = make_costs(3, (1, 2))
     assert a == Costs.uniform(3, 1.0, 2.0)
-    assert make_costs(3, (1, 2)) == a
     assert make_costs(3, {"forward": 1, "backward": [2, 2, 2]}) == a
+    # The default splits the backward's 2 into 1 + a weight part of 1: the same time for a schedule that does
+    # not split it.
+    assert make_costs(3, None) == make_costs(3, {"forward": 1, "backward": 1, "weight": 1})
+    assert make_costs(3, {"weight": 1}) == make_costs(3, None)
+    unsplit = [(str(e.action), e.start, e.end) for e in simulate("1f1b", 3, 4, 2).events]
+    assert unsplit == [(str(e.action), e.start, e.end) for e in simulate("1f1b", 3, 4, 2, costs=(1, 2)).events]
     assert make_costs(3, (1, 2, 0.5)).send == 0.5
 
 

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import gpipe, i_timeprest, one_f_one_b, pipedream, pipemare, spectrain, timeprest, twobw, v_timeprest
+from . import (dualpipe_v, gpipe, i_timeprest, interleaved, looped_bfs, one_f_one_b, pipedream, pipemare, spectrain,
+               timeprest, twobw, v_timeprest, zero_bubble)
 from .base import Algorithm, AlgorithmSpec, ReadContext, ReadRule, WeightRead
 
 SPECS: dict[str, AlgorithmSpec] = {
-    m.SPEC.name: m.SPEC
-    for m in (gpipe, one_f_one_b, pipedream, twobw, pipemare, spectrain, timeprest, v_timeprest, i_timeprest)
+    spec.name: spec
+    for spec in (gpipe.SPEC, one_f_one_b.SPEC, pipedream.SPEC, twobw.SPEC, pipemare.SPEC, spectrain.SPEC,
+                 timeprest.SPEC, v_timeprest.SPEC, i_timeprest.SPEC,
+                 # synchronous schedules with several stages per rank or a split backward
+                 interleaved.SPEC, looped_bfs.SPEC, zero_bubble.H1, zero_bubble.V, dualpipe_v.SPEC)
 }
 ALIASES: dict[str, str] = {alias: spec.name for spec in SPECS.values() for alias in spec.aliases}
 

@@ -285,6 +285,12 @@ class AlgorithmSpec:
         if n_microbatches < 1:
             raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
         unknown = sorted(set(options) - set(self.defaults))
+        if "stages_per_rank" in unknown and options["stages_per_rank"] not in (None, 1):
+            raise ValueError(f"algorithm '{self.name}' runs one stage per rank; stages_per_rank > 1 is for "
+                             "interleaved-1f1b, looped-bfs, zb-h1, zb-v and dualpipe-v")
+        if "stages_per_rank" in unknown:  # 1 (or None) is what every algorithm does
+            options = {k: v for k, v in options.items() if k != "stages_per_rank"}
+            unknown.remove("stages_per_rank")
         if unknown:
             valid = ", ".join(self.option_names) or "none"
             raise ValueError(f"unknown option(s) {unknown} for algorithm '{self.name}'; valid options: {valid}")

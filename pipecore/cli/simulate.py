@@ -55,12 +55,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="micro-batches per mini-batch")
     parser.add_argument("-n", "--minibatches", type=positive_int, default=4, metavar="N",
                         help="mini-batches to simulate (default 4)")
-    parser.add_argument("--costs", type=_cost_list, metavar="F,B",
-                        help="forward and backward time of one micro-batch on every stage (default 1,2)")
+    parser.add_argument("--costs", type=_cost_list, metavar="F,B[,W]",
+                        help="forward and backward time of one micro-batch on every stage, and the weight-gradient "
+                             "part W of the backward (default 1,1,1: a backward takes 2, of which W=1 runs as its own "
+                             "action in zero-bubble schedules; with two values B is the whole backward and W costs 0)")
     parser.add_argument("--forward-costs", type=_cost_list, metavar="LIST",
                         help="forward time per micro-batch: one value, or one per stage (e.g. 1,1,2,1)")
     parser.add_argument("--backward-costs", type=_cost_list, metavar="LIST",
                         help="backward time per micro-batch: one value, or one per stage")
+    parser.add_argument("--weight-costs", type=_cost_list, metavar="LIST",
+                        help="weight-gradient time per micro-batch (W): one value, or one per stage")
+    parser.add_argument("--stages-per-rank", type=positive_int, metavar="V",
+                        help="stages (model chunks) per rank for the schedules that take several: interleaved-1f1b, "
+                             "looped-bfs, zb-h1 (default 1); zb-v and dualpipe-v always take 2")
     parser.add_argument("--update-costs", type=_cost_list, metavar="LIST",
                         help="optimizer update time: one value, or one per stage (default 0)")
     parser.add_argument("--send-cost", type=_cost_list, metavar="T",
@@ -77,11 +84,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def costs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The ``costs`` mapping for :func:`pipecore.simulate` from the cost flags."""
     P = args.stages
-    forward, backward = 1.0, 2.0
+    forward, backward, weight = 1.0, 1.0, 1.0
     if args.costs is not None:
-        if len(args.costs) != 2:
-            raise ValueError(f"--costs takes F,B (two numbers), got {len(args.costs)} values")
-        forward, backward = args.costs
+        if len(args.costs) not in (2, 3):
+            raise ValueError(f"--costs takes F,B or F,B,W (two or three numbers), got {len(args.costs)} values")
+        forward, backward, weight = args.costs if len(args.costs) == 3 else (*args.costs, 0.0)
 
     def per_stage(flag: str, values: Sequence[float] | None, default: float) -> float | list[float]:
         if values is None:
@@ -100,6 +107,7 @@ def costs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "forward": per_stage("--forward-costs", args.forward_costs, forward),
         "backward": per_stage("--backward-costs", args.backward_costs, backward),
+        "weight": per_stage("--weight-costs", args.weight_costs, weight),
         "update": per_stage("--update-costs", args.update_costs, 0.0),
         "send": send,
     }
@@ -111,6 +119,8 @@ def describe_costs(costs: dict[str, Any]) -> str:
         return ",".join(f"{v:g}" for v in value) if isinstance(value, list) else f"{value:g}"
 
     parts = [f"F={fmt(costs['forward'])}", f"B={fmt(costs['backward'])}"]
+    if costs.get("weight", 0.0) != 0.0:
+        parts.append(f"W={fmt(costs['weight'])}")
     if costs["update"] != 0.0:
         parts.append(f"U={fmt(costs['update'])}")
     if costs["send"]:
@@ -118,21 +128,29 @@ def describe_costs(costs: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def compare_table(num_stages: int, n_microbatches: int, n_minibatches: int, costs: dict[str, Any]) -> str:
+def compare_table(num_stages: int, n_microbatches: int, n_minibatches: int, costs: dict[str, Any],
+                  stages_per_rank: int | None = None) -> str:
     """Every algorithm simulated with the same sizes and costs, one row each.
 
-    Columns: bubble fraction, makespan, weight versions held per stage, staleness of all reads
-    (mean/max), delay of all backwards (mean/max), stages computing derived weights. Algorithms whose
+    Columns: bubble fraction (idle share of ranks x makespan), makespan, ranks, the most micro-batch
+    activations a rank holds (over its stages), weight versions held per stage, staleness of all reads
+    (mean/max), delay of all backwards (mean/max), stages computing derived weights. ``stages_per_rank`` goes
+    to the schedules that take several stages per rank (the V-shaped ones always take 2). Algorithms whose
     constraints reject the sizes show the reason instead.
     """
-    from ..algorithms import algorithm_names
+    from ..algorithms import algorithm_names, get_spec
     from ..simulate import simulate
 
-    header = ("algorithm", "bubble", "makespan", "versions/stage", "staleness", "delay", "derived")
+    header = ("algorithm", "bubble", "makespan", "ranks", "act/rank", "versions/stage", "staleness", "delay",
+              "derived")
     rows: list[tuple[str, ...]] = []  # a full row, or (name, reason) for a rejected algorithm
     for name in algorithm_names():
+        options = {}
+        if stages_per_rank is not None and "stages_per_rank" in get_spec(name).defaults and \
+                get_spec(name).defaults["stages_per_rank"] == 1:
+            options["stages_per_rank"] = stages_per_rank
         try:
-            trace = simulate(name, num_stages, n_microbatches, n_minibatches, costs=costs)
+            trace = simulate(name, num_stages, n_microbatches, n_minibatches, costs=costs, **options)
         except ValueError as error:
             reason = str(error)
             prefix = f"{name}: "
@@ -145,6 +163,8 @@ def compare_table(num_stages: int, n_microbatches: int, n_minibatches: int, cost
             name,
             f"{trace.bubble_fraction:.3f}",
             f"{trace.makespan:g}",
+            str(trace.num_ranks),
+            str(max(trace.rank_peak_activations(r) for r in range(trace.num_ranks))),
             " ".join(str(x.weight_versions) for x in stages),
             f"{sum(x.mean_staleness for x in stages) / num_stages:.2f}/{max(x.max_staleness for x in stages)}",
             f"{sum(x.mean_delay for x in stages) / num_stages:.2f}/{max(x.max_delay for x in stages)}",
@@ -155,7 +175,8 @@ def compare_table(num_stages: int, n_microbatches: int, n_minibatches: int, cost
 
     def line(cells: Sequence[str]) -> str:
         text = [cells[0].ljust(widths[0])]
-        text += [c.rjust(w) if i in (1, 2) else c.ljust(w) for i, (c, w) in enumerate(zip(cells[1:], widths[1:]), 1)]
+        text += [c.rjust(w) if i in (1, 2, 3, 4) else c.ljust(w)
+                 for i, (c, w) in enumerate(zip(cells[1:], widths[1:]), 1)]
         return "  ".join(text).rstrip()
 
     out = [
@@ -178,11 +199,13 @@ def run(args: argparse.Namespace) -> int:
                             ("--png", args.png), ("--chrome", args.chrome)):
             if given:
                 raise ValueError(f"{flag} applies to one algorithm; --compare runs them all")
-        print(compare_table(args.stages, args.microbatches, args.minibatches, costs))
+        print(compare_table(args.stages, args.microbatches, args.minibatches, costs, args.stages_per_rank))
         return 0
     if args.algorithm is None:
         raise ValueError("--algorithm is required (or use --compare to run every algorithm)")
     options = dict(args.option)
+    if args.stages_per_rank is not None:
+        options["stages_per_rank"] = args.stages_per_rank
     trace = simulate(args.algorithm, args.stages, args.microbatches, args.minibatches, costs=costs, **options)
     written = []
     # Files first, so that an unwritable path fails before anything is printed.

@@ -42,8 +42,10 @@ def _check_sizes(name: str, num_stages: int, n_microbatches: int, n_minibatches:
     """Check the common sizes; return the number of ranks ``num_stages // stages_per_rank``."""
     for what, value in (("num_stages", num_stages), ("n_microbatches", n_microbatches),
                         ("n_minibatches", n_minibatches), ("stages_per_rank", stages_per_rank)):
-        if not _is_int(value) or value < 1:
+        if not _is_int(value):
             raise ValueError(f"{name}: {what} must be an integer >= 1, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{name}: {what} must be >= 1, got {value}")
     if allowed_per_rank is not None and stages_per_rank not in allowed_per_rank:
         allowed = " or ".join(str(v) for v in allowed_per_rank)
         raise ValueError(f"{name}: stages_per_rank must be {allowed} (the schedule places exactly that many stages "
@@ -179,8 +181,10 @@ def looped_bfs(num_stages: int, n_microbatches: int, n_minibatches: int = 1, sta
 
     Shape: looped placement (rank ``r`` holds stages ``r, r+R, ...``). Each rank forwards all ``m``
     micro-batches through its first stage, then all through its next stage, ...; then runs the backwards of
-    its stages last stage first, each stage's micro-batches last to first (as torch does). With
-    ``stages_per_rank=1`` it is GPipe with the backwards in reverse micro-batch order.
+    its stages last stage first, each stage's micro-batches in order (torch runs them last to first; in order,
+    a stage accumulates its gradients in the order sequential training does, bit for bit, and a group's last
+    micro-batch is its last backward, which tied weights and the global gradient norm wait for). With
+    ``stages_per_rank=1`` it is GPipe.
 
     Requires ``num_stages % stages_per_rank == 0``.
     """
@@ -190,7 +194,7 @@ def looped_bfs(num_stages: int, n_microbatches: int, n_minibatches: int = 1, sta
     def one(r: int) -> list[Action]:
         mine = range(r, num_stages, ranks)
         out = [Action(s, F, k) for s in mine for k in range(m)]
-        out += [Action(s, B, k) for s in reversed(mine) for k in reversed(range(m))]
+        out += [Action(s, B, k) for s in reversed(mine) for k in range(m)]
         return out
 
     return _assemble(one, ranks, num_stages, m, n_minibatches)

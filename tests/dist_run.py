@@ -90,6 +90,39 @@ def make_pipeline(num_stages: int, algorithm: str, **kwargs) -> pipecore.Pipelin
                              optimizer=pipecore.SGD(lr=0.1, momentum=0.9), loss_fn=nn.CrossEntropyLoss(), **kwargs)
 
 
+class TiedMLP(nn.Module):
+    """An MLP whose output layer reuses the input layer's weight (as a language model's head does): the weight
+    is tied across the first and the last stage. For the schedules with several stages per rank."""
+
+    WIDTH = 6
+
+    def __init__(self, depth: int = 8, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Linear(self.WIDTH, self.WIDTH)
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(self.WIDTH, self.WIDTH), nn.Tanh()) for _ in range(depth)])
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(self.blocks(torch.tanh(self.embed(x))), self.embed.weight)
+
+
+MODERN_MICROBATCHES = 8  # a multiple of the ranks of every configuration the tests run
+
+
+def tied_batches(steps: int, batch: int = 16, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, TiedMLP.WIDTH, generator=g, dtype=torch.float64),
+             torch.randint(0, TiedMLP.WIDTH, (batch,), generator=g)) for _ in range(steps)]
+
+
+def make_modern_pipeline(algorithm: str, chunks: int, stages_per_rank: int, **kwargs) -> pipecore.Pipeline:
+    """``chunks`` stages of a TiedMLP (cut among its blocks), ``stages_per_rank`` on each rank."""
+    return pipecore.Pipeline(TiedMLP(), chunks, algorithm, MODERN_MICROBATCHES, loss_fn=nn.CrossEntropyLoss(),
+                             partition=[f"blocks.{i}" for i in range(chunks - 1)],
+                             optimizer=pipecore.SGD(lr=0.1, momentum=0.9), stages_per_rank=stages_per_rank, **kwargs)
+
+
 CLIP = 0.05  # the clip_grad_norm of the "clip" mode: small enough to clip every step
 
 
@@ -291,6 +324,17 @@ def main() -> None:
             pipe = make_pipeline(world, algorithm, timeout=60, split_backward=split)
             losses = train(pipe, batches(STEPS), first, last)
             torch.save({"losses": losses, "state": pipe.state_dict()}, os.path.join(out, f"{algorithm}-{rank}.pt"))
+    elif mode == "modern":
+        # Several stages per rank (interleaved, looped, V placements), split backwards, a tied weight: every
+        # configuration "algorithm:chunks:stages_per_rank[:clip]".
+        for config in sys.argv[3].split(","):
+            algorithm, chunks, spr, *extra = config.split(":")
+            kwargs = {"clip_grad_norm": CLIP} if extra == ["clip"] else {}
+            pipe = make_modern_pipeline(algorithm, int(chunks), int(spr), timeout=60, **kwargs)
+            losses = train(pipe, tied_batches(3), pipe._owns(0), pipe._owns(int(chunks) - 1))
+            prediction = pipe.predict(tied_batches(1, seed=7)[0][0] if pipe._owns(0) else None, broadcast=True)
+            torch.save({"losses": losses, "state": pipe.state_dict(), "prediction": prediction,
+                        "stages": sorted(pipe.stages)}, os.path.join(out, f"{config.replace(':', '-')}-{rank}.pt"))
     elif mode == "uneven":
         for algorithm in sys.argv[3].split(","):
             pipe = make_pipeline(world, algorithm, timeout=60)
@@ -458,7 +502,7 @@ def main() -> None:
             pipe.step(x if first else None, y if last else None)
             if i == 1:
                 pipe.flush()
-            posted.append(sorted(kind.name for kind in pipe._transport._posted))
+            posted.append(sorted(kind.name for kind, _ in pipe._transport._posted))
         torch.save(posted, os.path.join(out, f"posted-{rank}.pt"))
     elif mode == "close":
         # Pipelines built and closed one after another (a sweep in one job): closing releases each one's
@@ -488,9 +532,10 @@ def main() -> None:
         pipe = make_pipeline(world, "1f1b", timeout=60)
         train(pipe, batches(1), first, last)
         links = pipe._transport._links
+        # Links are named by (kind, boundary b between stages b and b+1); one stage per rank here.
         record = {
-            (kind.name, neighbour): (sorted(dist.get_process_group_ranks(group)), peer)
-            for (kind, neighbour), (group, peer) in links.items()
+            (kind.name, b + 1 if rank == b else b): (sorted(dist.get_process_group_ranks(group)), peer)
+            for (kind, b), (group, peer) in links.items()
         }
         groups = [group for group, _ in links.values()]
         record["distinct"] = len({id(g) for g in groups}) == len(groups) and dist.group.WORLD not in groups

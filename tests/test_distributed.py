@@ -130,7 +130,8 @@ def test_learning_rate_schedules_and_set_lr_are_bit_identical_across_processes(t
 
 
 @pytest.mark.parametrize("world,algorithms,split", [
-    (2, pipecore.algorithm_names(), "unsplit"),
+    # (the V placements, zb-v and dualpipe-v, put two stages on each rank: test_modern_schedules_across_processes)
+    (2, [a for a in pipecore.algorithm_names() if a not in ("zb-v", "dualpipe-v")], "unsplit"),
     (4, ["1f1b", "pipedream", "2bw", "i-timeprest"], "unsplit"),
     # split_backward sends the input gradient before computing weight gradients; the one-process
     # reference does not split, so this also checks that splitting changes no bit.
@@ -566,3 +567,44 @@ def test_pipecore_train_under_torchrun_matches_one_process_and_checkpoints_move_
     assert report(resumed_ranks) == report(resumed_alone) and len(report(resumed_alone)) == 4
     assert_same(torch.load(tmp_path / "ranks3.pt", weights_only=False)["pipeline"],
                 torch.load(tmp_path / "alone3.pt", weights_only=False)["pipeline"])
+
+
+#: ``algorithm:chunks:stages_per_rank[:clip]`` on 4 ranks: every new schedule, one and two stages per rank where
+#: allowed, a weight tied across the first and last stage (on one rank in the V placements, on two otherwise).
+MODERN_CONFIGS = ["interleaved-1f1b:4:1", "interleaved-1f1b:8:2", "looped-bfs:4:1", "looped-bfs:8:2", "zb-h1:4:1",
+                  "zb-h1:8:2", "zb-v:8:2", "dualpipe-v:8:2", "zb-v:8:2:clip"]
+
+
+def test_modern_schedules_across_processes(tmp_path):
+    """Interleaved, looped and zero-bubble schedules with one process per rank (several stages on each, the
+    messages between two stages of one rank staying in the process) train bit for bit as in one process, and
+    predict() goes round the ranks the same way."""
+    world = 4
+    _check_ok(launch(world, "modern", str(tmp_path), ",".join(MODERN_CONFIGS), timeout=400))
+    with one_torch_thread():
+        for config in MODERN_CONFIGS:
+            algorithm, chunks, spr, *extra = config.split(":")
+            kwargs = {"clip_grad_norm": dist_run.CLIP} if extra == ["clip"] else {}
+            pipe = dist_run.make_modern_pipeline(algorithm, int(chunks), int(spr), **kwargs)
+            losses = dist_run.train(pipe, dist_run.tied_batches(3), True, True)
+            prediction = pipe.predict(dist_run.tied_batches(1, seed=7)[0][0])
+            state = pipe.state_dict()
+            held = []
+            for rank in range(world):
+                got = torch.load(tmp_path / f"{config.replace(':', '-')}-{rank}.pt", weights_only=False)
+                assert got["stages"] == sorted(s for s in range(int(chunks)) if pipe.placement[s] == rank), config
+                assert got["losses"] == losses, (config, rank)
+                assert torch.equal(got["prediction"], prediction), (config, rank)
+                for key, value in got["state"].items():
+                    if key != "pipecore":
+                        assert torch.equal(value, state[key]), (config, rank, key)
+                        held.append(key)
+            assert sorted(held) == sorted(set(state) - {"pipecore"}), config
+
+
+def test_a_world_size_that_is_not_the_number_of_ranks_is_refused(tmp_path):
+    results = launch(2, "modern", str(tmp_path), "zb-v:8:2", timeout=120)
+    for r in results:
+        assert r.returncode != 0
+        assert "the process group has 2 ranks but num_stages=8 needs 4" in r.stdout, r.stdout
+        assert "one process per rank (2 stages each)" in r.stdout, r.stdout

@@ -173,6 +173,10 @@ class LocalGlobalNorm(GlobalNorm):
                 del self._norms[update]
 
     def _compute(self) -> float:
+        return math.sqrt(self.squared())
+
+    def squared(self) -> float:
+        """The squared norm over every stage here (their buffers complete and untouched), added in stage order."""
         total = 0.0
         for s in sorted(self.stages):
             st = self.stages[s]
@@ -186,7 +190,7 @@ class LocalGlobalNorm(GlobalNorm):
                 return out
 
             total += stage_squared_norm(st, tied_sum)
-        return math.sqrt(total)
+        return total
 
 
 class DistributedGlobalNorm(GlobalNorm):
@@ -291,6 +295,51 @@ class DistributedGlobalNorm(GlobalNorm):
     def close(self) -> None:
         self._sends = {peer: [] for peer in self._peers}
         self._dist.destroy_process_group(self._group)
+
+
+class RankGlobalNorm(DistributedGlobalNorm):
+    """One process per rank, several stages on each: the first of this rank's stages to reach an update reads
+    the buffers of them all (complete: a rank runs a group's updates after all its actions of that group, and
+    untouched: every update starts here), as :class:`LocalGlobalNorm` does, and exchanges that sum with the
+    other ranks as :class:`DistributedGlobalNorm` does. Needs every tied weight's owners on one rank (the
+    tied weights' summed gradient is then read here)."""
+
+    def __init__(self, stages: Mapping[int, "TensorStage"], rank: int, num_ranks: int, timeout: float):
+        crossing = sorted({name for st in stages.values() if st.ties is not None
+                           for name, owners in st.ties.owners.items() if any(o not in stages for o in owners)})
+        if crossing:
+            raise ValueError(
+                f"clip_grad_norm with several stages per rank needs each tied weight's owners on one rank; "
+                f"{crossing} is held by stages on other ranks too (the V placements, zb-v and dualpipe-v, put the "
+                "first and last stage on one rank)")
+        super().__init__(rank, num_ranks, timeout)
+        self._local = LocalGlobalNorm(stages)
+        self._norms: dict[int, tuple[float, set[int]]] = {}
+
+    def before_ties(self, stage: "TensorStage", update: int) -> None:
+        if update in self._norms:
+            return
+        own = self._local.squared()
+        message = torch.tensor([update, own], dtype=torch.float64)
+        for peer in self._peers:
+            self._send(peer, message, update)
+        parts = {self.rank: own}
+        for peer in self._peers:
+            parts[peer] = self._take(peer, update)
+            while self._sends[peer] and self._sends[peer][0][0] < update:
+                self._sends[peer].pop(0)[1].wait(self.timeout)
+        self._norms[update] = (math.sqrt(sum(parts[r] for r in range(self.num_stages))), set())
+
+    def after_ties(self, stage: "TensorStage", update: int) -> float:
+        norm, seen = self._norms[update]
+        seen.add(stage.stage)
+        if len(seen) == len(self._local.stages):
+            del self._norms[update]
+        return norm
+
+    def discard(self, first_update: int) -> None:
+        for update in [u for u in self._norms if u >= first_update]:
+            del self._norms[update]
 
 
 class GradClip:

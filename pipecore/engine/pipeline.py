@@ -22,7 +22,7 @@ from ..algorithms import get_algorithm
 from ..planning.planner import Plan
 from ..runtime.distributed import PeerError
 from ..runtime.executor import Costs, Event, Executor
-from ..runtime.ties import LocalTiedGradients
+from ..runtime.ties import LocalTiedGradients, StagesAsRanks
 from ..runtime.threads import StageThreads
 from ..runtime.transport import LocalTransport, Transport
 from ..schedule.ir import Action, B, F, Kind, U
@@ -33,7 +33,8 @@ from .flat import FlatLayout
 from .graph import CapturedModel, StageGraph, state_aliases, tied_parameters
 from .inputs import (Batch, LossTarget, as_model_inputs, as_payload, input_label, loss_divisor, split_batch,
                      to_device)
-from .clip import (ClipDependencies, DistributedGlobalNorm, GlobalNorm, GradClip, LocalGlobalNorm, check_max_norm,
+from .clip import (ClipDependencies, DistributedGlobalNorm, GlobalNorm, GradClip, LocalGlobalNorm, RankGlobalNorm,
+                   check_max_norm,
                    flushes_every_minibatch)
 from .lr import LrSchedule
 from .memory import peak_bytes
@@ -219,8 +220,8 @@ class Pipeline:
         aliased = {a for names in self._aliases for a in names}
         self._stage_keys = [[k for k in g.module.state_dict() if k in model_keys and k not in aliased] for g in graphs]
         self._boundary_meta = _boundary_meta(captured, graphs, example_input) if example_input is not None else None
-        self.rank = _join_process_group(num_stages, timeout)
-        owned = range(num_stages) if self.rank is None else [self.rank]
+        self.rank = _join_process_group(num_stages, self.num_ranks, timeout)
+        owned = range(num_stages) if self.rank is None else [s for s in range(num_stages) if self.placement[s] == self.rank]
         self.concurrent = (self.rank is None and num_stages > 1) if concurrent is None else concurrent
         self.devices = _stage_devices(devices, graphs, self.rank, self.placement)
         if isinstance(partition, Plan) and any(partition.offloaded):
@@ -249,7 +250,7 @@ class Pipeline:
             self.stages[s].weight_actions = layout_schedule.splits_backward(s)
         self.lr_scheduler = lr_scheduler
         if self.rank is not None:
-            _release_other_stages(captured.model, graphs[self.rank].module)
+            _release_other_stages(captured.model, [graphs[s].module for s in owned])
         self.ties = tied_parameters(graphs, captured.model)
         self._tie_sync: TieSync | None = None
         self._tie_exchange: Any = None
@@ -261,8 +262,12 @@ class Pipeline:
         if self.clip_grad_norm is not None:
             algorithm = self.algorithm
             if flushes_every_minibatch(algorithm.schedule(2), n_microbatches, algorithm.update_every):
-                self._global_norm = (LocalGlobalNorm(self.stages) if self.rank is None
-                                     else DistributedGlobalNorm(self.rank, num_stages, timeout))
+                if self.rank is None:
+                    self._global_norm = LocalGlobalNorm(self.stages)
+                elif len(self.stages) == 1:
+                    self._global_norm = DistributedGlobalNorm(self.rank, self.num_ranks, timeout)
+                else:
+                    self._global_norm = RankGlobalNorm(self.stages, self.rank, self.num_ranks, timeout)
             for st in self.stages.values():
                 st.clip = GradClip(self.clip_grad_norm, self._global_norm)
         self._transport: Transport
@@ -271,7 +276,8 @@ class Pipeline:
         else:
             from ..runtime.distributed import DistributedTransport
 
-            self._transport = DistributedTransport(self.rank, num_stages, timeout, self.devices[self.rank])
+            self._transport = DistributedTransport(self.rank, num_stages, timeout, self.devices[owned[0]],
+                                                   self.placement)
         # Worker threads, one per rank (a rank runs its stages' actions in one list), kept from step to step
         # (one process, several ranks, concurrent).
         ranks_here = len({self.placement[s] for s in self.stages})
@@ -376,11 +382,23 @@ class Pipeline:
         # Per owned stage, the slices of its gradient buffer that hold its tied weights' gradients.
         views = {s: {name: st.grad_view(local) for name, held in self.ties.items() for owner, local in held if owner == s}
                  for s, st in self.stages.items()}
-        if self.rank is None:
-            exchange: Any = LocalTiedGradients(owners)
+        if self.rank is None or all(len({self.placement[o] for o in group}) == 1 for group in owners.values()):
+            exchange: Any = LocalTiedGradients(owners)  # every tie's owners are in this process
+        elif all(len({self.placement[o] for o in group}) == len(group) for group in owners.values()):
+            # Each owner on a rank of its own: the exchange between ranks, its owners named by their ranks.
+            mine = [s for s in self.stages if views[s]]
+            shapes = {name: (view.shape, view.dtype) for s in mine for name, view in views[s].items()}
+            exchange = DistributedTiedGradients(
+                {name: tuple(self.placement[o] for o in group) for name, group in owners.items()}, self.rank, timeout,
+                self.devices[mine[0]] if mine else self.devices[next(iter(self.stages))], shapes=shapes)
+            if self.num_ranks != self.num_stages:
+                exchange = StagesAsRanks(exchange, self.placement)
         else:
-            shapes = {name: (view.shape, view.dtype) for name, view in views[self.rank].items()}
-            exchange = DistributedTiedGradients(owners, self.rank, timeout, self.devices[self.rank], shapes=shapes)
+            raise ValueError(
+                "with several stages per rank, each tied weight must have its owners all on one rank or each on a "
+                f"rank of its own; here {', '.join(f'{n!r} is held by stages {g}' for n, g in owners.items())} on "
+                f"ranks {[self.placement[o] for g in owners.values() for o in g]} (move the cuts, or use a V "
+                "placement, zb-v or dualpipe-v, which puts the first and last stage on one rank)")
         self._tie_exchange = exchange
         for s, own in views.items():
             if own:
@@ -663,7 +681,7 @@ class Pipeline:
         if "ties" in counts:
             # The tied gradients' streams likewise: groups before micro-batch `first` wait for their reduce,
             # later ones were withdrawn (every owner numbers the groups alike; a rank owning no tie has none).
-            ties = self.stages[self.rank].ties
+            ties = next((st.ties for st in self.stages.values() if st.ties is not None), None)
             self._tie_exchange.resync(counts["ties"], 0 if ties is None else ties.group_of(first))
         if "norms" in counts:
             self._global_norm.resync(counts["norms"])  # all of a synchronous schedule's undone updates
@@ -684,8 +702,8 @@ class Pipeline:
         """With one process per stage, the exchanges besides the links that a failure must bring back in step:
         the tied gradients' and the global gradient norm's."""
         side: dict[str, Any] = {}
-        if self._tie_exchange is not None:
-            side["ties"] = self._tie_exchange
+        if self._tie_exchange is not None and not isinstance(self._tie_exchange, LocalTiedGradients):
+            side["ties"] = self._tie_exchange  # (a rank's own ties, all owners here, need no bringing back)
         if isinstance(self._global_norm, DistributedGlobalNorm):
             side["norms"] = self._global_norm
         return side
@@ -732,8 +750,9 @@ class Pipeline:
         reported), so that each raises with the cause rather than waiting for its timeout."""
         cause = getattr(exc, "cause", None)
         if cause is None:
-            actions = [a for a, _ in self._executor.failed_actions if a.stage == self.rank]
-            where = f"stage {self.rank} (rank {self.rank})" + (f", action {actions[0]}" if actions else "")
+            actions = [a for a, _ in self._executor.failed_actions if a.stage in self.stages]
+            stage = actions[0].stage if actions else min(self.stages)
+            where = f"stage {stage} (rank {self.rank})" + (f", action {actions[0]}" if actions else "")
             detail = str(exc).splitlines()[0] if str(exc) else ""
             cause = f"{type(exc).__name__} at {where}" + (f": {detail}" if detail else "")
         self._transport.notify_failure(cause)
@@ -908,38 +927,41 @@ class Pipeline:
         transport = self._transport
         r, last = self.rank, self.num_stages - 1
         assert r is not None
-        st = self.stages[r]
-        # First, down the same link: how many micro-batches follow and rank 0's `broadcast`, so that every
-        # rank knows what to expect and all broadcast alike (none is left waiting by a rank that disagrees).
-        if r == 0:
-            header = torch.tensor([len(chunks), int(broadcast)], dtype=torch.int64)
-        else:
-            header = transport.receive(r, F, _PREDICT_HEADER).payload.cpu()
-        if r < last:
-            transport.send(r + 1, F, _PREDICT_HEADER, Message(header))
-        count, shared = int(header[0]), bool(header[1])
-        outputs = []
-        for u in range(count):
-            payload = chunks[u] if r == 0 else transport.receive(r, F, _predict_microbatch(u)).payload
-            out = st.predict_forward(to_device(payload, st.device))
-            if r < last:
-                transport.send(r + 1, F, _predict_microbatch(u), Message(out))
+        last_rank = self.placement[last]
+        outputs: list[Any] = []
+        shared = broadcast
+        # This rank's stages in order (with several per rank, the messages go round the ranks in between).
+        for s in sorted(self.stages):
+            st = self.stages[s]
+            # First, down the same link: how many micro-batches follow and rank 0's `broadcast`, so that every
+            # rank knows what to expect and all broadcast alike (none is left waiting by a rank that disagrees).
+            if s == 0:
+                header = torch.tensor([len(chunks), int(broadcast)], dtype=torch.int64)
             else:
-                outputs.append(out)
+                header = transport.receive(s, F, _PREDICT_HEADER).payload.cpu()
+            if s < last:
+                transport.send(s + 1, F, _PREDICT_HEADER, Message(header))
+            count, shared = int(header[0]), bool(header[1])
+            for u in range(count):
+                payload = chunks[u] if s == 0 else transport.receive(s, F, _predict_microbatch(u)).payload
+                out = st.predict_forward(to_device(payload, st.device))
+                if s < last:
+                    transport.send(s + 1, F, _predict_microbatch(u), Message(out))
+                else:
+                    outputs.append(out)
         # Complete the sends now (the next rank takes them in its own predict), rather than holding their
         # buffers until training's next gradient acknowledges them: an evaluation loop would pile them up.
         transport.complete_sends(F)
-        result = _concatenate(outputs) if r == last else None
+        result = _concatenate(outputs) if r == last_rank else None
         if shared:
-            received = transport.broadcast_object(to_device(result, torch.device("cpu")) if r == last else None, last)
-            if r != last:
-                result = to_device(received, self.devices[r])
+            received = transport.broadcast_object(to_device(result, torch.device("cpu")) if r == last_rank else None,
+                                                  last_rank)
+            if r != last_rank:
+                result = to_device(received, self.devices[min(self.stages)])
         if broadcast != shared:
             raise ValueError(f"predict(): rank {r} passed broadcast={broadcast} but rank 0 passed broadcast={shared}; "
                              f"every rank must pass the same (this rank followed rank 0's)")
         return result
-
-    # -- checkpoints -----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """This process's stages: the model's ``state_dict`` keys (live weights, buffers) plus ``"pipecore"``
@@ -1220,11 +1242,11 @@ def _concatenate(parts: Sequence[Any]) -> Any:
                     "constants that are the same in every micro-batch")
 
 
-def _release_other_stages(model: nn.Module, own: nn.Module) -> None:
-    """With one process per stage, move the parameters and buffers of the other stages to the meta device:
-    each rank then holds only its stage's weights, and running the other modules by mistake fails loudly
-    instead of computing with weights that never train. Tensors this rank's stage holds stay."""
-    mine = {id(t) for t in (*own.parameters(), *own.buffers())}
+def _release_other_stages(model: nn.Module, own: Sequence[nn.Module]) -> None:
+    """With one process per rank, move the parameters and buffers of the other ranks' stages to the meta
+    device: each rank then holds only its stages' weights, and running the other modules by mistake fails
+    loudly instead of computing with weights that never train. Tensors this rank's stages hold stay."""
+    mine = {id(t) for module in own for t in (*module.parameters(), *module.buffers())}
     moved: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for table in (module._parameters, module._buffers):
@@ -1284,7 +1306,7 @@ def _stage_devices(devices: Any, graphs: Sequence[StageGraph], rank: int | None,
     if devices is None:
         if rank is not None and torch.distributed.get_backend() == "nccl":
             own = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-            return [own if s == rank else _device_of(g.module) for s, g in enumerate(graphs)]
+            return [own if placement[s] == rank else _device_of(g.module) for s, g in enumerate(graphs)]
         return [_device_of(g.module) for g in graphs]
     if isinstance(devices, (str, torch.device)):
         devices = [devices] * P
@@ -1310,8 +1332,10 @@ def _stage_devices(devices: Any, graphs: Sequence[StageGraph], rank: int | None,
         elif device.type != "cpu":
             raise ValueError(f"devices[{s}] = {spec!r}: stages run on 'cpu' or 'cuda' devices")
         out.append(device)
-    if rank is not None and torch.distributed.get_backend() == "nccl" and out[rank].type != "cuda":
-        raise ValueError(f"devices[{rank}] = {out[rank]}: with the NCCL backend every rank's stage is on a GPU")
+    if rank is not None and torch.distributed.get_backend() == "nccl":
+        for s in (s for s in range(P) if placement[s] == rank):
+            if out[s].type != "cuda":
+                raise ValueError(f"devices[{s}] = {out[s]}: with the NCCL backend every rank's stages are on a GPU")
     return out
 
 
@@ -1328,8 +1352,9 @@ def _device_of(module: nn.Module) -> torch.device:
     return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
-def _join_process_group(num_stages: int, timeout: float) -> int | None:
-    """This process's rank when running one process per stage, else None (everything in this process)."""
+def _join_process_group(num_stages: int, num_ranks: int, timeout: float) -> int | None:
+    """This process's rank when running one process per rank (of ``num_ranks``, each running
+    ``num_stages // num_ranks`` stages), else None (everything in this process)."""
     import torch.distributed as dist
 
     if not dist.is_available():
@@ -1344,10 +1369,12 @@ def _join_process_group(num_stages: int, timeout: float) -> int | None:
     world = dist.get_world_size()
     if world == 1:
         return None
-    if world != num_stages:
+    if world != num_ranks:
+        per_rank = "stage" if num_ranks == num_stages else f"rank ({num_stages // num_ranks} stages each)"
         raise ValueError(
-            f"the process group has {world} ranks but num_stages={num_stages}: pipecore runs one process per stage; "
-            f"launch with torchrun --nproc-per-node {num_stages} (or set num_stages={world})"
+            f"the process group has {world} ranks but num_stages={num_stages} needs {num_ranks}: pipecore runs one "
+            f"process per {per_rank}; launch with torchrun --nproc-per-node {num_ranks}"
+            + (f" (or set num_stages={world})" if num_ranks == num_stages else "")
         )
     return dist.get_rank()
 

@@ -1,6 +1,7 @@
-"""Point-to-point transport over ``torch.distributed`` (gloo on CPU, NCCL on GPU): one process per stage.
+"""Point-to-point transport over ``torch.distributed`` (gloo on CPU, NCCL on GPU): one process per rank.
 
-Rank ``s`` runs stage ``s``. A message's payload is ``None``, one tensor, or a tuple whose entries are tensors
+Rank ``s`` runs stage ``s``, or with several stages per rank the stages ``placement`` gives it (looped:
+``r, r+R, ...``; V: ``r`` and ``2R-1-r``). Messages between two stages of one rank stay in the process. A message's payload is ``None``, one tensor, or a tuple whose entries are tensors
 or ``None`` (a stage with several boundary tensors; an integer tensor's gradient is ``None``). The receiver
 gets back the same structure, with each tensor's dtype and shape, so activations whose shape changes between
 steps need no configuration.
@@ -27,8 +28,8 @@ kind of message in one direction (activations to ``s+1``, gradients to ``s-1``),
 the order in which the receiver takes them. ``flush()`` (and process exit) completes the sends
 still outstanding, with the timeout.
 
-One process group per link: each link (a pair of neighbouring ranks and a direction) is its own
-two-rank process group, which for gloo is its own connection and I/O thread. On one shared connection a
+One process group per link: each link (a pair of neighbouring stages on different ranks, and a direction) is
+its own two-rank process group, which for gloo is its own connection and I/O thread. On one shared connection a
 gradient arriving would hold the connection's lock while the same rank posts its next activation (and the
 reverse), so every message waited for the other direction's traffic; with a group per link, a message
 never waits for one on another link. Mini-batch losses go over the default group.
@@ -225,62 +226,98 @@ def _deliver_at_exit(transport: "weakref.ref[DistributedTransport]") -> None:
             live._links = {}
 
 
-def _link_groups(rank: int, num_stages: int, timeout: datetime.timedelta) -> dict[tuple[Kind, int], tuple[Any, int]]:
-    """This rank's links: ``(kind, neighbour) -> (process group, the neighbour's rank in it)``.
+_Link = tuple[Kind, int]  # (kind of message, boundary b): F from stage b to b+1, B from b+1 to b
+
+
+def _link_groups(rank: int, placement: tuple[int, ...], timeout: datetime.timedelta
+                 ) -> dict[_Link, tuple[Any, int]]:
+    """This rank's links: ``(kind, boundary) -> (process group, the other rank's rank in it)``.
 
     Every rank creates every link's group, in the same order (``new_group`` is collective over the default
-    group, members or not); it keeps those it belongs to. Links carry activations (``F``) from stage ``s``
-    to ``s+1`` and gradients (``B``) from ``s+1`` to ``s``."""
-    links: dict[tuple[Kind, int], tuple[Any, int]] = {}
-    for s in range(num_stages - 1):
+    group, members or not); it keeps those it belongs to. Link ``(F, b)`` carries activations from stage ``b``
+    to ``b+1``, ``(B, b)`` gradients from ``b+1`` to ``b``; a boundary inside one rank has no link."""
+    links: dict[_Link, tuple[Any, int]] = {}
+    for b in range(len(placement) - 1):
+        pair = placement[b], placement[b + 1]
+        if pair[0] == pair[1]:
+            continue
         for kind in (F, B):
-            group = dist.new_group([s, s + 1], timeout=timeout)
-            if rank in (s, s + 1):
-                neighbour = s + 1 if rank == s else s
-                links[kind, neighbour] = (group, dist.get_group_rank(group, neighbour))
+            group = dist.new_group(sorted(pair), timeout=timeout)
+            if rank in pair:
+                other = pair[1] if rank == pair[0] else pair[0]
+                links[kind, b] = (group, dist.get_group_rank(group, other))
     return links
+
+
+def _boundary(stage: int, kind: Kind) -> int:
+    """The boundary a message for ``stage``'s ``kind`` action crosses (F from ``stage-1``, B from ``stage+1``)."""
+    return stage - 1 if kind is F else stage
 
 
 class DistributedTransport:
     """Sends and receives stage messages between neighbouring ranks, one two-rank process group per link."""
 
-    def __init__(self, rank: int, num_stages: int, timeout: float = 30.0, device: torch.device | None = None):
+    def __init__(self, rank: int, num_stages: int, timeout: float = 30.0, device: torch.device | None = None,
+                 placement: tuple[int, ...] | None = None):
         self.rank = rank
         self.num_stages = num_stages
+        #: The rank of every stage (one stage per rank without it).
+        self.placement = tuple(range(num_stages)) if placement is None else tuple(placement)
+        self.num_ranks = max(self.placement) + 1
+        #: The rank that runs the last stage: it computes the losses and publishes them.
+        self.last_rank = self.placement[-1]
+        self._local: dict[tuple[int, Kind, int], Message] = {}  # messages between two stages of this rank
         self.timeout = datetime.timedelta(seconds=timeout)
         self.device = device or torch.device("cpu")
         # The process groups' send/recv are called directly rather than through ``dist.isend``/``irecv``
         # (less Python per message); they take ranks within the group.
         self._world = dist.group.WORLD
-        self._links = _link_groups(rank, num_stages, self.timeout)
+        self._links = _link_groups(rank, self.placement, self.timeout)
         # Per link: the size of the previous message, which the receiver's posted buffer has (sender and
         # receiver track it identically; before the first message, a bare header).
-        self._sent_size: dict[Kind, int] = {F: _HEADER_BYTES, B: _HEADER_BYTES}
-        self._recv_size: dict[Kind, int] = {F: _HEADER_BYTES, B: _HEADER_BYTES}
-        self._posted: dict[Kind, _Posted] = {}
-        # Per link (named by the kind of message it carries): the sends not completed yet, in posting
-        # order; how many sends were completed; how many messages were received.
-        self._unacknowledged: dict[Kind, deque[_Sent]] = {F: deque(), B: deque()}
-        self._acknowledged: dict[Kind, int] = {F: 0, B: 0}
-        self._received: dict[Kind, int] = {F: 0, B: 0}
+        self._sent_size: dict[_Link, int] = {link: _HEADER_BYTES for link in self._links}
+        self._recv_size: dict[_Link, int] = {link: _HEADER_BYTES for link in self._links}
+        self._posted: dict[_Link, _Posted] = {}
+        # Per link: the sends not completed yet, in posting order; how many sends were completed; how many
+        # messages were received.
+        self._unacknowledged: dict[_Link, deque[_Sent]] = {link: deque() for link in self._links}
+        self._acknowledged: dict[_Link, int] = {link: 0 for link in self._links}
+        self._received: dict[_Link, int] = {link: 0 for link in self._links}
         self._loss_sends: dict[int, _Sent] = {}
         self._loss_posted: tuple[torch.Tensor, Any] | None = None
         self._notices: list[_Sent] = []  # failure notices posted to the ranks waiting for a loss
-        self._given_back: dict[tuple[Kind, int], Message] = {}  # messages received, returned by a failed action
+        # Messages received, returned by a failed action: (stage, kind, micro-batch) -> message.
+        self._given_back: dict[tuple[int, Kind, int], Message] = {}
         self._losses_sent: dict[int, int] = {}  # last rank: loss messages (and failure notices) sent to each rank
         self._losses_taken = 0  # other ranks: loss messages taken
         self.failure_notified = False
         self.closed = False
-        for kind, neighbour in self._links:  # the first message on each incoming link finds its receive posted
-            if neighbour == self._peer(rank, kind):
-                self._post_next(rank, kind)
+        for link in self._links:  # the first message on each incoming link finds its receive posted
+            if self._incoming(link):
+                self._post_next(link)
         # Sends not yet completed when the script ends (a last step's gradients and loss) are delivered
         # before the process exits, rather than lost.
         atexit.register(_deliver_at_exit, weakref.ref(self))
 
+    def _peer(self, stage: int, kind: Kind) -> int:
+        """The rank that sends ``stage`` the messages of its ``kind`` actions."""
+        return self.placement[stage - 1 if kind is F else stage + 1]
+
+    def _incoming(self, link: _Link) -> bool:
+        """Whether this rank receives on ``link`` (else it sends on it)."""
+        kind, b = link
+        return self.placement[b + 1 if kind is F else b] == self.rank
+
     @staticmethod
-    def _peer(stage: int, kind: Kind) -> int:
-        return stage - 1 if kind is F else stage + 1
+    def _consumer(link: _Link) -> int:
+        """The stage that takes the messages of ``link``."""
+        kind, b = link
+        return b + 1 if kind is F else b
+
+    def _source(self, link: _Link) -> int:
+        """The rank at the sending end of ``link``."""
+        kind, b = link
+        return self.placement[b if kind is F else b + 1]
 
     # Sending ---------------------------------------------------------------------------------------
 
@@ -288,20 +325,26 @@ class DistributedTransport:
         """Send ``message`` (payload ``None``, a tensor, or a tuple of tensors and ``None``) to ``stage``.
         Raises :class:`TypeError` or :class:`ValueError` (an unsupported dtype) before sending anything.
         With ``notice``, the message is a failure notice (see :meth:`notify_failure`)."""
+        dst = self.placement[stage]
+        if dst == self.rank:  # the next stage is on this rank: no wire, no copy
+            _describe(message.payload, self.rank)  # the same checks as on a wire
+            self._local[stage, kind, microbatch] = message
+            return
+        link = (kind, _boundary(stage, kind))
         entries, words, data = _describe(message.payload, self.rank)
         description = len(words)
         size = data + 8 * (description + _HEADER)
         tag = -1 if message.tag is None else message.tag
         # What we took from this neighbour so far acknowledges its sends.
-        header = [_KIND_CODE[kind], microbatch, tag, int(message.poisoned), self._received[_REVERSE[kind]]]
-        previous = self._sent_size[kind]
+        header = [_KIND_CODE[kind], microbatch, tag, int(message.poisoned), self._received[_REVERSE[kind], link[1]]]
+        previous = self._sent_size[link]
         if size != previous:
             # The receiver's posted buffer has the previous size: fill it with the announcement of this size.
             announcement = torch.zeros(previous, dtype=torch.uint8, device=self.device)
             announcement[-_HEADER_BYTES:].view(torch.int64).copy_(
                 torch.tensor(header + [0, size, 1], dtype=torch.int64))
-            self._post_send(kind, announcement, stage)
-            self._sent_size[kind] = size
+            self._post_send(link, announcement, dst)
+            self._sent_size[link] = size
         buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
         offset = 0
         for entry in entries:
@@ -317,18 +360,18 @@ class DistributedTransport:
         words += header
         words += (description, size, _NOTICE if notice else 0)
         buffer[data:].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
-        self._post_send(kind, buffer, stage)
+        self._post_send(link, buffer, dst)
 
-    def _post(self, buffer: torch.Tensor, dst: int, tag: int, kind: Kind | None = None) -> _Sent:
-        group, peer = (self._world, dst) if kind is None else self._links[kind, dst]
+    def _post(self, buffer: torch.Tensor, dst: int, tag: int, link: _Link | None = None) -> _Sent:
+        group, peer = (self._world, dst) if link is None else self._links[link]
         try:
             with _C.RecordingOff():  # see _post_receive
                 return _Sent(group.send([buffer], peer, tag), buffer, dst)
         except RuntimeError as exc:
             raise self._send_failed(dst, exc) from exc
 
-    def _post_send(self, kind: Kind, buffer: torch.Tensor, dst: int) -> None:
-        self._unacknowledged[kind].append(self._post(buffer, dst, _TAG[kind], kind))
+    def _post_send(self, link: _Link, buffer: torch.Tensor, dst: int) -> None:
+        self._unacknowledged[link].append(self._post(buffer, dst, _TAG[link[0]], link))
 
     def _complete(self, sent: _Sent) -> None:
         try:
@@ -338,12 +381,12 @@ class DistributedTransport:
         if done is False:
             raise self._send_failed(sent.dst, TimeoutError("the send did not complete"))
 
-    def _acknowledge(self, kind: Kind, count: int) -> None:
-        """The neighbour has received ``count`` messages on link ``kind``: complete those sends."""
-        pending = self._unacknowledged[kind]
-        while self._acknowledged[kind] < count and pending:
+    def _acknowledge(self, link: _Link, count: int) -> None:
+        """The neighbour has received ``count`` messages on ``link``: complete those sends."""
+        pending = self._unacknowledged[link]
+        while self._acknowledged[link] < count and pending:
             self._complete(pending.popleft())
-            self._acknowledged[kind] += 1
+            self._acknowledged[link] += 1
 
     def _send_failed(self, dst: int, exc: BaseException) -> PeerError:
         return PeerError(f"rank {self.rank}: sending to rank {dst} failed ({_first_line(exc)}); "
@@ -352,8 +395,8 @@ class DistributedTransport:
     def wait_sends(self) -> None:
         """Complete every posted send (before a flush ends or the process exits); raises :class:`PeerError`
         if a neighbour does not take its messages within the timeout."""
-        for kind, pending in self._unacknowledged.items():
-            self._acknowledge(kind, self._acknowledged[kind] + len(pending))
+        for link, pending in self._unacknowledged.items():
+            self._acknowledge(link, self._acknowledged[link] + len(pending))
         while self._loss_sends:
             dst = next(iter(self._loss_sends))
             self._complete(self._loss_sends[dst])
@@ -364,7 +407,9 @@ class DistributedTransport:
         until the neighbour has taken them), as if acknowledged: the acknowledgement count stays in step with
         the neighbour's, so later acknowledgements complete only later sends. For messages no reply follows
         (``Pipeline.predict``'s activations), whose buffers would otherwise wait for training's next one."""
-        self._acknowledge(kind, self._acknowledged[kind] + len(self._unacknowledged[kind]))
+        for link in self._links:
+            if link[0] is kind and not self._incoming(link):
+                self._acknowledge(link, self._acknowledged[link] + len(self._unacknowledged[link]))
 
     def close(self, deliver: bool = True) -> None:
         """Release this rank's link groups (for gloo: their connections and threads); with ``deliver``, first
@@ -378,6 +423,7 @@ class DistributedTransport:
         finally:
             self.closed = True
             self._posted.clear()
+            self._local.clear()
             self._loss_posted = None
             groups = [group for group, _ in self._links.values()]
             self._links = {}
@@ -397,16 +443,16 @@ class DistributedTransport:
             return
         self.failure_notified = True
         data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).to(self.device)
-        for kind, neighbour in list(self._links):
-            if neighbour != self._peer(self.rank, kind):  # an outgoing link: this rank sends on it
+        for link in list(self._links):
+            if not self._incoming(link):  # an outgoing link: this rank sends on it
                 try:
-                    self.send(neighbour, kind, _NOTICE_MICROBATCH, Message(data), notice=True)
+                    self.send(self._consumer(link), link[0], _NOTICE_MICROBATCH, Message(data), notice=True)
                 except (PeerError, RuntimeError):
                     pass  # that neighbour is gone
-        if self.rank == self.num_stages - 1:
+        if self.rank == self.last_rank:
             failed = torch.tensor([_FAILED_LOSS, math.nan], dtype=torch.float64, device=self.device)
             size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
-            for dst in range(self.num_stages - 1):
+            for dst in self._other_ranks():
                 try:
                     for tensor, tag in ((failed, _LOSS_TAG), (size, _FAILURE_TAG), (data, _FAILURE_TAG)):
                         self._notices.append(self._post(tensor, dst, tag))
@@ -427,8 +473,8 @@ class DistributedTransport:
         group. Every rank must call it; a rank that does not answer within the timeout is a
         :class:`PeerError` naming it."""
         if self.rank == 0:
-            objs = [obj] + [self._receive_object(src) for src in range(1, self.num_stages)]
-            for dst in range(1, self.num_stages):
+            objs = [obj] + [self._receive_object(src) for src in range(1, self.num_ranks)]
+            for dst in range(1, self.num_ranks):
                 self._send_object(objs, dst)
             return objs
         self._send_object(obj, 0)
@@ -439,7 +485,7 @@ class DistributedTransport:
         other rank, point-to-point over the default group like :meth:`share`. Every rank must call it; ``obj``
         is read on ``src`` only."""
         if self.rank == src:
-            for dst in range(self.num_stages):
+            for dst in range(self.num_ranks):
                 if dst != src:
                     self._send_object(obj, dst, _PREDICT_TAG)
             return obj
@@ -469,7 +515,7 @@ class DistributedTransport:
         rank's forwards of this mini-batch, and a rank runs them only after its previous ``step()``
         returned, that is after it received the previous loss."""
         value = torch.tensor([minibatch, loss], dtype=torch.float64, device=self.device)
-        for dst in range(self.num_stages - 1):
+        for dst in self._other_ranks():
             previous = self._loss_sends.pop(dst, None)
             if previous is not None:
                 self._complete(previous)
@@ -480,17 +526,17 @@ class DistributedTransport:
         """Post the receive of the next mini-batch loss (ranks other than the last), ahead of time."""
         if self._loss_posted is None:
             buffer = torch.empty(2, dtype=torch.float64, device=self.device)
-            self._loss_posted = (buffer, self._post_receive(buffer, self.num_stages - 1, _LOSS_TAG, "a loss"))
+            self._loss_posted = (buffer, self._post_receive(buffer, self.last_rank, _LOSS_TAG, "a loss"))
 
     def receive_loss(self, minibatch: int) -> float:
         """The loss of ``minibatch`` that the last rank published."""
-        last = self.num_stages - 1
+        last = self.last_rank
         got, loss, failure = self._take_loss(f"the loss of mini-batch {minibatch}")
         if failure is not None:
             raise PeerError.reported(self.rank, last, failure)
         if got != minibatch:
             raise PeerError(f"rank {self.rank} expected the loss of mini-batch {minibatch} but rank "
-                            f"{self.num_stages - 1} sent the loss of mini-batch {int(got)}: the ranks are out of step")
+                            f"{last} sent the loss of mini-batch {int(got)}: the ranks are out of step")
         return loss
 
     def _take_loss(self, what: str) -> tuple[int, float, str | None]:
@@ -499,7 +545,7 @@ class DistributedTransport:
         self.expect_loss()
         assert self._loss_posted is not None
         (buffer, work), self._loss_posted = self._loss_posted, None
-        last = self.num_stages - 1
+        last = self.last_rank
         self._wait(work, what, last)
         self._losses_taken += 1
         got, loss = buffer.tolist()
@@ -513,19 +559,22 @@ class DistributedTransport:
 
     # Receiving -------------------------------------------------------------------------------------
 
-    def _post_next(self, stage: int, kind: Kind) -> None:
-        if kind not in self._posted:
-            buffer, work = self._irecv(self._recv_size[kind], stage, kind)
-            self._posted[kind] = _Posted(buffer, work)
+    def _other_ranks(self) -> list[int]:
+        """Every rank but the last stage's (the ranks that wait for its losses)."""
+        return [r for r in range(self.num_ranks) if r != self.last_rank]
 
-    def _irecv(self, size: int, stage: int, kind: Kind) -> tuple[torch.Tensor, Any]:
+    def _post_next(self, link: _Link) -> None:
+        if link not in self._posted:
+            buffer, work = self._irecv(self._recv_size[link], link)
+            self._posted[link] = _Posted(buffer, work)
+
+    def _irecv(self, size: int, link: _Link) -> tuple[torch.Tensor, Any]:
         buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-        peer = self._peer(stage, kind)
-        what = f"the next {'activation' if kind is F else 'gradient'}"
-        return buffer, self._post_receive(buffer, peer, _TAG[kind], what, kind)
+        what = f"the next {'activation' if link[0] is F else 'gradient'}"
+        return buffer, self._post_receive(buffer, self._source(link), _TAG[link[0]], what, link)
 
-    def _post_receive(self, buffer: torch.Tensor, src: int, tag: int, what: str, kind: Kind | None = None) -> Any:
-        group, peer = (self._world, src) if kind is None else self._links[kind, src]
+    def _post_receive(self, buffer: torch.Tensor, src: int, tag: int, what: str, link: _Link | None = None) -> Any:
+        group, peer = (self._world, src) if link is None else self._links[link]
         try:
             # Outside any profiler recording: a receive kept posted between steps completes whenever the
             # neighbour sends, maybe after the profiler stopped, and a profiler event ended then crashes torch
@@ -540,16 +589,25 @@ class DistributedTransport:
         return True  # receive blocks (with a timeout) until the message is there
 
     def give_back(self, stage: int, kind: Kind, microbatch: int, message: Message) -> None:
-        self._given_back[kind, microbatch] = message
+        self._given_back[stage, kind, microbatch] = message
 
     def receive(self, stage: int, kind: Kind, microbatch: int) -> Message:
         if self._given_back:
-            returned = self._given_back.pop((kind, microbatch), None)
+            returned = self._given_back.pop((stage, kind, microbatch), None)
             if returned is not None:
                 return returned
         src = self._peer(stage, kind)
+        if src == self.rank:
+            local = self._local.pop((stage, kind, microbatch), None)
+            if local is None:  # the rank's own order runs the sender first: a schedule that does not is invalid
+                raise PeerError(f"rank {self.rank}: stage {stage} expected its {'activation' if kind is F else 'gradient'}"
+                                f" of micro-batch {microbatch} from a stage of the same rank, which has not sent it")
+            return local
         what = f"the {'activation' if kind is F else 'gradient'} of micro-batch {microbatch}"
-        buffer, tail, header = self._take(stage, kind, what)
+        if self.num_ranks != self.num_stages:
+            what += f" for stage {stage}"
+        link = (kind, _boundary(stage, kind))
+        buffer, tail, header = self._take(link, what)
         if header[_ANNOUNCE] == _NOTICE:
             raise self._failure_reported(buffer, tail, src)
         if (header[_KIND], header[_MICROBATCH]) != (_KIND_CODE[kind], microbatch):
@@ -558,16 +616,16 @@ class DistributedTransport:
                 f"{header[_MICROBATCH]}: the ranks run different schedules (same algorithm, stages and "
                 "micro-batches everywhere?)"
             )
-        return self._accept(stage, kind, buffer, tail, header, what)
+        return self._accept(link, buffer, tail, header, what)
 
-    def _take(self, stage: int, kind: Kind, what: str) -> tuple[torch.Tensor, list[int], list[int]]:
-        """The next message on the incoming link ``kind`` (after its announcement, if it has one): its buffer,
-        the words at its end and its header."""
-        src = self._peer(stage, kind)
-        self._post_next(stage, kind)
-        posted = self._posted.pop(kind)
+    def _take(self, link: _Link, what: str) -> tuple[torch.Tensor, list[int], list[int]]:
+        """The next message on the incoming ``link`` (after its announcement, if it has one): its buffer, the
+        words at its end and its header."""
+        src = self._source(link)
+        self._post_next(link)
+        posted = self._posted.pop(link)
         self._wait(posted.work, what, src)
-        self._received[kind] += 1
+        self._received[link] += 1
         buffer = posted.buffer
         tail = _tail(buffer)
         header = tail[-_HEADER:]
@@ -576,10 +634,10 @@ class DistributedTransport:
             if size < _HEADER_BYTES or size % 8:
                 raise PeerError(f"rank {self.rank}: rank {src} announced a message of {size} bytes for {what}")
             announced = (header[_KIND], header[_MICROBATCH])
-            buffer, work = self._irecv(size, stage, kind)
+            buffer, work = self._irecv(size, link)
             self._wait(work, what, src)
-            self._received[kind] += 1
-            self._recv_size[kind] = size
+            self._received[link] += 1
+            self._recv_size[link] = size
             tail = _tail(buffer)
             header = tail[-_HEADER:]
             if header[_ANNOUNCE] == 1 or header[_SIZE] != buffer.numel() or (header[_KIND], header[_MICROBATCH]) != announced:
@@ -590,16 +648,16 @@ class DistributedTransport:
                             f"({buffer.numel()} bytes): the ranks are out of step")
         return buffer, tail, header
 
-    def _accept(self, stage: int, kind: Kind, buffer: torch.Tensor, tail: list[int], header: list[int],
+    def _accept(self, link: _Link, buffer: torch.Tensor, tail: list[int], header: list[int],
                 what: str) -> Message:
         """A taken message as the stage's input: its payload unpacked; the link's next receive posted."""
         try:
             payload = _unpack(buffer, tail)
         except (IndexError, ValueError, RuntimeError) as exc:
-            raise PeerError(f"rank {self.rank}: the message from rank {self._peer(stage, kind)} for {what} is "
+            raise PeerError(f"rank {self.rank}: the message from rank {self._source(link)} for {what} is "
                             f"malformed ({_first_line(exc)})") from exc
-        self._post_next(stage, kind)  # the link's next message: later in this step, or in the next one
-        self._acknowledge(_REVERSE[kind], header[_ACK])
+        self._post_next(link)  # the link's next message: later in this step, or in the next one
+        self._acknowledge((_REVERSE[link[0]], link[1]), header[_ACK])
         tag = header[_VERSION_TAG]
         return Message(payload, None if tag < 0 else tag, poisoned=bool(header[_POISONED]))
 
@@ -608,8 +666,8 @@ class DistributedTransport:
     def sent_counts(self) -> dict[str, Any]:
         """What this rank has sent so far: messages per outgoing link (announcements and notices included)
         and losses per rank; the ranks that receive them take as many in :meth:`resync`."""
-        links = {str(kind): self._acknowledged[kind] + len(self._unacknowledged[kind])
-                 for kind, neighbour in self._links if neighbour != self._peer(self.rank, kind)}
+        links = {f"{kind}{b}": self._acknowledged[kind, b] + len(self._unacknowledged[kind, b])
+                 for kind, b in self._links if not self._incoming((kind, b))}
         return {"links": links, "losses": dict(self._losses_sent)}
 
     def resync(self, counts: list[dict[str, Any]], keep: Callable[[Kind, int], bool]) -> None:
@@ -618,22 +676,23 @@ class DistributedTransport:
         accepts wait for their action (the drain after the failure); notices and the rest are dropped. The
         links are then in step again: each side agrees on what was sent, taken and acknowledged."""
         self.failure_notified = False  # a later failure is reported again
-        for kind in (F, B):
-            src = self._peer(self.rank, kind)
-            if not 0 <= src < self.num_stages:
+        for link in self._links:
+            if not self._incoming(link):
                 continue
-            total = counts[src]["links"][str(kind)]
-            while self._received[kind] < total:
-                buffer, tail, header = self._take(self.rank, kind, "a message sent before the failure")
+            kind, b = link
+            total = counts[self._source(link)]["links"][f"{kind}{b}"]
+            stage = self._consumer(link)
+            while self._received[link] < total:
+                buffer, tail, header = self._take(link, "a message sent before the failure")
                 if header[_ANNOUNCE] == _NOTICE:
-                    self._post_next(self.rank, kind)
-                    self._acknowledge(_REVERSE[kind], header[_ACK])
+                    self._post_next(link)
+                    self._acknowledge((_REVERSE[kind], b), header[_ACK])
                     continue
                 k = header[_MICROBATCH]
-                message = self._accept(self.rank, kind, buffer, tail, header, "a message sent before the failure")
+                message = self._accept(link, buffer, tail, header, "a message sent before the failure")
                 if keep(kind, k):
-                    self._given_back[kind, k] = message
-        last = self.num_stages - 1
+                    self._given_back[stage, kind, k] = message
+        last = self.last_rank
         if self.rank != last:
             while self._losses_taken < counts[last]["losses"].get(self.rank, 0):
                 self._take_loss("a loss sent before the failure")
@@ -642,8 +701,10 @@ class DistributedTransport:
         """Nothing to undo: a failure stops no link (see :meth:`resync`)."""
 
     def drop(self, which: Callable[[int, Kind, int], bool]) -> None:
-        for kind, k in [key for key in self._given_back if which(self.rank, key[0], key[1])]:
-            del self._given_back[kind, k]
+        for key in [key for key in self._given_back if which(*key)]:
+            del self._given_back[key]
+        for key in [key for key in self._local if which(*key)]:
+            del self._local[key]
 
     def _wait(self, work: Any, what: str, peer: int) -> None:
         """Wait for a posted receive."""

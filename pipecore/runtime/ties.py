@@ -695,3 +695,29 @@ class DistributedTiedGradients:
                 del self._retired[group]
         self._epoch += 1
         return self._epoch
+
+
+class StagesAsRanks:
+    """A :class:`DistributedTiedGradients` whose owners are ranks, used by stages: with several stages per rank,
+    each owner of a tie on a rank of its own, a stage speaks for its rank (``placement[stage]``)."""
+
+    def __init__(self, exchange: DistributedTiedGradients, placement: Sequence[int]):
+        self._exchange, self._placement = exchange, placement
+
+    def post(self, stage: int, group: int, grads: dict[str, torch.Tensor]) -> None:
+        self._exchange.post(self._placement[stage], group, grads)
+
+    def ready(self, stage: int, group: int) -> bool:
+        return self._exchange.ready(self._placement[stage], group)
+
+    def reduce(self, stage: int, group: int) -> dict[str, torch.Tensor]:
+        return self._exchange.reduce(self._placement[stage], group)
+
+    def withdraw(self, stage: int, first_group: int) -> None:
+        self._exchange.withdraw(self._placement[stage], first_group)
+
+    def unreduce(self, stage: int, groups: range) -> None:
+        self._exchange.unreduce(self._placement[stage], groups)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._exchange, name)  # the rest (epochs, failures, resync, close) is per rank anyway

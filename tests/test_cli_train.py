@@ -536,3 +536,28 @@ def test_gpt_under_torchrun_matches_one_process(capsys: pytest.CaptureFixture[st
     a, b = load(tmp_path / "alone.pt"), load(tmp_path / "ranks.pt")
     assert_same(b["pipeline"], a["pipeline"])
     assert b["history"] == a["history"]
+
+
+def test_stages_per_rank_runs_an_interleaved_schedule(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = train(capsys, "--algorithm", "interleaved-1f1b", "--stages", "8", "--stages-per-rank", "2",
+                           "--depth", "8", "--epochs", "1", *SMALL)
+    assert code == 0, err
+    assert len(out[out.index("stage  layers"):].splitlines()[1:]) == 8
+    # Synchronous: the same training as 1F1B over the same 8 stages, one per rank.
+    code, plain, err = train(capsys, "--algorithm", "1f1b", "--stages", "8", "--depth", "8", "--epochs", "1", *SMALL)
+    assert code == 0, err
+    assert [e[:3] for e in epochs_of(out)] == [e[:3] for e in epochs_of(plain)]
+    assert final_accuracy(out) == final_accuracy(plain)
+
+
+def test_stages_per_rank_is_refused_where_it_does_not_apply(capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    code, _, err = train(capsys, "--algorithm", "1f1b", "--stages-per-rank", "2", "--epochs", "1", *SMALL)
+    assert code != 0 and "runs one stage per rank" in err
+    # Under torchrun the processes are the ranks: 3 processes cannot run 4 stages two per rank.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    code, _, err = train(capsys, "--algorithm", "zb-v", "--stages", "4", "--epochs", "1", *SMALL)
+    assert code != 0
+    assert "torchrun started 3 processes: pipecore runs one process per rank (2 stages each)" in err
+    assert "--nproc-per-node 2" in err

@@ -146,8 +146,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-a", "--algorithm", default="1f1b", metavar="NAME",
                         help="algorithm name or alias (default 1f1b; see `pipecore simulate --compare`)")
     parser.add_argument("-p", "--stages", type=positive_int, metavar="P",
-                        help="pipeline stages (default 4, under torchrun the number of processes; at most the "
+                        help="pipeline stages (default 4, under torchrun the number of processes times --stages-per-rank; at most the "
                              "number of modules the model can be cut between: an error says how many)")
+    parser.add_argument("--stages-per-rank", type=positive_int, default=1, metavar="V",
+                        help="stages (model chunks) per rank, for interleaved-1f1b, looped-bfs and zb-h1 (default 1; "
+                             "zb-v and dualpipe-v always run 2): a rank is a worker thread, or a process under "
+                             "torchrun, where --stages defaults to V x the number of processes")
     parser.add_argument("-m", "--microbatches", type=positive_int, default=4, metavar="M",
                         help="micro-batches per mini-batch (default 4)")
     parser.add_argument("-b", "--batch-size", type=positive_int, metavar="N",
@@ -535,9 +539,10 @@ def _resolve_defaults(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} applies to {takers}, not --model {args.model}")
         setattr(args, flag, given if given is not None else per_model.get(args.model))
     if args.stages is None:
-        # Under torchrun one process runs each stage: the number of processes is the number of stages.
+        # Under torchrun one process runs each rank: the number of processes times the stages each runs.
         world = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
-        args.stages = world if world > 1 else DEFAULT_STAGES
+        per_rank = _stages_per_rank(args)
+        args.stages = world * per_rank if world > 1 else max(DEFAULT_STAGES, per_rank)
     args.optimizer = args.optimizer or DEFAULT_OPTIMIZER[args.model]
     args.batch_size = args.batch_size or DEFAULT_BATCH_SIZE[args.model]
     args.epochs = args.epochs or DEFAULT_EPOCHS[args.model]
@@ -561,6 +566,19 @@ def train_device(spec: str | None) -> "torch.device":
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise ValueError(f"--device {spec!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+def _stages_per_rank(args: argparse.Namespace) -> int:
+    """The stages each rank runs: --stages-per-rank, --option stages_per_rank, or 2 for the V-shaped schedules."""
+    given = dict(args.option).get("stages_per_rank", args.stages_per_rank)
+    if given == 1:
+        try:
+            from ..algorithms import get_spec
+
+            return int(get_spec(args.algorithm).defaults.get("stages_per_rank", 1))
+        except ValueError:
+            return 1  # an unknown algorithm: reported with the list of names when the pipeline is built
+    return int(given)
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -794,11 +812,19 @@ def _train(args: argparse.Namespace, interrupts: Interrupts | None = None, given
             f"--batch-size {args.batch_size} is smaller than --microbatches {args.microbatches}: every micro-batch "
             f"needs at least one sample; use a batch of at least {args.microbatches}"
         )
-    processes = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
-    if processes > 1 and processes != args.stages:
-        raise ValueError(f"--stages {args.stages} but torchrun started {processes} processes: pipecore runs one process "
-                         f"per stage; pass --stages {processes} or --nproc-per-node {args.stages}")
     options = dict(args.option)
+    per_rank = _stages_per_rank(args)
+    if args.stages_per_rank != 1 or "stages_per_rank" in options:
+        if "stages_per_rank" in options and options["stages_per_rank"] != args.stages_per_rank != 1:
+            raise ValueError(f"--stages-per-rank {args.stages_per_rank} and --option stages_per_rank="
+                             f"{options['stages_per_rank']} disagree; give one of them")
+        options["stages_per_rank"] = per_rank
+    processes = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+    if processes > 1 and processes * per_rank != args.stages:
+        what = "stage" if per_rank == 1 else f"rank ({per_rank} stages each)"
+        raise ValueError(f"--stages {args.stages} but torchrun started {processes} processes: pipecore runs one process "
+                         f"per {what}; pass --stages {processes * per_rank} or --nproc-per-node "
+                         f"{max(1, args.stages // per_rank)}")
     device = train_device(args.device)
 
     task = _TextTask(args) if args.model == "gpt" else _DigitsTask(args)

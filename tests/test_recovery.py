@@ -30,7 +30,7 @@ class Fault:
     ``when="start"`` raises before the action does anything, ``"end"`` after its compute is done (the worst
     case: gradients added, weights written)."""
 
-    HOOKS = {"F": "compute_forward", "B": "compute_backward", "U": "compute_update"}
+    HOOKS = {"F": "compute_forward", "B": "compute_backward", "W": "compute_weight", "U": "compute_update"}
 
     def __init__(self, stage: int, kind: str, when: str = "end", target: str = "newest",
                  error: type[BaseException] = Injected, gate: threading.Event | None = None):
@@ -86,7 +86,7 @@ def data(steps: int, batch: int = 8, width: int = 8) -> list[tuple[torch.Tensor,
 def train(algorithm: str, fault: Fault | None = None, flush_at: int | None = None, steps: int = 6, model=None,
           batches=None, arm_at: int = ARM_AT, **options):
     """Losses (None for the failed or flushed step), the final state, and the step that failed."""
-    pipe = pipecore.Pipeline(mlp() if model is None else model, 3, algorithm, n_microbatches=4,
+    pipe = pipecore.Pipeline(mlp() if model is None else model, options.pop("num_stages", 3), algorithm, n_microbatches=4,
                              optimizer=options.pop("optimizer", pipecore.SGD(lr=0.05, momentum=0.9)),
                              loss_fn=options.pop("loss_fn", nn.CrossEntropyLoss()), **options)
     batches = batches or data(steps)
@@ -138,6 +138,19 @@ def test_an_action_that_fails_before_it_starts_runs_again(algorithm, stage, kind
     """The first action of the kind after arming, which under the asynchronous schedules belongs to an earlier
     mini-batch still in flight: it left no trace, so the drain runs it again. Stages in turn, one thread."""
     check_like_a_flush(algorithm, Fault(stage, kind, when="start", target="first"), concurrent=False)
+
+
+@pytest.mark.parametrize("algorithm,stages_per_rank,kind", [
+    (algorithm, spr, kind) for algorithm, spr, kinds in [("zb-h1", 1, "FBWU"), ("zb-v", 2, "FBWU"),
+                                                         ("interleaved-1f1b", 2, "FBU")] for kind in kinds])
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("when", ["start", "end"])
+def test_a_failed_action_of_a_split_or_interleaved_schedule_is_undone(algorithm, stages_per_rank, stage, kind, when):
+    """Several stages per rank, the backward split into B and W: a failure (in any kind, W included, on a rank
+    holding two stages) is taken back like a flush; weight gradients still waiting for their W when it struck
+    are kept for the drain (or dropped with their mini-batch)."""
+    check_like_a_flush(algorithm, Fault(stage, kind, when=when, target="newest"), concurrent=True, num_stages=4,
+                       stages_per_rank=stages_per_rank)
 
 
 @pytest.mark.parametrize("concurrent", [False, True])

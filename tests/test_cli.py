@@ -102,24 +102,30 @@ def test_compare_lists_every_algorithm(capsys):
     code, out, err = run(capsys, "simulate", "--compare", "--stages", "4", "--microbatches", "2")
     assert code == 0 and err == ""
     lines = out.splitlines()
-    assert lines[0] == "4 stages, 2 micro-batches x 4 mini-batches, costs F=1 B=2 (staleness and delay: mean/max)"
-    assert lines[1].split() == ["algorithm", "bubble", "makespan", "versions/stage", "staleness", "delay", "derived"]
+    assert lines[0] == "4 stages, 2 micro-batches x 4 mini-batches, costs F=1 B=1 W=1 (staleness and delay: mean/max)"
+    assert lines[1].split() == ["algorithm", "bubble", "makespan", "ranks", "act/rank", "versions/stage", "staleness",
+                                "delay", "derived"]
     rows = {line.split()[0]: line for line in lines[2:]}
     assert list(rows) == algorithm_names()
     # Constraints that reject P=4, m=2 are shown with their reason.
     assert "rejected: needs n_microbatches >= num_stages (got 2 < 4)" in rows["2bw"]
-    assert all("rejected" not in rows[name] for name in algorithm_names() if name != "2bw")
+    assert "rejected: n_microbatches (2) must be >= num_stages (4" in rows["dualpipe-v"]
+    assert all("rejected" not in rows[name] for name in algorithm_names() if name not in ("2bw", "dualpipe-v"))
     pipedream = simulate("pipedream", 4, 2, 4)
     cells = rows["pipedream"].split()
     assert cells[1] == f"{pipedream.bubble_fraction:.3f}" and cells[2] == f"{pipedream.makespan:g}"
-    assert cells[3:7] == [str(pipedream.weight_versions(s)) for s in range(4)]
-    assert cells[8] == f"{sum(pipedream.stage_summary(s).mean_delay for s in range(4)) / 4:.2f}/3"
+    assert cells[3:5] == ["4", str(max(pipedream.peak_activations(s) for s in range(4)))]
+    assert cells[5:9] == [str(pipedream.weight_versions(s)) for s in range(4)]
+    assert cells[10] == f"{sum(pipedream.stage_summary(s).mean_delay for s in range(4)) / 4:.2f}/3"
     assert rows["spectrain"].split()[-1] == "0,1,2,3" and rows["gpipe"].split()[-1] == "-"
+    zbv = simulate("zb-v", 4, 2, 4)
+    assert rows["zb-v"].split()[1:5] == [f"{zbv.bubble_fraction:.3f}", f"{zbv.makespan:g}", "2",
+                                        str(max(zbv.rank_peak_activations(r) for r in range(2)))]
 
 
 def test_compare_with_costs(capsys):
     code, out, _ = run(capsys, "simulate", "--compare", "-p", "2", "-m", "2", "-n", "1", "--forward-costs", "1,3")
-    assert code == 0 and "costs F=1,3 B=2" in out.splitlines()[0]
+    assert code == 0 and "costs F=1,3 B=1 W=1" in out.splitlines()[0]
     gpipe_row = next(line for line in out.splitlines() if line.startswith("gpipe"))
     assert gpipe_row.split()[2] == f"{simulate('gpipe', 2, 2, 1, costs={'forward': [1, 3]}).makespan:g}"
 
@@ -140,7 +146,7 @@ def test_compare_with_costs(capsys):
     (["-a", "i-timeprest", "-p", "2", "-m", "2", "-o", "alpha=cos"], "alpha must be one of ['constant', 'exp',"),
     (["-a", "gpipe", "-p", "2", "-m", "2", "--costs", "1,x"], "argument --costs: 'x' is not a number"),
     (["-a", "gpipe", "-p", "2", "-m", "2", "--costs", "1,-2"], "'-2' is not a finite non-negative number"),
-    (["-a", "gpipe", "-p", "2", "-m", "2", "--costs", "1,2,3"], "--costs takes F,B (two numbers), got 3 values"),
+    (["-a", "gpipe", "-p", "2", "-m", "2", "--costs", "1,2,3,4"], "--costs takes F,B or F,B,W (two or three numbers), got 4 values"),
     (["-a", "gpipe", "-p", "2", "-m", "2", "--forward-costs", "1,2,3"],
      "--forward-costs takes one value or one per stage (2), got 3"),
     (["-a", "gpipe", "-p", "2", "-m", "2", "--send-cost", "1,2"], "--send-cost takes one number, got 2"),

@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--costs", type=_cost_list, metavar="F,B[,W]",
                         help="forward and backward time of one micro-batch on every stage, and the weight-gradient "
                              "part W of the backward (default 1,1,1: a backward takes 2, of which W=1 runs as its own "
-                             "action in zero-bubble schedules; with two values B is the whole backward and W costs 0)")
+                             "action in zero-bubble schedules; with two values, or with --backward-costs and no "
+                             "--weight-costs, B is the whole backward and W costs 0)")
     parser.add_argument("--forward-costs", type=_cost_list, metavar="LIST",
                         help="forward time per micro-batch: one value, or one per stage (e.g. 1,1,2,1)")
     parser.add_argument("--backward-costs", type=_cost_list, metavar="LIST",
@@ -84,7 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def costs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The ``costs`` mapping for :func:`pipecore.simulate` from the cost flags."""
     P = args.stages
-    forward, backward, weight = 1.0, 1.0, 1.0
+    # Without a backward cost given, the backward's 2 splits into B=1 and W=1; a backward cost given without a
+    # weight part is the whole backward (W=0), as with pipecore.simulate's costs.
+    split_default = args.costs is None and args.backward_costs is None
+    forward, backward, weight = (1.0, 1.0, 1.0) if split_default else (1.0, 2.0, 0.0)
     if args.costs is not None:
         if len(args.costs) not in (2, 3):
             raise ValueError(f"--costs takes F,B or F,B,W (two or three numbers), got {len(args.costs)} values")

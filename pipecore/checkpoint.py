@@ -49,7 +49,34 @@ def _stage_file(stage: int, token: str) -> str:
 def save(pipe: Pipeline, directory: str | os.PathLike) -> None:
     """Write the pipeline's stages to ``directory``: this process's stage files, then (from the process
     that owns stage 0) the manifest that commits them. Collective with one process per stage (see the
-    module docstring). Raises :class:`CheckpointError` if nothing was committed."""
+    module docstring). Raises :class:`CheckpointError` if nothing was committed.
+
+    With several replicas of the pipeline (``data_parallel``), which hold the same weights, replica 0 writes;
+    every process returns once the save is committed, or raises if it was not."""
+    if pipe.data_parallel > 1:
+        _save_replicated(pipe, directory)
+        return
+    _save(pipe, directory)
+
+
+def _save_replicated(pipe: Pipeline, directory: str | os.PathLike) -> None:
+    from .engine.data_parallel import sum_over
+
+    error: CheckpointError | None = None
+    if pipe.replica == 0:
+        try:
+            _save(pipe, directory)
+        except CheckpointError as exc:
+            error = exc
+    # Every replica of this pipeline rank learns whether replica 0 committed (a sum over its "dp" group).
+    failed = sum_over(pipe._dp_group, [1.0 if error is not None else 0.0], pipe.devices[min(pipe.stages)])[0]
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError("checkpoint not saved: replica 0, which writes it, failed (its error says why)")
+
+
+def _save(pipe: Pipeline, directory: str | os.PathLike) -> None:
     directory = os.fspath(directory)
     agree = _agreement(pipe)
     state, error = None, None

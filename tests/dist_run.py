@@ -38,6 +38,28 @@ def batches(steps: int, seed: int = 1):
             for n in sizes]
 
 
+def dp_batches(steps: int, seed: int = 3, sizes: tuple[int, ...] = (16, 24, 32)):
+    """Global mini-batches for two replicas (of 16, 24 and 32 samples in turn)."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g))
+            for n in (sizes[i % len(sizes)] for i in range(steps))]
+
+
+def as_one_process(batch: torch.Tensor, replicas: int, microbatches: int) -> torch.Tensor:
+    """The global mini-batch reordered so that one process's micro-batch k holds every replica's micro-batch k
+    (replica i reads part i of the mini-batch and splits it into micro-batches; an algorithm that updates per
+    micro-batch then sees the same groups in one process)."""
+    parts = [torch.tensor_split(shard, microbatches) for shard in torch.tensor_split(batch, replicas)]
+    return torch.cat([parts[i][k] for k in range(microbatches) for i in range(replicas)])
+
+
+def dp_gpt_batches(steps: int, seed: int = 3):
+    """Global token batches of 16 sequences for two replicas."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 11, (16, 8), generator=g), torch.randint(0, 11, (16, 8), generator=g))
+            for _ in range(steps)]
+
+
 def uneven_batches():
     """Batches that do not divide into the micro-batches: 30 samples (8, 8, 7, 7), 5 (2, 1, 1, 1), 13, 4."""
     g = torch.Generator().manual_seed(2)
@@ -335,6 +357,19 @@ def main() -> None:
             prediction = pipe.predict(tied_batches(1, seed=7)[0][0] if pipe._owns(0) else None, broadcast=True)
             torch.save({"losses": losses, "state": pipe.state_dict(), "prediction": prediction,
                         "stages": sorted(pipe.stages)}, os.path.join(out, f"{config.replace(':', '-')}-{rank}.pt"))
+    elif mode == "dp":
+        # Data x pipeline parallelism: WORLD = replicas x stages; every rank gets the global mini-batches.
+        stages = int(sys.argv[4])
+        for algorithm in sys.argv[3].split(","):
+            if algorithm == "gpt":
+                pipe = make_gpt_pipeline(stages, "1f1b", timeout=60, data_parallel=world // stages)
+                data = dp_gpt_batches(STEPS)
+            else:
+                pipe = make_pipeline(stages, algorithm, timeout=60, data_parallel=world // stages)
+                data = dp_batches(STEPS)
+            losses = train(pipe, data, pipe._owns(0), pipe._owns(stages - 1))
+            torch.save({"losses": losses, "state": pipe.state_dict(), "replica": pipe.replica},
+                       os.path.join(out, f"dp-{algorithm}-{rank}.pt"))
     elif mode == "uneven":
         for algorithm in sys.argv[3].split(","):
             pipe = make_pipeline(world, algorithm, timeout=60)

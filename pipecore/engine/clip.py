@@ -204,7 +204,8 @@ class DistributedGlobalNorm(GlobalNorm):
 
     _TAG = 60
 
-    def __init__(self, rank: int, num_stages: int, timeout: float):
+    def __init__(self, rank: int, num_stages: int, timeout: float, grid: Sequence[Sequence[int]] | None = None,
+                 replica: int = 0):
         import datetime
 
         import torch.distributed as dist
@@ -212,7 +213,15 @@ class DistributedGlobalNorm(GlobalNorm):
         self.rank, self.num_stages = rank, num_stages
         self.timeout = datetime.timedelta(seconds=timeout)
         self._dist = dist
-        self._group = dist.new_group(backend="gloo", timeout=self.timeout)
+        # One group per pipeline replica (data parallel; grid[i][r]: the global rank of pipeline rank r of replica
+        # i), created by every process in the same order; ranks here are pipeline ranks.
+        rows = [list(range(dist.get_world_size()))] if grid is None else [list(row) for row in grid]
+        for i, row in enumerate(rows):
+            group = dist.new_group(row, backend="gloo", timeout=self.timeout) if grid is not None else \
+                dist.new_group(backend="gloo", timeout=self.timeout)
+            if i == replica:
+                self._group = group
+                self._in_group = {r: dist.get_group_rank(group, g) for r, g in enumerate(row)}
         self._peers = [r for r in range(num_stages) if r != rank]
         self._sent = {peer: 0 for peer in self._peers}    # messages sent to each rank (notices count two)
         self._taken = {peer: 0 for peer in self._peers}   # messages taken from each rank
@@ -233,7 +242,7 @@ class DistributedGlobalNorm(GlobalNorm):
         return math.sqrt(sum(parts[r] for r in range(self.num_stages)))
 
     def _send(self, peer: int, message: torch.Tensor, update: int) -> None:
-        self._sends[peer].append((update, self._group.send([message], peer, self._TAG), message))
+        self._sends[peer].append((update, self._group.send([message], self._in_group[peer], self._TAG), message))
         self._sent[peer] += 1
 
     def _take(self, peer: int, update: int | None) -> float:
@@ -253,7 +262,7 @@ class DistributedGlobalNorm(GlobalNorm):
         from ..runtime.distributed import PeerError
 
         try:
-            self._group.recv([buffer], peer, self._TAG).wait(self.timeout)
+            self._group.recv([buffer], self._in_group[peer], self._TAG).wait(self.timeout)
         except RuntimeError as exc:
             raise PeerError(f"rank {self.rank}: rank {peer} failed or stopped answering while its gradient norm "
                             f"was expected ({str(exc).splitlines()[0] if str(exc) else exc!r})") from exc
@@ -304,7 +313,8 @@ class RankGlobalNorm(DistributedGlobalNorm):
     other ranks as :class:`DistributedGlobalNorm` does. Needs every tied weight's owners on one rank (the
     tied weights' summed gradient is then read here)."""
 
-    def __init__(self, stages: Mapping[int, "TensorStage"], rank: int, num_ranks: int, timeout: float):
+    def __init__(self, stages: Mapping[int, "TensorStage"], rank: int, num_ranks: int, timeout: float,
+                 grid: Sequence[Sequence[int]] | None = None, replica: int = 0):
         crossing = sorted({name for st in stages.values() if st.ties is not None
                            for name, owners in st.ties.owners.items() if any(o not in stages for o in owners)})
         if crossing:
@@ -312,7 +322,7 @@ class RankGlobalNorm(DistributedGlobalNorm):
                 f"clip_grad_norm with several stages per rank needs each tied weight's owners on one rank; "
                 f"{crossing} is held by stages on other ranks too (the V placements, zb-v and dualpipe-v, put the "
                 "first and last stage on one rank)")
-        super().__init__(rank, num_ranks, timeout)
+        super().__init__(rank, num_ranks, timeout, grid, replica)
         self._local = LocalGlobalNorm(stages)
         self._norms: dict[int, tuple[float, set[int]]] = {}
 

@@ -46,6 +46,7 @@ from .reshard import canonical_names, has_parameter_names, parameter_states, sta
 from .backward_rules import GLOBAL_RANDOM
 from .buffers import buffer_copies
 from .stage import TensorStage
+from .data_parallel import GradientSum, dp_groups, join as join_topology, shard, sum_over
 from .threads import calling_thread_threads, check_threads_per_stage, default_threads_per_stage, thread_setup
 from .undo import Unrecoverable, UndoPoint, minibatches_in_flight, release, undo
 from .tied import StageTies
@@ -176,6 +177,8 @@ class Pipeline:
         recover: bool = True,
         track_memory: bool = False,
         capture: str = "auto",
+        data_parallel: int | None = None,
+        mesh: Any = None,
         **options: Any,
     ):
         if concurrent is not None and not isinstance(concurrent, bool):
@@ -220,7 +223,20 @@ class Pipeline:
         aliased = {a for names in self._aliases for a in names}
         self._stage_keys = [[k for k in g.module.state_dict() if k in model_keys and k not in aliased] for g in graphs]
         self._boundary_meta = _boundary_meta(captured, graphs, example_input) if example_input is not None else None
-        self.rank = _join_process_group(num_stages, self.num_ranks, timeout)
+        #: Where this process is among the pipeline's replicas and ranks (None: everything in this process).
+        self.topology = join_topology(num_stages, self.num_ranks, timeout, data_parallel, mesh)
+        #: This process's pipeline rank (None: one process runs every stage); with ``data_parallel``, within its
+        #: replica (``replica``).
+        self.rank = None if self.topology is None else self.topology.rank
+        self.data_parallel = 1 if self.topology is None else self.topology.data_parallel
+        self.replica = 0 if self.topology is None else self.topology.replica
+        if self.data_parallel > 1:
+            # A failed step cannot be taken back on one replica while the others go on: it leaves the pipeline
+            # unusable, and the other replicas raise at their next sum over the replicas (see docs/distributed.md).
+            self.recover = False
+        if self.data_parallel > 1 and on_nonfinite == "skip":
+            raise ValueError("on_nonfinite='skip' with data_parallel > 1 is not supported: the replicas would have to "
+                             "agree on which updates to skip; use on_nonfinite='raise'")
         owned = range(num_stages) if self.rank is None else [s for s in range(num_stages) if self.placement[s] == self.rank]
         self.concurrent = (self.rank is None and num_stages > 1) if concurrent is None else concurrent
         self.devices = _stage_devices(devices, graphs, self.rank, self.placement)
@@ -265,9 +281,9 @@ class Pipeline:
                 if self.rank is None:
                     self._global_norm = LocalGlobalNorm(self.stages)
                 elif len(self.stages) == 1:
-                    self._global_norm = DistributedGlobalNorm(self.rank, self.num_ranks, timeout)
+                    self._global_norm = DistributedGlobalNorm(self.rank, self.num_ranks, timeout, *self._grid())
                 else:
-                    self._global_norm = RankGlobalNorm(self.stages, self.rank, self.num_ranks, timeout)
+                    self._global_norm = RankGlobalNorm(self.stages, self.rank, self.num_ranks, timeout, *self._grid())
             for st in self.stages.values():
                 st.clip = GradClip(self.clip_grad_norm, self._global_norm)
         self._transport: Transport
@@ -277,7 +293,14 @@ class Pipeline:
             from ..runtime.distributed import DistributedTransport
 
             self._transport = DistributedTransport(self.rank, num_stages, timeout, self.devices[owned[0]],
-                                                   self.placement)
+                                                   self.placement, *self._grid())
+        # With several replicas: each stage's gradients summed over its replicas before every update.
+        self._dp_group: Any = None
+        if self.data_parallel > 1:
+            assert self.topology is not None
+            self._dp_group = dp_groups(self.topology, timeout)
+            for st in self.stages.values():
+                st.gradient_sum = GradientSum(self._dp_group, self.algorithm.update_every, self.topology.describe())
         # Worker threads, one per rank (a rank runs its stages' actions in one list), kept from step to step
         # (one process, several ranks, concurrent).
         ranks_here = len({self.placement[s] for s in self.stages})
@@ -317,12 +340,16 @@ class Pipeline:
         """Begin a fresh schedule (at construction and after every flush)."""
         for st in self.stages.values():
             st.restart()
+            if st.gradient_sum is not None:
+                st.gradient_sum.restart()
             release(st, st.undo_points)
             st.undo_points = []
         self._undo_steps = []
         self._fed = 0  # mini-batches given since the schedule started
         self._minibatch_loss: dict[int, float] = {}
-        self._microbatch_sizes: dict[int, list[int]] = {}  # last stage: mini-batches whose micro-batches differ
+        # Last stage: per mini-batch whose micro-batches differ (or with several replicas), the micro-batch sizes and
+        # the samples of the (global) mini-batch.
+        self._microbatch_sizes: dict[int, tuple[list[int], int]] = {}
         self._horizon = 2
         schedule = validate(self.algorithm.schedule(self._horizon))
         sync = self._tie_sync
@@ -390,7 +417,8 @@ class Pipeline:
             shapes = {name: (view.shape, view.dtype) for s in mine for name, view in views[s].items()}
             exchange = DistributedTiedGradients(
                 {name: tuple(self.placement[o] for o in group) for name, group in owners.items()}, self.rank, timeout,
-                self.devices[mine[0]] if mine else self.devices[next(iter(self.stages))], shapes=shapes)
+                self.devices[mine[0]] if mine else self.devices[next(iter(self.stages))], shapes,
+                *self._grid())
             if self.num_ranks != self.num_stages:
                 exchange = StagesAsRanks(exchange, self.placement)
         else:
@@ -405,6 +433,12 @@ class Pipeline:
                 self.stages[s].ties = StageTies(s, own, exchange, sync, owners)
         return sync
 
+    def _grid(self) -> tuple[Any, ...]:
+        """``(grid, replica)`` for the exchanges between processes with several replicas; nothing with one."""
+        if self.topology is None or self.data_parallel == 1:
+            return ()
+        return self.topology.grid, self.topology.replica
+
     def _observe(self, event: Event) -> None:
         rec, s = event.record, event.action.stage
         action, m = event.action, self.n_microbatches
@@ -412,10 +446,17 @@ class Pipeline:
             # The last micro-batch of a mini-batch has its loss: the mini-batch loss is known now.
             j = action.index // m
             losses = [self.stages[s].losses.pop(j * m + u) for u in range(m)]
-            sizes = self._microbatch_sizes.pop(j, None)
-            # The mean over the mini-batch's samples: each micro-batch's (mean) loss weighs by its size.
-            self._minibatch_loss[j] = (statistics.fmean(losses) if sizes is None
-                                       else math.fsum(n * loss for n, loss in zip(sizes, losses)) / sum(sizes))
+            weights = self._microbatch_sizes.pop(j, None)
+            # The mean over the mini-batch's samples: each micro-batch's (mean) loss weighs by its size (with
+            # several replicas, this replica's share of the global mean, summed over the replicas).
+            if weights is None:
+                self._minibatch_loss[j] = statistics.fmean(losses)
+            else:
+                sizes, samples = weights
+                self._minibatch_loss[j] = math.fsum(n * loss for n, loss in zip(sizes, losses)) / samples
+                if self.data_parallel > 1:
+                    self._minibatch_loss[j] = sum_over(self._dp_group, [self._minibatch_loss[j]],
+                                                       self.devices[s])[0]
             if self.rank is not None:
                 self._transport.publish_loss(j, self._minibatch_loss[j])
         # _Tally.add, inline: this runs once per action.
@@ -439,7 +480,7 @@ class Pipeline:
     def _owns(self, stage: int) -> bool:
         return stage in self.stages
 
-    def step(self, x: Batch | None, y: Batch | None) -> float:
+    def step(self, x: Batch | None, y: Batch | None, *, local: bool = False) -> float:
         """Train on one mini-batch; returns its mean loss (the mean over its samples).
 
         ``x`` holds the model's inputs: a tensor (a forward with one input), a tuple (positional) or a dict
@@ -459,6 +500,8 @@ class Pipeline:
         dropped, and training can continue (one process; see docs/training.md, "When a step fails").
         """
         self._check_open("step")
+        if not isinstance(local, bool):
+            raise TypeError(f"step(): local must be True or False, got {local!r}")
         m = self.n_microbatches
         first_stage, last_stage = self._owns(0), self._owns(self.num_stages - 1)
         for name, value, required in [("x", x, first_stage), ("y", y, last_stage)]:
@@ -466,6 +509,15 @@ class Pipeline:
                 raise TypeError(f"step(): {name} is required on the rank that runs "
                                 f"{'the first' if name == 'x' else 'the last'} stage, got None")
         inputs = as_model_inputs(x, self.captured) if first_stage else None
+        global_samples = None  # with several replicas: the global mini-batch's samples (the losses' divisor)
+        if self.data_parallel > 1:
+            assert self.topology is not None
+            if not local:  # the global mini-batch: this replica's share of it
+                global_samples = _samples(y) if last_stage else None
+                inputs = shard(inputs, self.topology) if inputs is not None else None
+                y = shard(y, self.topology) if last_stage else None
+            elif last_stage:  # this replica's own shard: the global count is the sum over the replicas
+                global_samples = int(sum_over(self._dp_group, [_samples(y)], self.devices[self.num_stages - 1])[0])
         x_chunks = split_batch(dict(zip(self.captured.input_names, inputs)), m, "x") if inputs is not None else None
         y_chunks = split_batch(y, m, "y") if last_stage else None
         if x_chunks is not None and y_chunks is not None and x_chunks.samples != y_chunks.samples:
@@ -478,12 +530,15 @@ class Pipeline:
         if y_chunks is not None:
             device = self.devices[self.num_stages - 1]
             sizes, every = y_chunks.sizes, self.algorithm.update_every
+            samples = y_chunks.samples if global_samples is None else global_samples
             for u, chunk in enumerate(y_chunks.chunks):
-                divisor = loss_divisor(sizes[u], y_chunks.samples, m, every)
+                divisor = loss_divisor(sizes[u], samples, m, every)
                 self._targets[first + u] = LossTarget(to_device(y_chunks.rebuild(chunk), device), divisor)
             # (set or cleared: a step that failed before it ran may have left this mini-batch's entry)
-            if len(set(sizes)) > 1:
-                self._microbatch_sizes[self._fed] = sizes
+            if global_samples is not None:
+                self._microbatch_sizes[self._fed] = (sizes, global_samples)
+            elif len(set(sizes)) > 1:
+                self._microbatch_sizes[self._fed] = (sizes, sum(sizes))
             else:
                 self._microbatch_sizes.pop(self._fed, None)
         minibatch = self._fed
@@ -1352,31 +1407,15 @@ def _device_of(module: nn.Module) -> torch.device:
     return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
-def _join_process_group(num_stages: int, num_ranks: int, timeout: float) -> int | None:
-    """This process's rank when running one process per rank (of ``num_ranks``, each running
-    ``num_stages // num_ranks`` stages), else None (everything in this process)."""
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        return None
-    if not dist.is_initialized():
-        if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "RANK" not in os.environ:
-            return None
-        import datetime
-
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-    world = dist.get_world_size()
-    if world == 1:
-        return None
-    if world != num_ranks:
-        per_rank = "stage" if num_ranks == num_stages else f"rank ({num_stages // num_ranks} stages each)"
-        raise ValueError(
-            f"the process group has {world} ranks but num_stages={num_stages} needs {num_ranks}: pipecore runs one "
-            f"process per {per_rank}; launch with torchrun --nproc-per-node {num_ranks}"
-            + (f" (or set num_stages={world})" if num_ranks == num_stages else "")
-        )
-    return dist.get_rank()
+def _samples(batch: Any) -> int:
+    """The samples of a batch: dimension 0 of its (first) tensor."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0])
+    if isinstance(batch, dict):
+        return _samples(next(iter(batch.values())))
+    if isinstance(batch, (tuple, list)) and batch:
+        return _samples(batch[0])
+    raise TypeError(f"a batch is a tensor, or a tuple or dict of tensors, got {type(batch).__name__}")
 
 
 class _Tally:

@@ -31,6 +31,7 @@ from .graph import StageGraph
 from .inputs import LossTarget, as_payload, from_payload, to_device
 from .tied import StageTies
 from .clip import GradClip
+from .data_parallel import GradientSum
 from .lr import LrSchedule
 from .optim import LrScales, StageOptimizer, uniform_scale
 from .split_backward import PendingWeightGradients, input_gradient, weight_gradients
@@ -163,6 +164,8 @@ class TensorStage(StageWorker):
         self._deferred: dict[int, tuple[PendingWeightGradients, torch.Tensor | None]] = {}
         # Tied weights this stage shares with others (set by the pipeline); None when it shares none.
         self.ties: StageTies | None = None
+        # With data_parallel: the sum of this stage's gradients over its replicas (set by the pipeline).
+        self.gradient_sum: GradientSum | None = None
         self._last_backward_count = 0
         # The first and last micro-batch whose gradients the buffer holds (None: it is zero).
         self.grad_span: tuple[int, int] | None = None
@@ -442,8 +445,16 @@ class TensorStage(StageWorker):
 
     def finish_backward(self) -> None:
         super().finish_backward()
-        if self.ties is not None and not self.weight_actions:
-            self.ties.after_backward(self._last_backward_count)
+        if not self.weight_actions:
+            self._gradients_complete(self._last_backward_count)
+
+    def _gradients_complete(self, microbatches: int) -> None:
+        """``microbatches`` more have all their gradients in the buffer: post the tied ones (a clone, before the
+        replicas' sum starts changing the buffer), then start that sum once they complete an update group."""
+        if self.ties is not None:
+            self.ties.after_backward(microbatches)
+        if self.gradient_sum is not None:
+            self.gradient_sum.after_backward(self.grad, microbatches)
 
     def compute_weight_gradients(self) -> None:
         if self._deferred and not self.weight_actions:
@@ -458,8 +469,7 @@ class TensorStage(StageWorker):
         if deferred is not None:
             self.mutated = True
             self._weight_gradients(*deferred)
-        if self.ties is not None:
-            self.ties.after_backward(1)  # this micro-batch's gradients are complete only now
+        self._gradients_complete(1)  # this micro-batch's gradients are complete only now
 
     def _weight_gradients(self, pending: PendingWeightGradients, weights: torch.Tensor | None) -> None:
         t0 = time.perf_counter()
@@ -504,6 +514,8 @@ class TensorStage(StageWorker):
                 self.mutated = self.ties.counts()[1] != applied  # a group was already summed: it cannot run again
                 raise
         self.mutated = True
+        if self.gradient_sum is not None:
+            self.gradient_sum.finish(self.grad)  # the replicas' sum, started when the group's backwards ended
         self.sync_ring()
         live_slot = self.ring.live_slot
         w = self.ring.slot(live_slot)
@@ -514,6 +526,9 @@ class TensorStage(StageWorker):
             self.clip.before_ties(self, info.index)
         if tied is not None:
             self.ties.write(tied)
+            if self.gradient_sum is not None:
+                for view in self.ties.views.values():
+                    self.gradient_sum.reduce(view)  # the owners' sum of this replica, summed over the replicas
         if self.clip is not None:
             # Every group, skipped or not: with one process per stage the norms are gathered from every rank.
             self.clip.apply(self, info.index)

@@ -229,23 +229,25 @@ def _deliver_at_exit(transport: "weakref.ref[DistributedTransport]") -> None:
 _Link = tuple[Kind, int]  # (kind of message, boundary b): F from stage b to b+1, B from b+1 to b
 
 
-def _link_groups(rank: int, placement: tuple[int, ...], timeout: datetime.timedelta
-                 ) -> dict[_Link, tuple[Any, int]]:
-    """This rank's links: ``(kind, boundary) -> (process group, the other rank's rank in it)``.
+def _link_groups(me: int, placement: tuple[int, ...], grid: tuple[tuple[int, ...], ...],
+                 timeout: datetime.timedelta) -> dict[_Link, tuple[Any, int]]:
+    """This process's links: ``(kind, boundary) -> (process group, the other process's rank in it)``.
 
-    Every rank creates every link's group, in the same order (``new_group`` is collective over the default
-    group, members or not); it keeps those it belongs to. Link ``(F, b)`` carries activations from stage ``b``
-    to ``b+1``, ``(B, b)`` gradients from ``b+1`` to ``b``; a boundary inside one rank has no link."""
+    Every process creates every link's group of every pipeline replica (``grid[i][r]``: the global rank of
+    pipeline rank ``r`` of replica ``i``), in the same order (``new_group`` is collective over the default group,
+    members or not); it keeps those it belongs to (``me``: its global rank). Link ``(F, b)`` carries activations
+    from stage ``b`` to ``b+1``, ``(B, b)`` gradients from ``b+1`` to ``b``; a boundary inside one rank has no link."""
     links: dict[_Link, tuple[Any, int]] = {}
-    for b in range(len(placement) - 1):
-        pair = placement[b], placement[b + 1]
-        if pair[0] == pair[1]:
-            continue
-        for kind in (F, B):
-            group = dist.new_group(sorted(pair), timeout=timeout)
-            if rank in pair:
-                other = pair[1] if rank == pair[0] else pair[0]
-                links[kind, b] = (group, dist.get_group_rank(group, other))
+    for row in grid:
+        for b in range(len(placement) - 1):
+            pair = row[placement[b]], row[placement[b + 1]]
+            if pair[0] == pair[1]:
+                continue
+            for kind in (F, B):
+                group = dist.new_group(sorted(pair), timeout=timeout)
+                if me in pair:
+                    other = pair[1] if me == pair[0] else pair[0]
+                    links[kind, b] = (group, dist.get_group_rank(group, other))
     return links
 
 
@@ -258,12 +260,17 @@ class DistributedTransport:
     """Sends and receives stage messages between neighbouring ranks, one two-rank process group per link."""
 
     def __init__(self, rank: int, num_stages: int, timeout: float = 30.0, device: torch.device | None = None,
-                 placement: tuple[int, ...] | None = None):
+                 placement: tuple[int, ...] | None = None, grid: tuple[tuple[int, ...], ...] | None = None,
+                 replica: int = 0):
         self.rank = rank
         self.num_stages = num_stages
         #: The rank of every stage (one stage per rank without it).
         self.placement = tuple(range(num_stages)) if placement is None else tuple(placement)
         self.num_ranks = max(self.placement) + 1
+        # With several replicas of the pipeline (data parallel): the global rank of each of their pipeline ranks.
+        # Ranks here (``rank``, message peers) are pipeline ranks within this replica.
+        self._grid = grid if grid is not None else (tuple(range(self.num_ranks)),)
+        self._global = self._grid[replica]
         #: The rank that runs the last stage: it computes the losses and publishes them.
         self.last_rank = self.placement[-1]
         self._local: dict[tuple[int, Kind, int], Message] = {}  # messages between two stages of this rank
@@ -272,7 +279,7 @@ class DistributedTransport:
         # The process groups' send/recv are called directly rather than through ``dist.isend``/``irecv``
         # (less Python per message); they take ranks within the group.
         self._world = dist.group.WORLD
-        self._links = _link_groups(rank, self.placement, self.timeout)
+        self._links = _link_groups(self._global[rank], self.placement, self._grid, self.timeout)
         # Per link: the size of the previous message, which the receiver's posted buffer has (sender and
         # receiver track it identically; before the first message, a bare header).
         self._sent_size: dict[_Link, int] = {link: _HEADER_BYTES for link in self._links}
@@ -363,7 +370,7 @@ class DistributedTransport:
         self._post_send(link, buffer, dst)
 
     def _post(self, buffer: torch.Tensor, dst: int, tag: int, link: _Link | None = None) -> _Sent:
-        group, peer = (self._world, dst) if link is None else self._links[link]
+        group, peer = (self._world, self._global[dst]) if link is None else self._links[link]
         try:
             with _C.RecordingOff():  # see _post_receive
                 return _Sent(group.send([buffer], peer, tag), buffer, dst)
@@ -574,7 +581,7 @@ class DistributedTransport:
         return buffer, self._post_receive(buffer, self._source(link), _TAG[link[0]], what, link)
 
     def _post_receive(self, buffer: torch.Tensor, src: int, tag: int, what: str, link: _Link | None = None) -> Any:
-        group, peer = (self._world, src) if link is None else self._links[link]
+        group, peer = (self._world, self._global[src]) if link is None else self._links[link]
         try:
             # Outside any profiler recording: a receive kept posted between steps completes whenever the
             # neighbour sends, maybe after the profiler stopped, and a profiler event ended then crashes torch

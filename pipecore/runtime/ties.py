@@ -356,24 +356,31 @@ class DistributedTiedGradients:
     """
 
     def __init__(self, ties: Mapping[str, Sequence[int]], rank: int, timeout: float = 30.0,
-                 device: torch.device | None = None, shapes: Mapping[str, Shape] | None = None):
+                 device: torch.device | None = None, shapes: Mapping[str, Shape] | None = None,
+                 grid: Sequence[Sequence[int]] | None = None, replica: int = 0):
         self.ties = _check_ties(ties)
         self.rank = rank
         self.timeout = datetime.timedelta(seconds=timeout)
         self.device = device or torch.device("cpu")
-        world = dist.get_world_size()
+        # With several replicas of the pipeline (data parallel), ranks here are pipeline ranks; grid[i][r] is the
+        # global rank of pipeline rank r of replica i, and every replica's owners exchange among themselves.
+        grid = [list(range(dist.get_world_size()))] if grid is None else [list(row) for row in grid]
+        world = len(grid[0])
         self._ties: dict[str, _Tie] = {}
         for name in sorted(self.ties):  # the same order on every rank, whatever order the dict has
             owners = self.ties[name]
             if owners[-1] >= world:
                 raise ValueError(f"tie {name!r}: owner {owners[-1]} is not a rank (world size {world})")
-            # One group per sending owner (see the module docstring), created by every rank in the same order.
-            groups = {sender: dist.new_group(list(owners), timeout=self.timeout) for sender in owners}
-            if rank in owners:
-                own = groups[rank]
-                peers = {o: dist.get_group_rank(own, o) for o in owners if o != rank}
-                sources = {o: (groups[o], dist.get_group_rank(groups[o], o)) for o in owners if o != rank}
-                self._ties[name] = _Tie(name, owners, own, peers, sources, owners.index(rank))
+            # One group per sending owner and replica (see the module docstring), created by every process in
+            # the same order.
+            for i, row in enumerate(grid):
+                members = [row[o] for o in owners]
+                groups = {sender: dist.new_group(members, timeout=self.timeout) for sender in owners}
+                if i == replica and rank in owners:
+                    own = groups[rank]
+                    peers = {o: dist.get_group_rank(own, row[o]) for o in owners if o != rank}
+                    sources = {o: (groups[o], dist.get_group_rank(groups[o], row[o])) for o in owners if o != rank}
+                    self._ties[name] = _Tie(name, owners, own, peers, sources, owners.index(rank))
         # Per (tie, other owner): the posted receive of its next message; sends not completed yet, in order;
         # how many of them were completed; how many messages were received; its gradients taken off the stream
         # and not reduced yet, by update group (taken by a reduce that then failed, kept by resync, or given

@@ -34,6 +34,17 @@ torch row trains an explicitly untied copy (``head.weight`` a clone of ``tok_emb
 without the tied-gradient exchange pipecore does. GPT ratios are to the GPT baselines
 (``gpt:single process (1 thread)``, plain training of the tied model with ``torch.optim.AdamW``, and
 ``gpt:Schedule1F1B``).
+
+Schedules with two stages per rank (``MODERN``: ``interleaved-1f1b``, ``looped-bfs``, ``zb-h1``, ``zb-v``,
+``dualpipe-v``), each beside torch's same-named schedule (``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``,
+``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``): the same MLP cut into
+``2 x --ranks`` chunks at Linear+ReLU pairs (8 chunks on 4 ranks: one pair each, the last with the head), the
+same batches, 8 micro-batches, momentum SGD stepped once per mini-batch. pipecore runs
+``Pipeline(model, 2 x ranks, algorithm, 8, stages_per_rank=2)``; the torch rows wrap each chunk's
+``nn.Sequential`` in a ``PipelineStage`` (stage ids ``r, r+R`` on rank ``r`` for the looped schedules,
+``r, 2R-1-r`` for the V ones, as pipecore places them) under one ``torch.optim.SGD(foreach=True)`` per rank.
+Their ``vs torch`` ratio is to that twin. Every row records its first step's loss (the same for every MLP
+row: same weights, same batch); a torch schedule that refuses the configuration is reported with its error.
 """
 
 from __future__ import annotations
@@ -57,6 +68,12 @@ BATCH, MICRO, WIDTH, DEPTH = 256, 8, 512, 8
 SINGLE = "single process (1 thread)"
 PIPECORE = ["1f1b", "gpipe", "2bw", "pipedream", "pipemare", "spectrain", "v-timeprest", "i-timeprest", "timeprest"]
 TORCH = ["ScheduleGPipe", "Schedule1F1B"]
+# Schedules with two stages per rank: pipecore's algorithm -> torch's same-named schedule (its "twin").
+MODERN = {"interleaved-1f1b": "ScheduleInterleaved1F1B", "looped-bfs": "ScheduleLoopedBFS",
+          "zb-h1": "ScheduleInterleavedZeroBubble", "zb-v": "ScheduleZBVZeroBubble", "dualpipe-v": "ScheduleDualPipeV"}
+MODERN_TORCH = {twin: algorithm for algorithm, twin in MODERN.items()}
+V_SHAPED = {"zb-v", "dualpipe-v"}  # rank r holds stages r and 2R-1-r (the others: r and r+R)
+STAGES_PER_RANK = 2
 VARIANTS = ["1f1b+split", "2bw+split", "2bw+slack", "pipedream+slack", "pipedream+accumulate"]
 VARIANT_SETTINGS = {"": {}, "split": {"split_backward": True}, "slack": {"slack": 1},
                     "accumulate": {"update_every": MICRO}}
@@ -88,6 +105,11 @@ def split_points(ranks: int) -> list[int]:
     return [2 * per * r for r in range(1, ranks)]
 
 
+def modern_stage_ids(algorithm: str, rank: int, world: int) -> list[int]:
+    """The stages rank ``rank`` holds under a two-stages-per-rank schedule: looped or V placement."""
+    return [rank, 2 * world - 1 - rank] if algorithm in V_SHAPED else [rank, rank + world]
+
+
 def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(BATCH, WIDTH, generator=g), torch.randint(0, 10, (BATCH,), generator=g)) for _ in range(steps)]
@@ -108,11 +130,18 @@ def _sequential_window(model: nn.Module, opt: torch.optim.Optimizer, loss_fn, ba
     def window(n: int) -> None:
         for i in range(n):
             x, y = batches[i % len(batches)]
+            total = 0.0
             for xs, ys in zip(x.chunk(MICRO), y.chunk(MICRO)):
-                (loss_fn(model(xs), ys) / MICRO).backward()
+                loss = loss_fn(model(xs), ys) / MICRO
+                loss.backward()
+                if window.losses is not None:
+                    total += loss.item()
             opt.step()
             opt.zero_grad()
+            if window.losses is not None:
+                window.losses.append(total)
 
+    window.losses = []  # type: ignore[attr-defined]  # mini-batch losses while not None (the warm-up's)
     return window
 
 
@@ -125,25 +154,39 @@ def torch_pipeline(system: str, rank: int, world: int, batches) -> Callable[[int
     stage = pipelining.PipelineStage(stage_module, rank, world, torch.device("cpu"))
     schedule = getattr(pipelining, system)(stage, n_microbatches=MICRO, loss_fn=nn.CrossEntropyLoss())
     opt = torch.optim.SGD(stage_module.parameters(), lr=0.01, momentum=0.9, foreach=True)
-    return _torch_window(schedule, opt, rank, world, batches)
+    return _torch_window(schedule, opt, rank == 0, rank == world - 1, batches)
 
 
-def _torch_window(schedule, opt: torch.optim.Optimizer, rank: int, world: int, batches) -> Callable[[int], None]:
-    """A window of ``n`` steps of a ``torch.distributed.pipelining`` schedule and its optimizer."""
-    first, last = rank == 0, rank == world - 1
+def torch_modern_pipeline(system: str, rank: int, world: int, batches) -> Callable[[int], None]:
+    """torch's schedule ``system`` over this rank's two chunks of the MLP (pipecore's cuts and placement), one
+    ``PipelineStage`` per chunk, one SGD over both. Raises what torch raises for a configuration it refuses."""
+    from torch.distributed import pipelining
+
+    model, chunks = make_model(), STAGES_PER_RANK * world
+    bounds = [0] + split_points(chunks) + [len(model)]
+    ids = modern_stage_ids(MODERN_TORCH[system], rank, world)
+    modules = [model[bounds[s]: bounds[s + 1]] for s in ids]
+    stages = [pipelining.PipelineStage(m, s, chunks, torch.device("cpu")) for m, s in zip(modules, ids)]
+    schedule = getattr(pipelining, system)(stages, n_microbatches=MICRO, loss_fn=nn.CrossEntropyLoss())
+    opt = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=0.01, momentum=0.9, foreach=True)
+    return _torch_window(schedule, opt, 0 in ids, chunks - 1 in ids, batches)
+
+
+def _torch_window(schedule, opt: torch.optim.Optimizer, first: bool, last: bool, batches) -> Callable[[int], None]:
+    """A window of ``n`` steps of a ``torch.distributed.pipelining`` schedule and its optimizer; ``first`` and
+    ``last``: whether this rank holds the first stage (reads the inputs) and the last (the targets)."""
 
     def window(n: int) -> None:
         for i in range(n):
             x, y = batches[i % len(batches)]
-            if first:
-                schedule.step(x)
-            elif last:
-                schedule.step(target=y)
-            else:
-                schedule.step()
+            losses = [] if last and window.losses is not None else None
+            schedule.step(*((x,) if first else ()), target=y if last else None, losses=losses)
             opt.step()
             opt.zero_grad()
+            if losses is not None:
+                window.losses.append(statistics.fmean(v.detach().item() for v in losses))
 
+    window.losses = []  # type: ignore[attr-defined]  # mini-batch losses while not None, on the last stage's rank
     return window
 
 
@@ -154,17 +197,35 @@ def pipecore_pipeline(system: str, rank: int, world: int, batches) -> Callable[[
     pipe = pipecore.Pipeline(make_model(), world, algorithm, MICRO, optimizer=pipecore.SGD(lr=0.01, momentum=0.9),
                              loss_fn=nn.CrossEntropyLoss(), partition=split_points(world), timeout=300,
                              **VARIANT_SETTINGS[variant])
-    return _pipecore_window(pipe, rank, world, batches)
+    return _pipecore_window(pipe, batches)
 
 
-def _pipecore_window(pipe, rank: int, world: int, batches) -> Callable[[int], None]:
-    first, last = rank == 0, rank == world - 1
+def pipecore_modern_pipeline(system: str, world: int, batches) -> Callable[[int], None]:
+    """pipecore's ``system`` over ``2 x world`` chunks of the MLP, two stages per rank."""
+    import pipecore
+
+    chunks = STAGES_PER_RANK * world
+    pipe = pipecore.Pipeline(make_model(), chunks, system, MICRO, optimizer=pipecore.SGD(lr=0.01, momentum=0.9),
+                             loss_fn=nn.CrossEntropyLoss(), partition=split_points(chunks), timeout=300,
+                             stages_per_rank=STAGES_PER_RANK)
+    expected = modern_stage_ids(system, pipe.rank, world)
+    if sorted(pipe.stages) != sorted(expected):
+        raise RuntimeError(f"{system}: rank {pipe.rank} holds stages {sorted(pipe.stages)}, the torch twin {expected}")
+    return _pipecore_window(pipe, batches)
+
+
+def _pipecore_window(pipe, batches) -> Callable[[int], None]:
+    first, last = pipe._owns(0), pipe._owns(pipe.num_stages - 1)
 
     def window(n: int) -> None:
         for i in range(n):
             x, y = batches[i % len(batches)]
-            pipe.step(x if first else None, y if last else None)
+            loss = pipe.step(x if first else None, y if last else None)
+            if window.losses is not None:
+                window.losses.append(loss)
         pipe.flush()
+
+    window.losses = []  # type: ignore[attr-defined]  # mini-batch losses while not None (the warm-up's)
 
     # Seconds this rank's stage has spent in forward, backward and update so far (the rest of a window is
     # messages, waiting and the engine's own work).
@@ -222,7 +283,7 @@ def gpt_torch_pipeline(rank: int, world: int, batches) -> Callable[[int], None]:
     stage = pipe.build_stage(rank, torch.device("cpu"))
     schedule = pipelining.Schedule1F1B(stage, n_microbatches=MICRO, loss_fn=lm_loss)
     opt = torch.optim.AdamW(stage.submod.parameters(), lr=GPT_LR, weight_decay=GPT_WEIGHT_DECAY, foreach=True)
-    return _torch_window(schedule, opt, rank, world, batches)
+    return _torch_window(schedule, opt, rank == 0, rank == world - 1, batches)
 
 
 def gpt_pipecore_pipeline(system: str, rank: int, world: int, batches) -> Callable[[int], None]:
@@ -231,7 +292,7 @@ def gpt_pipecore_pipeline(system: str, rank: int, world: int, batches) -> Callab
     pipe = pipecore.Pipeline(make_gpt(), world, system.removeprefix(GPT), MICRO,
                              optimizer=pipecore.AdamW(lr=GPT_LR, weight_decay=GPT_WEIGHT_DECAY), loss_fn=lm_loss,
                              partition=gpt_cuts(world), timeout=300)
-    return _pipecore_window(pipe, rank, world, batches)
+    return _pipecore_window(pipe, batches)
 
 
 def worker(systems: list[str], steps: int, gpt_steps: int, rounds: int) -> dict:
@@ -243,8 +304,25 @@ def worker(systems: list[str], steps: int, gpt_steps: int, rounds: int) -> dict:
     batches = data(steps)
     gpt_batches = gpt_data(gpt_steps) if any(s.startswith(GPT) for s in systems) else []
     windows: dict[str, Callable[[int], None]] = {}
+    refused: dict[str, str] = {}  # torch schedules that refused the configuration: their error
+    first_loss: dict[str, list[float] | None] = {}  # the warm-up steps' losses
     for system in systems:
-        if system == SINGLE:
+        if system in MODERN_TORCH:
+            # A refusal at construction is the same on every rank; agree before any rank steps.
+            try:
+                built: Callable[[int], None] | None = torch_modern_pipeline(system, rank, world, batches)
+                error = None
+            except Exception as exc:  # noqa: BLE001 - recorded in the report
+                built, error = None, f"{type(exc).__name__}: {exc}"
+            errors: list[str | None] = [None] * world
+            dist.all_gather_object(errors, error)
+            if any(errors):
+                refused[system] = next(e for e in errors if e)
+                continue
+            windows[system] = built  # type: ignore[assignment]
+        elif system in MODERN:
+            windows[system] = pipecore_modern_pipeline(system, world, batches)
+        elif system == SINGLE:
             windows[system] = single_process(rank, batches)
         elif system in TORCH:
             windows[system] = torch_pipeline(system, rank, world, batches)
@@ -257,7 +335,11 @@ def worker(systems: list[str], steps: int, gpt_steps: int, rounds: int) -> dict:
         else:
             windows[system] = pipecore_pipeline(system, rank, world, batches)
         windows[system](WARMUP_STEPS)
+        recorded = getattr(windows[system], "losses", None)
+        first_loss[system] = recorded or None
+        windows[system].losses = None  # type: ignore[attr-defined]  # stop recording: timed windows do not
         dist.barrier()
+    systems = [s for s in systems if s not in refused]
     seconds: dict[str, list[float]] = {s: [] for s in systems}
     compute: dict[str, dict[str, list[float]]] = {
         s: {"compute": [], "update": []} for s in systems if hasattr(windows[s], "compute_seconds")}
@@ -280,8 +362,12 @@ def worker(systems: list[str], steps: int, gpt_steps: int, rounds: int) -> dict:
     shares: list[dict[str, dict[str, float]]] = [{}] * world
     dist.all_gather_object(shares, {s: {part: statistics.median(v) for part, v in parts.items()}
                                     for s, parts in compute.items()})
+    # the warm-up steps' losses of every system, from whichever rank saw them (the last stage's, for torch)
+    seen: list[dict[str, list[float] | None]] = [{}] * world
+    dist.all_gather_object(seen, first_loss)
     dist.destroy_process_group()
-    return {"seconds": seconds,
+    return {"seconds": seconds, "refused": refused,
+            "warmup_losses": {s: next((r[s] for r in seen if r.get(s) is not None), None) for s in first_loss},
             **{f"{part}_share": {s: [shares[r][s][part] for r in range(world)] for s in compute}
                for part in ("compute", "update")}}
 
@@ -313,13 +399,22 @@ def summarize(measured: dict, steps: int, gpt_steps: int) -> list[dict]:
                      "samples_per_s": samples / statistics.median(times)}
         if gpt:
             row["tokens_per_s"] = row["samples_per_s"] * GPT_SIZES["block_size"]
-        for key, baseline in (("vs_single_process", SINGLE), ("vs_schedule_1f1b", "Schedule1F1B")):
-            per_round = ratios(system, GPT + baseline if gpt else baseline)
+        twin = MODERN.get(system, MODERN_TORCH.get(system))
+        row["torch_twin"] = twin if system in MODERN else None
+        row["stages_per_rank"] = STAGES_PER_RANK if twin else 1
+        for key, baseline in (("vs_single_process", SINGLE), ("vs_schedule_1f1b", "Schedule1F1B"),
+                              ("vs_torch_twin", MODERN.get(system))):
+            per_round = None if baseline is None else ratios(system, GPT + baseline if gpt else baseline)
             row[key] = None if per_round is None else statistics.median(per_round)
             row[key + "_range"] = None if per_round is None else [min(per_round), max(per_round)]
+        warmup = measured["warmup_losses"].get(system)
+        row["first_step_loss"] = warmup[0] if warmup else None
+        row["warmup_losses"] = warmup  # the losses of the untimed warm-up steps 1..3 (step 2 on: after updates)
         row["compute_share_per_rank"] = measured["compute_share"].get(system)
         row["update_share_per_rank"] = measured["update_share"].get(system)
         results.append(row)
+    for system, error in measured["refused"].items():
+        results.append({"system": system, "model": "mlp", "stages_per_rank": STAGES_PER_RANK, "refused": error})
     return results
 
 
@@ -331,7 +426,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9, help="timed windows per system, interleaved")
     parser.add_argument("--systems", default=",".join(TORCH + PIPECORE + VARIANTS + GPT_SYSTEMS),
                         help="comma-separated; the single-process baseline always runs (and the GPT one with any "
-                             f"GPT system, {','.join(GPT_SYSTEMS)})")
+                             f"GPT system, {','.join(GPT_SYSTEMS)}); two stages per rank, each beside its torch "
+                             f"twin: {','.join(f'{a},{t}' for a, t in MODERN.items())}")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline-cpu.json"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -341,10 +437,14 @@ def main() -> None:
     if DEPTH % args.ranks:
         raise SystemExit(f"--ranks must divide the model's {DEPTH} blocks, got {args.ranks}")
     chosen = [s for s in args.systems.split(",") if s and s not in (SINGLE, GPT_SINGLE)]
-    known = TORCH + PIPECORE + VARIANTS + GPT_SYSTEMS
+    known = TORCH + PIPECORE + VARIANTS + GPT_SYSTEMS + list(MODERN) + list(MODERN_TORCH)
     unknown = [s for s in chosen if s not in known]
     if unknown:
         raise SystemExit(f"unknown systems {unknown}; choose from {known}")
+    modern = [s for s in chosen if s in MODERN or s in MODERN_TORCH]
+    if modern and DEPTH % (STAGES_PER_RANK * args.ranks):
+        raise SystemExit(f"{modern} cut the model's {DEPTH} blocks into {STAGES_PER_RANK} x --ranks chunks: "
+                         f"--ranks must divide {DEPTH // STAGES_PER_RANK}, got {args.ranks}")
     if any(s.startswith(GPT) for s in chosen) and GPT_SIZES["n_layer"] % args.ranks:
         raise SystemExit(f"--ranks must divide the GPT's {GPT_SIZES['n_layer']} blocks, got {args.ranks}")
     mlp, gpt = [s for s in chosen if not s.startswith(GPT)], [s for s in chosen if s.startswith(GPT)]
@@ -362,16 +462,32 @@ def main() -> None:
             continue
         if title:
             print(f"\n{title}\n{TORCH_TIE}")
-        print(f"{'system':<32}{'samples/s':>10}{'vs 1 process':>26}{'vs Schedule1F1B':>26}  compute share per rank "
-              "(of which updates)")
+        keys = ["vs_single_process", "vs_schedule_1f1b"]
+        if any(r.get("stages_per_rank", 1) > 1 for r in rows):
+            keys.append("vs_torch_twin")
+        heads = {"vs_single_process": "vs 1 process", "vs_schedule_1f1b": "vs Schedule1F1B",
+                 "vs_torch_twin": "vs torch twin"}
+        print(f"{'system':<32}{'samples/s':>10}{''.join(f'{heads[k]:>26}' for k in keys)}  first loss  compute share "
+              "per rank (of which updates)")
         for r in rows:
+            if "refused" in r:
+                print(f"{r['system']:<32} refused: {r['refused']}")
+                continue
             cells = []
-            for key in ("vs_single_process", "vs_schedule_1f1b"):
+            for key in keys:
                 cells.append("-" if r[key] is None else
                              f"{r[key]:.2f}x [{r[key + '_range'][0]:.2f}, {r[key + '_range'][1]:.2f}]")
             share = " ".join(f"{x:.0%} ({u:.0%})" for x, u in zip(r["compute_share_per_rank"] or [],
                                                                  r["update_share_per_rank"] or []))
-            print(f"{r['system']:<32}{r['samples_per_s']:>10.1f}{cells[0]:>26}{cells[1]:>26}  {share}")
+            loss = "-" if r["first_step_loss"] is None else f"{r['first_step_loss']:.6f}"
+            print(f"{r['system']:<32}{r['samples_per_s']:>10.1f}{''.join(f'{c:>26}' for c in cells)}  {loss:>10}  "
+                  f"{share}")
+        same = [r["warmup_losses"] for r in rows
+                if r.get("warmup_losses") and (r["system"] in MODERN or r["system"] in MODERN_TORCH)]
+        if same:
+            spread = [max(ls[i] for ls in same) - min(ls[i] for ls in same) for i in range(min(map(len, same)))]
+            print("two-stages-per-rank rows, warm-up losses (steps 1..): largest difference between rows "
+                  + ", ".join(f"{d:.1e}" for d in spread))
     report = {
         "benchmark": "pipeline", "device": "cpu", "backend": "gloo", "dtype": "float32",
         "machine": machine(),
@@ -390,6 +506,18 @@ def main() -> None:
                 "torch_tied_weights": TORCH_TIE, "torch_row_untied": True,
                 "baselines": "GPT rows' vs_single_process and vs_schedule_1f1b are to gpt:single process (1 thread) "
                              "and gpt:Schedule1F1B"} if any(r["model"] == "gpt" for r in results) else None,
+        "two_stages_per_rank": {
+            "chunks": STAGES_PER_RANK * args.ranks, "stages_per_rank": STAGES_PER_RANK,
+            "split_at": split_points(STAGES_PER_RANK * args.ranks),
+            "placement": {a: {r: modern_stage_ids(a, r, args.ranks) for r in range(args.ranks)} for a in MODERN},
+            "torch_twins": MODERN,
+            "torch_stages": "one torch.distributed.pipelining.PipelineStage per chunk (the same nn.Sequential slices "
+                            "as pipecore's cuts), one torch.optim.SGD(lr=0.01, momentum=0.9, foreach=True) per rank",
+            "pipecore": "pipecore.Pipeline(model, chunks, algorithm, 8, optimizer=pipecore.SGD(lr=0.01, momentum=0.9), "
+                        "stages_per_rank=2)",
+            "vs_torch_twin": "per round, the twin's window seconds / this system's (above 1: pipecore faster)",
+            "torch_refused": {r["system"]: r["refused"] for r in results if "refused" in r},
+        } if any(r.get("stages_per_rank", 1) > 1 for r in results) else None,
         "method": "systems interleaved in the same processes; ratios are medians of per-round ratios",
         "results": results,
     }

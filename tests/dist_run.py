@@ -370,6 +370,48 @@ def main() -> None:
             losses = train(pipe, data, pipe._owns(0), pipe._owns(stages - 1))
             torch.save({"losses": losses, "state": pipe.state_dict(), "replica": pipe.replica},
                        os.path.join(out, f"dp-{algorithm}-{rank}.pt"))
+    elif mode == "dp-features":
+        # Data x pipeline parallelism, 2 x 2: global-norm clipping; each replica's own shard (local=True); a
+        # DeviceMesh; a checkpoint that replica 0 writes.
+        record: dict = {}
+        data = dp_batches(STEPS)
+        first_stage, last_stage = rank % 2 == 0, rank % 2 == 1
+        pipe = make_pipeline(2, "1f1b", timeout=60, data_parallel=2, clip_grad_norm=CLIP)
+        record["clip"] = (train(pipe, data, first_stage, last_stage), pipe.state_dict())
+        pipe.close()
+        pipe = make_pipeline(2, "1f1b", timeout=60, data_parallel=2)
+        losses = []
+        for x, y in data:
+            x, y = torch.tensor_split(x, 2)[pipe.replica], torch.tensor_split(y, 2)[pipe.replica]
+            losses.append(pipe.step(x if first_stage else None, y if last_stage else None, local=True))
+        pipe.flush()
+        record["local"] = (losses, pipe.state_dict())
+        checkpoint.save(pipe, os.path.join(out, "ckpt"))
+        record["saved"] = pipe.state_dict()
+        pipe.close()
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+        pipe = make_pipeline(2, "1f1b", timeout=60, mesh=mesh)
+        record["mesh"] = (train(pipe, data, first_stage, last_stage), pipe.state_dict(), pipe.replica, pipe.rank)
+        torch.save(record, os.path.join(out, f"dp-features-{rank}.pt"))
+    elif mode == "dp-die":
+        # A replica's rank dies mid-run: the other ranks name what failed within the timeout.
+        timeout = float(sys.argv[3])
+        pipe = make_pipeline(2, "1f1b", timeout=timeout, data_parallel=2)
+        data = dp_batches(STEPS)
+        first_stage, last_stage = rank % 2 == 0, rank % 2 == 1
+        if rank == 3:
+            pipe.step(None, data[0][1])
+            os._exit(0)
+        start = time.monotonic()
+        try:
+            for x, y in data:
+                pipe.step(x if first_stage else None, y if last_stage else None)
+            pipe.flush()
+        except pipecore.PeerError as exc:
+            with open(os.path.join(out, f"error-{rank}.txt"), "w") as f:
+                f.write(f"{time.monotonic() - start:.3f}\n{exc}")
     elif mode == "uneven":
         for algorithm in sys.argv[3].split(","):
             pipe = make_pipeline(world, algorithm, timeout=60)

@@ -608,3 +608,93 @@ def test_a_world_size_that_is_not_the_number_of_ranks_is_refused(tmp_path):
         assert r.returncode != 0
         assert "the process group has 2 ranks but num_stages=8 needs 4" in r.stdout, r.stdout
         assert "one process per rank (2 stages each)" in r.stdout, r.stdout
+
+
+# --------------------------------------------------------------------------- data x pipeline parallelism
+
+DP_ALGORITHMS = ["gpipe", "1f1b", "pipedream", "2bw", "pipemare", "spectrain", "timeprest", "v-timeprest",
+                 "i-timeprest"]
+
+
+def one_process_on_the_global_batch(stages: int, algorithm: str, replicas: int, **kwargs):
+    """The reference: one process training the global mini-batches, each reordered so that its micro-batch k
+    holds every replica's micro-batch k (what an algorithm that updates per micro-batch sees under data
+    parallelism)."""
+    if algorithm == "gpt":
+        pipe = dist_run.make_gpt_pipeline(stages, "1f1b", **kwargs)
+        data = dist_run.dp_gpt_batches(dist_run.STEPS)
+    else:
+        pipe = dist_run.make_pipeline(stages, algorithm, **kwargs)
+        data = dist_run.dp_batches(dist_run.STEPS)
+    m = pipe.n_microbatches
+    data = [(dist_run.as_one_process(x, replicas, m), dist_run.as_one_process(y, replicas, m)) for x, y in data]
+    return dist_run.train(pipe, data, True, True), pipe.state_dict()
+
+
+def assert_close_to(got_losses, got_state, losses, state, where) -> None:
+    torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(losses), rtol=0, atol=1e-12, msg=str(where))
+    for key, value in got_state.items():
+        if key != "pipecore":
+            torch.testing.assert_close(value, state[key], rtol=0, atol=1e-12, msg=f"{where}: {key}")
+
+
+@pytest.mark.parametrize("world,stages,algorithms", [
+    (4, 2, DP_ALGORITHMS + ["gpt"]),
+    (8, 4, ["1f1b", "2bw", "gpt"]),
+])
+def test_data_parallel_replicas_equal_one_process_on_the_global_batch(world, stages, algorithms, tmp_path):
+    """W = world / stages replicas of the pipeline, each reading its share of every mini-batch: every rank ends
+    with the losses and weights of one process training the global mini-batches (within rounding: the
+    replicas' gradients are summed in another order), the GPT's tied head included."""
+    _check_ok(launch(world, "dp", str(tmp_path), ",".join(algorithms), str(stages), timeout=600))
+    with one_torch_thread():
+        for algorithm in algorithms:
+            losses, state = one_process_on_the_global_batch(stages, algorithm, world // stages)
+            replicas = set()
+            for rank in range(world):
+                got = torch.load(tmp_path / f"dp-{algorithm}-{rank}.pt", weights_only=False)
+                replicas.add(got["replica"])
+                assert_close_to(got["losses"], got["state"], losses, state, (algorithm, rank))
+            assert replicas == set(range(world // stages))
+
+
+def test_data_parallel_clipping_local_shards_mesh_and_checkpoints(tmp_path):
+    _check_ok(launch(4, "dp-features", str(tmp_path), timeout=400))
+    with one_torch_thread():
+        clipped = one_process_on_the_global_batch(2, "1f1b", 2, clip_grad_norm=dist_run.CLIP)
+        plain = one_process_on_the_global_batch(2, "1f1b", 2)
+        for rank in range(4):
+            record = torch.load(tmp_path / f"dp-features-{rank}.pt", weights_only=False)
+            assert_close_to(*record["clip"], *clipped, ("clip", rank))       # the global norm over both dimensions
+            assert_close_to(*record["local"], *plain, ("local", rank))      # step(shard, local=True)
+            losses, state, replica, pipeline_rank = record["mesh"]
+            assert (replica, pipeline_rank) == (rank // 2, rank % 2)        # the mesh's row-major layout
+            assert_close_to(losses, state, *plain, ("mesh", rank))
+        # Replica 0 wrote the checkpoint; it loads into one process (and so with any other number of replicas).
+        one = dist_run.make_pipeline(2, "1f1b")
+        pipecore.checkpoint.load(one, tmp_path / "ckpt")
+        saved = {**torch.load(tmp_path / "dp-features-0.pt", weights_only=False)["saved"],
+                 **torch.load(tmp_path / "dp-features-1.pt", weights_only=False)["saved"]}
+        for key, value in one.state_dict().items():
+            if key != "pipecore":
+                assert torch.equal(value, saved[key]), key
+
+
+def test_a_dead_replica_is_reported_within_the_timeout(tmp_path):
+    timeout = 5.0
+    start = time.monotonic()
+    launch(4, "dp-die", str(tmp_path), str(timeout), timeout=120)
+    for rank in (0, 1, 2):
+        elapsed, message = (tmp_path / f"error-{rank}.txt").read_text().split("\n", 1)
+        assert float(elapsed) < timeout + 15, (rank, elapsed)
+        # Its pipeline neighbour names the rank that died; the other replica names the sum it waited for.
+        assert "rank 1" in message or "replica" in message, message
+    assert time.monotonic() - start < 120
+
+
+def test_a_world_size_the_replicas_do_not_divide_is_refused(tmp_path):
+    results = launch(3, "dp", str(tmp_path), "1f1b", "2", timeout=120)
+    for r in results:
+        assert r.returncode != 0
+        assert "the process group has 3 ranks but num_stages=2 needs 2 x data_parallel=1" in r.stdout or \
+            "the process group has 3 ranks but num_stages=2 needs 2" in r.stdout, r.stdout

@@ -203,10 +203,19 @@ def shard(batch: Any, topology: Topology) -> Any:
                     "tensors (or pass each replica its own shard with step(..., local=True))")
 
 
-def sum_over(group: Any, values: Sequence[float], device: torch.device) -> list[float]:
-    """``values`` summed over ``group`` (float64 on ``device``, a GPU for NCCL: a loss, a sample count)."""
+def sum_over(group: Any, values: Sequence[float], device: torch.device, what: str = "a sum over the replicas"
+             ) -> list[float]:
+    """``values`` summed over ``group`` (float64 on ``device``, a GPU for NCCL: a loss, a sample count). A member
+    that died or stopped answering within the group's timeout raises :class:`~pipecore.PeerError`."""
     import torch.distributed as dist
 
     tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, group=group)
+    try:
+        dist.all_reduce(tensor, group=group)
+    except RuntimeError as exc:
+        from ..runtime.distributed import PeerError
+
+        members = dist.get_process_group_ranks(group)
+        raise PeerError(f"rank {dist.get_rank()}: {what} over ranks {members} failed ({str(exc).splitlines()[0]}); "
+                        "one of them died or stopped answering within the timeout") from exc
     return tensor.tolist()

@@ -455,8 +455,8 @@ class Pipeline:
                 sizes, samples = weights
                 self._minibatch_loss[j] = math.fsum(n * loss for n, loss in zip(sizes, losses)) / samples
                 if self.data_parallel > 1:
-                    self._minibatch_loss[j] = sum_over(self._dp_group, [self._minibatch_loss[j]],
-                                                       self.devices[s])[0]
+                    self._minibatch_loss[j] = sum_over(self._dp_group, [self._minibatch_loss[j]], self.devices[s],
+                                                       f"the loss of mini-batch {j}")[0]
             if self.rank is not None:
                 self._transport.publish_loss(j, self._minibatch_loss[j])
         # _Tally.add, inline: this runs once per action.
@@ -517,7 +517,8 @@ class Pipeline:
                 inputs = shard(inputs, self.topology) if inputs is not None else None
                 y = shard(y, self.topology) if last_stage else None
             elif last_stage:  # this replica's own shard: the global count is the sum over the replicas
-                global_samples = int(sum_over(self._dp_group, [_samples(y)], self.devices[self.num_stages - 1])[0])
+                global_samples = int(sum_over(self._dp_group, [_samples(y)], self.devices[self.num_stages - 1],
+                                              "the mini-batch's sample count")[0])
         x_chunks = split_batch(dict(zip(self.captured.input_names, inputs)), m, "x") if inputs is not None else None
         y_chunks = split_batch(y, m, "y") if last_stage else None
         if x_chunks is not None and y_chunks is not None and x_chunks.samples != y_chunks.samples:

@@ -1,7 +1,10 @@
 """Point-to-point transport over ``torch.distributed`` (gloo on CPU, NCCL on GPU): one process per rank.
 
 Rank ``s`` runs stage ``s``, or with several stages per rank the stages ``placement`` gives it (looped:
-``r, r+R, ...``; V: ``r`` and ``2R-1-r``). Messages between two stages of one rank stay in the process. A message's payload is ``None``, one tensor, or a tuple whose entries are tensors
+``r, r+R, ...``; V: ``r`` and ``2R-1-r``). Messages between two stages of one rank stay in the process. With
+several replicas of the pipeline (data parallel), ranks here are pipeline ranks within this process's replica.
+
+A message's payload is ``None``, one tensor, or a tuple whose entries are tensors
 or ``None`` (a stage with several boundary tensors; an integer tensor's gradient is ``None``). The receiver
 gets back the same structure, with each tensor's dtype and shape, so activations whose shape changes between
 steps need no configuration.
@@ -306,6 +309,12 @@ class DistributedTransport:
         # before the process exits, rather than lost.
         atexit.register(_deliver_at_exit, weakref.ref(self))
 
+    def _name(self, rank: int) -> str:
+        """How messages name a pipeline rank: ``rank r``, or with several replicas its global rank and place."""
+        if len(self._grid) == 1:
+            return f"rank {rank}"
+        return f"rank {self._global[rank]} (replica {self._grid.index(self._global)}, pipeline rank {rank})"
+
     def _peer(self, stage: int, kind: Kind) -> int:
         """The rank that sends ``stage`` the messages of its ``kind`` actions."""
         return self.placement[stage - 1 if kind is F else stage + 1]
@@ -396,8 +405,8 @@ class DistributedTransport:
             self._acknowledged[link] += 1
 
     def _send_failed(self, dst: int, exc: BaseException) -> PeerError:
-        return PeerError(f"rank {self.rank}: sending to rank {dst} failed ({_first_line(exc)}); "
-                         f"rank {dst} died or stopped answering (timeout {self.timeout.total_seconds():g} s)")
+        return PeerError(f"{self._name(self.rank)}: sending to {self._name(dst)} failed ({_first_line(exc)}); "
+                         f"{self._name(dst)} died or stopped answering (timeout {self.timeout.total_seconds():g} s)")
 
     def wait_sends(self) -> None:
         """Complete every posted send (before a flush ends or the process exits); raises :class:`PeerError`
@@ -542,7 +551,7 @@ class DistributedTransport:
         if failure is not None:
             raise PeerError.reported(self.rank, last, failure)
         if got != minibatch:
-            raise PeerError(f"rank {self.rank} expected the loss of mini-batch {minibatch} but rank "
+            raise PeerError(f"{self._name(self.rank)} expected the loss of mini-batch {minibatch} but rank "
                             f"{last} sent the loss of mini-batch {int(got)}: the ranks are out of step")
         return loss
 
@@ -589,8 +598,8 @@ class DistributedTransport:
             with _C.RecordingOff():
                 return group.recv([buffer], peer, tag)
         except RuntimeError as exc:
-            raise PeerError(f"rank {self.rank}: could not post the receive of {what} from rank {src} "
-                            f"({_first_line(exc)}); rank {src} died or stopped answering") from exc
+            raise PeerError(f"{self._name(self.rank)}: could not post the receive of {what} from {self._name(src)} "
+                            f"({_first_line(exc)}); {self._name(src)} died or stopped answering") from exc
 
     def ready(self, stage: int, kind: Kind, microbatch: int) -> bool:
         return True  # receive blocks (with a timeout) until the message is there
@@ -607,7 +616,8 @@ class DistributedTransport:
         if src == self.rank:
             local = self._local.pop((stage, kind, microbatch), None)
             if local is None:  # the rank's own order runs the sender first: a schedule that does not is invalid
-                raise PeerError(f"rank {self.rank}: stage {stage} expected its {'activation' if kind is F else 'gradient'}"
+                raise PeerError(f"{self._name(self.rank)}: stage {stage} expected its "
+                                f"{'activation' if kind is F else 'gradient'}"
                                 f" of micro-batch {microbatch} from a stage of the same rank, which has not sent it")
             return local
         what = f"the {'activation' if kind is F else 'gradient'} of micro-batch {microbatch}"
@@ -619,7 +629,8 @@ class DistributedTransport:
             raise self._failure_reported(buffer, tail, src)
         if (header[_KIND], header[_MICROBATCH]) != (_KIND_CODE[kind], microbatch):
             raise PeerError(
-                f"rank {self.rank} expected {what} from rank {src} but received kind {header[_KIND]} of micro-batch "
+                f"{self._name(self.rank)} expected {what} from {self._name(src)} but received kind {header[_KIND]} "
+                f"of micro-batch "
                 f"{header[_MICROBATCH]}: the ranks run different schedules (same algorithm, stages and "
                 "micro-batches everywhere?)"
             )
@@ -639,7 +650,8 @@ class DistributedTransport:
         if header[_ANNOUNCE] == 1:  # the posted buffer held the announcement; the message follows at its size
             size = header[_SIZE]
             if size < _HEADER_BYTES or size % 8:
-                raise PeerError(f"rank {self.rank}: rank {src} announced a message of {size} bytes for {what}")
+                raise PeerError(f"{self._name(self.rank)}: {self._name(src)} announced a message of {size} bytes "
+                                f"for {what}")
             announced = (header[_KIND], header[_MICROBATCH])
             buffer, work = self._irecv(size, link)
             self._wait(work, what, src)
@@ -647,11 +659,14 @@ class DistributedTransport:
             self._recv_size[link] = size
             tail = _tail(buffer)
             header = tail[-_HEADER:]
-            if header[_ANNOUNCE] == 1 or header[_SIZE] != buffer.numel() or (header[_KIND], header[_MICROBATCH]) != announced:
-                raise PeerError(f"rank {self.rank}: the message from rank {src} for {what} does not match the buffer "
+            if (header[_ANNOUNCE] == 1 or header[_SIZE] != buffer.numel()
+                    or (header[_KIND], header[_MICROBATCH]) != announced):
+                raise PeerError(f"{self._name(self.rank)}: the message from {self._name(src)} for {what} does not "
+                                f"match the buffer "
                                 f"({buffer.numel()} bytes) or the announcement before it: the ranks are out of step")
         elif header[_SIZE] != buffer.numel():
-            raise PeerError(f"rank {self.rank}: the message from rank {src} for {what} does not match the buffer "
+            raise PeerError(f"{self._name(self.rank)}: the message from {self._name(src)} for {what} does not match "
+                            f"the buffer "
                             f"({buffer.numel()} bytes): the ranks are out of step")
         return buffer, tail, header
 
@@ -661,7 +676,7 @@ class DistributedTransport:
         try:
             payload = _unpack(buffer, tail)
         except (IndexError, ValueError, RuntimeError) as exc:
-            raise PeerError(f"rank {self.rank}: the message from rank {self._source(link)} for {what} is "
+            raise PeerError(f"{self._name(self.rank)}: the message from {self._name(self._source(link))} for {what} is "
                             f"malformed ({_first_line(exc)})") from exc
         self._post_next(link)  # the link's next message: later in this step, or in the next one
         self._acknowledge((_REVERSE[link[0]], link[1]), header[_ACK])
@@ -719,9 +734,11 @@ class DistributedTransport:
             ok = work.wait(self.timeout)
         except RuntimeError as exc:
             raise PeerError(
-                f"rank {self.rank}: rank {peer} failed while {what} was expected ({exc.__class__.__name__}: "
+                f"{self._name(self.rank)}: {self._name(peer)} failed while {what} was expected "
+                f"({exc.__class__.__name__}: "
                 f"{_first_line(exc)}); it died or stopped answering (timeout {self.timeout.total_seconds():g} s)"
             ) from exc
         if ok is False:
-            raise PeerError(f"rank {self.rank}: no answer from rank {peer} within {self.timeout.total_seconds():g} s "
+            raise PeerError(f"{self._name(self.rank)}: no answer from {self._name(peer)} within "
+                            f"{self.timeout.total_seconds():g} s "
                             f"while waiting for {what}")

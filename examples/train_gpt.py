@@ -36,7 +36,7 @@ def main() -> None:
     pipe = pipecore.Pipeline(model, STAGES, "1f1b", MICROBATCHES, optimizer=pipecore.AdamW(lr=1e-3),
                              loss_fn=lm_loss, partition=["blocks.1", "blocks.2", "blocks.3"],
                              threads_per_stage=args.threads)
-    rank = pipe.rank or 0
+    rank = pipe.process_rank or 0
     if rank == 0:
         print(pipe)
     g = torch.Generator().manual_seed(1)

@@ -34,7 +34,7 @@ def main(steps: int = 150) -> float:
     x, y = batches(data.train, BLOCK, 32, g)
     pipe = pipecore.Pipeline(model, STAGES, "1f1b", MICROBATCHES, optimizer=pipecore.AdamW(lr=1e-3),
                              loss_fn=lm_loss, example_input={"input_ids": x})
-    rank = pipe.rank or 0
+    rank = pipe.process_rank or 0
     if rank == 0:
         print(pipe)
     loss = float("nan")

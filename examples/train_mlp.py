@@ -32,7 +32,7 @@ def main() -> None:
     # makes the data: torch's default team of intra-op threads for it would spin between its tiny ops on
     # the very cores the stage threads compute on.
     torch.set_num_threads(1)
-    rank = pipe.rank or 0
+    rank = pipe.process_rank or 0
     g = torch.Generator().manual_seed(1)
     w = torch.randn(32, 4, generator=g)
     for step in range(300):

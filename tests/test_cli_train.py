@@ -293,8 +293,11 @@ def test_under_torchrun_the_stages_must_match_the_processes(capsys: pytest.Captu
     monkeypatch.setenv("WORLD_SIZE", "2")
     code, _, err = train(capsys, "--stages", "4", "--epochs", "1")
     assert code == 2 and err.strip() == (
-        "pipecore train: error: --stages 4 but torchrun started 2 processes: pipecore runs one process per stage; "
-        "pass --stages 2 or --nproc-per-node 4")
+        "pipecore train: error: --stages 4 but torchrun started 2 processes: pipecore runs one process per stage "
+        "of each replica of the pipeline, so the processes must be a multiple of 4; pass --nproc-per-node 4 (or a "
+        "multiple, with --data-parallel)")
+    code, _, err = train(capsys, "--stages", "2", "--data-parallel", "2", "--epochs", "1")
+    assert code == 2 and "--stages 2 and --data-parallel 2 need 4 processes but torchrun started 2" in err
 
 
 def test_under_torchrun_the_stages_default_to_the_processes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -530,7 +533,7 @@ def test_gpt_under_torchrun_matches_one_process(capsys: pytest.CaptureFixture[st
                          timeout=240)
     assert run.returncode == 0, run.stdout + run.stderr
     ranks = run.stdout
-    assert ranks.count("epoch      loss  test loss") == 1 and "one process per stage: 2 ranks (gloo)" in ranks, ranks
+    assert ranks.count("epoch      loss  test loss") == 1 and "one process per rank: 2 ranks (gloo)" in ranks, ranks
     assert [line[:4] for line in gpt_epochs_of(ranks)] == [line[:4] for line in gpt_epochs_of(alone)]
     assert final_perplexity(ranks) == final_perplexity(alone)
     a, b = load(tmp_path / "alone.pt"), load(tmp_path / "ranks.pt")
@@ -561,3 +564,21 @@ def test_stages_per_rank_is_refused_where_it_does_not_apply(capsys: pytest.Captu
     assert code != 0
     assert "torchrun started 3 processes: pipecore runs one process per rank (2 stages each)" in err
     assert "--nproc-per-node 2" in err
+
+
+def test_data_parallel_under_torchrun_matches_one_process(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """4 processes, --stages 2: two replicas of a 2-stage pipeline (--data-parallel 2 inferred), each training on
+    half of every mini-batch; with 1f1b (an update per mini-batch) the run reports what one process reports."""
+    args = ["--algorithm", "1f1b", "--stages", "2", "--epochs", "1", *SMALL]
+    code, alone, err = train(capsys, *args)
+    assert code == 0, err
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+           and not k.startswith("TORCHELASTIC")}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                          "-m", "pipecore", "train", *args], cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "one process per rank: 2 ranks x 2 replicas (gloo)" in run.stdout, run.stdout
+    assert [e[:3] for e in epochs_of(run.stdout)] == [e[:3] for e in epochs_of(alone)]
+    assert final_accuracy(run.stdout) == final_accuracy(alone)

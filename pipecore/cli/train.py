@@ -152,6 +152,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stages (model chunks) per rank, for interleaved-1f1b, looped-bfs and zb-h1 (default 1; "
                              "zb-v and dualpipe-v always run 2): a rank is a worker thread, or a process under "
                              "torchrun, where --stages defaults to V x the number of processes")
+    parser.add_argument("--data-parallel", type=positive_int, metavar="W",
+                        help="under torchrun: W replicas of the pipeline, each reading 1/W of every mini-batch "
+                             "(default: the processes over the pipeline's ranks, when --stages is given; 1 otherwise)")
     parser.add_argument("-m", "--microbatches", type=positive_int, default=4, metavar="M",
                         help="micro-batches per mini-batch (default 4)")
     parser.add_argument("-b", "--batch-size", type=positive_int, metavar="N",
@@ -539,10 +542,14 @@ def _resolve_defaults(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} applies to {takers}, not --model {args.model}")
         setattr(args, flag, given if given is not None else per_model.get(args.model))
     if args.stages is None:
-        # Under torchrun one process runs each rank: the number of processes times the stages each runs.
+        # Under torchrun one process runs each rank of each replica: the processes over the replicas, times the
+        # stages each runs.
         world = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
         per_rank = _stages_per_rank(args)
-        args.stages = world * per_rank if world > 1 else max(DEFAULT_STAGES, per_rank)
+        replicas = args.data_parallel or 1
+        if world > 1 and world % replicas:
+            raise ValueError(f"--data-parallel {replicas} does not divide the {world} processes torchrun started")
+        args.stages = world // replicas * per_rank if world > 1 else max(DEFAULT_STAGES, per_rank)
     args.optimizer = args.optimizer or DEFAULT_OPTIMIZER[args.model]
     args.batch_size = args.batch_size or DEFAULT_BATCH_SIZE[args.model]
     args.epochs = args.epochs or DEFAULT_EPOCHS[args.model]
@@ -820,11 +827,23 @@ def _train(args: argparse.Namespace, interrupts: Interrupts | None = None, given
                              f"{options['stages_per_rank']} disagree; give one of them")
         options["stages_per_rank"] = per_rank
     processes = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
-    if processes > 1 and processes * per_rank != args.stages:
+    ranks = max(1, args.stages // per_rank)  # processes per replica of the pipeline
+    if processes > 1 and args.data_parallel is None:
+        if processes % ranks:
+            what = "stage" if per_rank == 1 else f"rank ({per_rank} stages each)"
+            raise ValueError(f"--stages {args.stages} but torchrun started {processes} processes: pipecore runs one "
+                             f"process per {what} of each replica of the pipeline, so the processes must be a "
+                             f"multiple of {ranks}; pass --nproc-per-node {ranks} (or a multiple, with --data-parallel)")
+        args.data_parallel = processes // ranks
+    replicas = args.data_parallel or 1
+    if processes == 1 and replicas > 1:
+        raise ValueError(f"--data-parallel {replicas} runs {replicas} replicas of the pipeline, one process per rank of "
+                         f"each: launch with torchrun --nproc-per-node {replicas * ranks}")
+    if processes > 1 and processes != replicas * ranks:
         what = "stage" if per_rank == 1 else f"rank ({per_rank} stages each)"
-        raise ValueError(f"--stages {args.stages} but torchrun started {processes} processes: pipecore runs one process "
-                         f"per {what}; pass --stages {processes * per_rank} or --nproc-per-node "
-                         f"{max(1, args.stages // per_rank)}")
+        raise ValueError(f"--stages {args.stages} and --data-parallel {replicas} need {replicas * ranks} processes but "
+                         f"torchrun started {processes}: pipecore runs one process per {what} of each replica; pass "
+                         f"--nproc-per-node {replicas * ranks}")
     device = train_device(args.device)
 
     task = _TextTask(args) if args.model == "gpt" else _DigitsTask(args)
@@ -876,7 +895,7 @@ def _train(args: argparse.Namespace, interrupts: Interrupts | None = None, given
         pipe = pipecore.Pipeline(
             model, args.stages, algorithm=args.algorithm, n_microbatches=args.microbatches,
             optimizer=_optimizer(args.optimizer, args.lr), loss_fn=task.loss_fn,
-            partition=task.partition(model), **options,
+            partition=task.partition(model), data_parallel=replicas if replicas > 1 else None, **options,
         )
     except ValueError as error:
         if "larger than the number of modules" in str(error):
@@ -1000,7 +1019,7 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
 
     # With one process per stage (under torchrun) every rank trains its stage and takes part in the evaluation
     # (pipe.predict); rank 0 alone prints and writes.
-    leader = pipe.rank in (None, 0)
+    leader = pipe.process_rank in (None, 0)
     say = print if leader else _quiet
     for flag, path in (("--save", args.save), ("--plot", args.plot)):
         # Fail before training, not after it.
@@ -1048,7 +1067,9 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
         else:
             say(f"resumed from {args.resume} at epoch {start_epoch}")
     if pipe.rank is not None:
-        say(f"one process per stage: {args.stages} ranks ({torch.distributed.get_backend()}); rank 0 reports")
+        replicas = f" x {pipe.data_parallel} replicas" if pipe.data_parallel > 1 else ""
+        say(f"one process per rank: {pipe.num_ranks} ranks{replicas} ({torch.distributed.get_backend()}); rank 0 "
+            "reports")
     say()
     say(task.header)
     for h in history:
@@ -1057,7 +1078,7 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
     hide_bar = True if args.no_progress or not leader else None  # None: tqdm shows the bar only on a terminal
     # With one process per stage every rank records its own stage's actions into its own file.
     profile = Profile(args.profile, args.profile_steps)
-    trace_path = rank_path(args.profile, pipe.rank) if args.profile else None
+    trace_path = rank_path(args.profile, pipe.process_rank) if args.profile else None
     profile.start()  # after data loading and setup: the trace starts at the first training step
     started = time.perf_counter()
     trained = 0

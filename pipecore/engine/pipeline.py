@@ -433,6 +433,12 @@ class Pipeline:
                 self.stages[s].ties = StageTies(s, own, exchange, sync, owners)
         return sync
 
+    @property
+    def process_rank(self) -> int | None:
+        """This process's global rank under ``torch.distributed`` (``rank`` is its pipeline rank within its
+        replica; the two differ with ``data_parallel``), or None in one process."""
+        return None if self.topology is None else self.topology.grid[self.replica][self.rank]
+
     def _grid(self) -> tuple[Any, ...]:
         """``(grid, replica)`` for the exchanges between processes with several replicas; nothing with one."""
         if self.topology is None or self.data_parallel == 1:

@@ -146,7 +146,16 @@ class Pipeline:
             of ``example_input`` dynamic: captures what fx cannot, such as Hugging Face models and masks built
             from traced lengths; needs ``example_input``) or ``"auto"`` (default: fx, and export where fx cannot
             capture the forward). See docs/models.md, "Two captures".
-        **options: algorithm options (``backward_rule``, ``update_every``, ``lam``, ``alpha``, ...).
+        data_parallel: under torchrun, ``W`` replicas of the pipeline with ``WORLD_SIZE = W x`` its ranks: process
+            ``(i, r)`` (global rank ``i * ranks + r``) runs pipeline rank ``r`` of replica ``i``; each replica
+            trains on its ``1/W`` of every mini-batch (see :meth:`step`) and each stage's gradients are summed
+            over its replicas before every update, so training equals one process on the global mini-batch.
+            Default None: one replica (under torchrun the world size must then be the pipeline's ranks).
+        mesh: instead of ``data_parallel``, a ``torch.distributed.device_mesh.DeviceMesh`` with dimensions named
+            ``"dp"`` and ``"pp"`` (``init_device_mesh(device, (W, ranks), mesh_dim_names=("dp", "pp"))``): its
+            layout places the replicas and ranks.
+        **options: algorithm options (``backward_rule``, ``update_every``, ``lam``, ``alpha``, ``stages_per_rank``
+            for the interleaved and zero-bubble schedules, ...).
 
     Each micro-batch loss is divided by the number of micro-batches one update accumulates (``m`` for the
     synchronous algorithms), so the accumulated gradient is the mean over the mini-batch, as in plain
@@ -499,6 +508,11 @@ class Pipeline:
         the first stage reads ``x`` and only the last reads ``y`` (others may pass None); every rank gets the
         mini-batch loss. Asynchronous algorithms leave later micro-batches' backwards in flight;
         :meth:`flush` drains them.
+
+        With ``data_parallel``, ``x`` and ``y`` are the global mini-batch (on the ranks that run the first and the
+        last stage) and each replica takes its part ``i`` of ``torch.tensor_split(batch, W)``; with ``local=True``
+        they are this replica's own shard (the global sample count, which the losses are divided by, is then
+        summed over the replicas). Either way the returned loss is the global mini-batch's.
 
         If it raises (a non-finite loss, an error in ``loss_fn`` or a module, ``KeyboardInterrupt``), the
         failed mini-batch (and any given after it) is first undone on every stage and the earlier ones

@@ -4,7 +4,9 @@ Profiles the model of ``pipecore train --model ...`` (same flags, same defaults)
 data, then plans ``--stages`` stages for ``--algorithm`` with :func:`pipecore.plan` and prints the table
 (stage, nodes, predicted time, predicted memory of the limit, recomputed and offloaded segments); ``--png``
 draws it. ``--device cuda`` profiles on the GPU, which also measures the link to pinned host memory: the plan
-may then offload activations.
+may then offload activations. ``--stages-per-rank V`` places ``V`` stages on each rank for the algorithms that
+take several (interleaved-1f1b, looped-bfs, zb-h1; zb-v and dualpipe-v always take 2): ``--memory-limit`` is
+then per device, and the table adds each rank's stages and summed peak.
 """
 
 from __future__ import annotations
@@ -29,11 +31,16 @@ objectives:
   time        PipeDream's planner: the slowest stage as fast as possible (no recomputation)
   parameters  balanced parameter bytes (the pipeline's default partition)
 
+--memory-limit is per device (rank). With several stages per rank (--stages-per-rank V for interleaved-1f1b,
+looped-bfs and zb-h1; zb-v and dualpipe-v always place 2), a rank holds the sum of its stages' peaks.
+
 examples:
   pipecore plan --model gpt --stages 4 --algorithm pipedream --memory-limit 2GiB
   pipecore plan --model gpt --layers 8 --stages 4 -a 2bw --memory-limit 40MiB --objective time
   pipecore plan --model resnet --stages 2 --memory-limit 4MiB --png plan.png
   pipecore plan --model gpt --stages 4 --memory-limit 2GiB --device cuda
+  pipecore plan --model gpt --layers 8 --stages 8 -a interleaved-1f1b --stages-per-rank 2 --memory-limit 2GiB
+  pipecore plan --model gpt --stages 4 -a zb-v --memory-limit 2GiB
 """
 
 
@@ -43,14 +50,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=MODELS, default="mlp", help="the model to plan (default mlp)")
     parser.add_argument("-a", "--algorithm", default="pipedream", metavar="NAME",
                         help="algorithm name or alias (default pipedream)")
-    parser.add_argument("-p", "--stages", type=positive_int, default=4, metavar="P", help="pipeline stages (default 4)")
+    parser.add_argument("-p", "--stages", type=positive_int, default=4, metavar="P",
+                        help="pipeline stages, i.e. model chunks (default 4)")
+    parser.add_argument("--stages-per-rank", type=positive_int, metavar="V",
+                        help="stages (model chunks) per rank for the algorithms that take several: interleaved-1f1b, "
+                             "looped-bfs, zb-h1 (default 1); zb-v and dualpipe-v always take 2. The stages run on "
+                             "P / V ranks and --memory-limit is per rank")
     parser.add_argument("-m", "--microbatches", type=positive_int, default=4, metavar="M",
                         help="micro-batches per mini-batch (default 4)")
     parser.add_argument("-b", "--batch-size", type=positive_int, metavar="N",
                         help="mini-batch size, divisible by --microbatches (default: pipecore train's for the model)")
     parser.add_argument("--memory-limit", metavar="BYTES",
-                        help="memory per stage: bytes or a size with a unit, e.g. 2GiB, 512MiB, 1.5GB (needed by "
-                             "--objective memory)")
+                        help="memory per device (rank; per stage with one stage per rank): bytes or a size with a "
+                             "unit, e.g. 2GiB, 512MiB, 1.5GB (needed by --objective memory)")
     parser.add_argument("--objective", choices=("memory", "time", "parameters"), default="memory",
                         help="what the partition optimises (default memory)")
     parser.add_argument("--cuts", choices=("modules", "nodes"), default="modules",
@@ -68,12 +80,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--progress", action="store_true", help="show a progress bar while profiling")
     parser.add_argument("--threads", type=positive_int, metavar="N",
                         help="torch intra-op threads per stage, as Pipeline(threads_per_stage=N) trains with "
-                             "(default: cores // stages, at least 1)")
+                             "(default: cores // ranks, at least 1)")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from ..algorithms import get_algorithm
     from ..engine import SGD, AdamW
     from ..planning import parse_bytes, plan
     from .train import _DigitsTask, _TextTask, _resolve_defaults
@@ -81,6 +94,15 @@ def run(args: argparse.Namespace) -> int:
     if args.objective == "memory" and args.memory_limit is None:
         raise ValueError("--objective memory needs --memory-limit (e.g. --memory-limit 2GiB)")
     limit = None if args.memory_limit is None else parse_bytes(args.memory_limit)
+    options = dict(args.option)
+    if args.stages_per_rank is not None:
+        if "stages_per_rank" in options and options["stages_per_rank"] != args.stages_per_rank:
+            raise ValueError(f"--stages-per-rank {args.stages_per_rank} and --option stages_per_rank="
+                             f"{options['stages_per_rank']} disagree; give one")
+        options["stages_per_rank"] = args.stages_per_rank
+    # The algorithm and its options first (e.g. --stages-per-rank 2 for an algorithm that runs one stage per
+    # rank), before the model is built and profiled.
+    get_algorithm(args.algorithm, args.stages, args.microbatches, **options)
     device = _device(args.device)
     for name, value in (("epochs", None), ("steps_per_epoch", None), ("eval_windows", None)):
         setattr(args, name, getattr(args, name, value))
@@ -97,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{task.name(model)}; profiling {len(example)} samples per micro-batch")
     result = plan(model, example, args.stages, args.algorithm, args.batch_size, args.microbatches, limit,
                   args.objective, optimizer=optimizer, loss_fn=task.loss_fn, example_target=target, cuts=args.cuts,
-                  progress=args.progress, threads_per_stage=args.threads, **dict(args.option))
+                  progress=args.progress, threads_per_stage=args.threads, **options)
     print(result.table())
     if limit is not None:
         print(f"largest mini-batch within the limit with these cuts: {result.max_batch_size()}")

@@ -7,6 +7,7 @@ from typing import Any, Callable, Sequence
 
 from torch import nn
 
+from ..algorithms import Algorithm, get_algorithm
 from .planner import Plan, plan_costs
 from .profiler import profile
 
@@ -37,7 +38,7 @@ def plan(
     model: nn.Module,
     example_input: Any,
     num_stages: int,
-    algorithm: str = "pipedream",
+    algorithm: str | Algorithm = "pipedream",
     batch_size: int | None = None,
     n_microbatches: int = 4,
     memory_limit: int | str | None = None,
@@ -58,7 +59,7 @@ def plan(
     the model is on), scales the activation figures to micro-batches of ``batch_size // n_microbatches``
     samples (default ``batch_size``: the example's samples times ``n_microbatches``), and partitions:
 
-    * ``objective="memory"`` (DawnPiper): the fastest partition whose stages each fit ``memory_limit``
+    * ``objective="memory"`` (DawnPiper): the fastest partition whose devices each fit ``memory_limit``
       bytes (an int, or a string such as ``"2GiB"``), recomputing or offloading to host memory the
       segments with the most bytes freed per second of added time where a stage would not fit (offload
       only where the costs measured a host bandwidth, ``GraphCosts.host_bytes_per_s``: on CUDA);
@@ -71,9 +72,15 @@ def plan(
     ``loss_fn`` and ``example_target`` (the pipeline's loss and ``example_input``'s targets) let the last
     stage's prediction include the loss's time and what it saves.
 
+    ``algorithm_options`` configure the algorithm, e.g. ``stages_per_rank=2`` (interleaved-1f1b, looped-bfs,
+    zb-h1; zb-v and dualpipe-v always run two stages per rank): ``num_stages`` stages then run on
+    ``num_stages // stages_per_rank`` ranks, placed as the algorithm's schedule places them
+    (``Plan.placement``), and ``memory_limit`` is per device, a bound on the sum of each rank's stages'
+    peaks (see docs/planning.md). The algorithm and its options are checked before the model is profiled.
+
     The nodes are timed with the intra-op threads a stage thread of the pipeline will use:
-    ``threads_per_stage``, as ``Pipeline`` takes it (default: the process's share, ``cores // num_stages``, at
-    least 1, at most the caller's ``torch.get_num_threads()``).
+    ``threads_per_stage``, as ``Pipeline`` takes it (default: the process's share, ``cores // ranks``, at
+    least 1, at most the caller's ``torch.get_num_threads()``; a rank's stages share its thread).
 
     Returns a :class:`~pipecore.planning.Plan`: ``starts`` (pass the plan as ``Pipeline(...,
     partition=plan)``), ``recomputed``, ``offloaded``, ``stage_time``, ``stage_memory`` (predicted peak bytes per
@@ -87,9 +94,15 @@ def plan(
     if cuts not in _CUTS:
         raise ValueError(f"cuts must be one of {_CUTS}, got {cuts!r}")
     limit = None if memory_limit is None else parse_bytes(memory_limit)
+    # Configured first: a bad algorithm, option or shape (e.g. stages_per_rank=2 for an algorithm that runs one
+    # stage per rank) fails here, before the model is profiled.
+    if isinstance(algorithm, str):
+        algorithm = get_algorithm(algorithm, num_stages, n_microbatches, **algorithm_options)
+        algorithm_options = {}
+    num_ranks = algorithm.schedule(1).num_ranks if isinstance(algorithm, Algorithm) else num_stages
     costs = profile(model, example_input, leaf_modules=leaf_modules, optimizer=optimizer, loss_fn=loss_fn,
                     example_target=example_target, progress=progress,
-                    threads=(default_threads_per_stage(num_stages) if threads_per_stage is None
+                    threads=(default_threads_per_stage(num_ranks) if threads_per_stage is None
                              else threads_per_stage))
     if batch_size is None:
         batch_size = costs.microbatch_size * n_microbatches

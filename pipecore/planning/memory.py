@@ -38,7 +38,7 @@ Segment = tuple[int, int]
 
 @dataclass(frozen=True)
 class Sizing:
-    """What an algorithm makes each stage hold, as measured by the simulator.
+    """What an algorithm makes each stage hold, as measured by the simulator, and which rank holds each stage.
 
     Attributes:
         algorithm: the algorithm's name.
@@ -46,11 +46,16 @@ class Sizing:
         versions: weight versions each stage's ring holds (``Trace.weight_versions``).
         derived: whether the stage computes derived weights into a scratch buffer (``Trace.derived_weights``).
         velocity: whether the stage keeps a weight-sized velocity buffer (PipeMare's discrepancy correction).
-        in_flight: peak micro-batches whose forward ran at the stage and whose backward has not
-            (``Trace.peak_activations``): how many activation sets and boundary buffers it holds.
+        in_flight: peak micro-batches whose forward ran at the stage and whose backward has not finished
+            (``Trace.peak_activations``; under a split backward, until its W): how many activation sets and
+            boundary buffers it holds.
         recompute_all: the algorithm's backward rule recomputes every forward in its backward
             (``backward_rule="recompute"``): stages then keep only their inputs, and recomputed segments do
             not apply.
+        placement: the rank (device) of every stage, from the algorithm's schedule (``Schedule.placement``):
+            ``(0, 1, ..., P-1)`` for one stage per rank; with ``stages_per_rank`` a rank holds several (looped:
+            rank ``r`` of ``R`` holds ``r, r+R, ...``; V-shaped: ``r`` and ``2R-1-r``). None (the default when
+            constructing one by hand) means one stage per rank.
     """
 
     algorithm: str
@@ -61,17 +66,40 @@ class Sizing:
     velocity: tuple[bool, ...]
     in_flight: tuple[int, ...]
     recompute_all: bool = False
+    placement: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_stages < 1 or self.n_microbatches < 1:
             raise ValueError(f"Sizing needs num_stages >= 1 and n_microbatches >= 1, got {self.num_stages} and "
                              f"{self.n_microbatches}")
-        for name in ("versions", "derived", "velocity", "in_flight"):
+        if self.placement is None:
+            object.__setattr__(self, "placement", tuple(range(self.num_stages)))
+        else:
+            object.__setattr__(self, "placement", tuple(int(r) for r in self.placement))
+        for name in ("versions", "derived", "velocity", "in_flight", "placement"):
             values = getattr(self, name)
             if len(values) != self.num_stages:
                 raise ValueError(f"Sizing.{name} has {len(values)} entries for {self.num_stages} stages")
         if any(v < 1 for v in self.versions) or any(k < 0 for k in self.in_flight):
             raise ValueError(f"Sizing needs versions >= 1 and in_flight >= 0, got {self.versions} and {self.in_flight}")
+        if set(self.placement) != set(range(max(self.placement) + 1)):
+            raise ValueError(f"Sizing.placement must give every rank 0..R-1 at least one stage, got {self.placement}")
+
+    @property
+    def num_ranks(self) -> int:
+        """How many ranks (devices) the stages run on."""
+        return max(self.placement) + 1
+
+    @property
+    def stages_per_rank(self) -> int:
+        """The most stages one rank holds (1: one stage per rank)."""
+        return max(self.placement.count(r) for r in range(self.num_ranks))
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages rank ``rank`` holds, in increasing order."""
+        if not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank must lie in 0..{self.num_ranks - 1}, got {rank}")
+        return tuple(s for s, r in enumerate(self.placement) if r == rank)
 
     @classmethod
     def of(cls, algorithm: str | Algorithm, num_stages: int | None = None, n_microbatches: int | None = None,
@@ -93,8 +121,10 @@ class Sizing:
             tuple(trace.weight_versions(s) for s in range(p)),
             tuple(trace.derived_weights(s) for s in range(p)),
             tuple(algorithm.velocity_decay(s) is not None for s in range(p)),
+            # Per stage, split backwards included: a stage holds a micro-batch's activations until its W.
             tuple(trace.peak_activations(s) for s in range(p)),
             algorithm.backward_rule == "recompute",
+            tuple(trace.schedule.placement),
         )
 
 

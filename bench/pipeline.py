@@ -19,7 +19,9 @@ at a barrier): each micro-batch forward+backward, then the optimizer step. Repor
 samples/s over rounds, and the median over rounds of each round's ratio to the baselines (ratios taken
 within a round cancel the load drifts of a shared machine). For pipecore systems, also each rank's compute
 share: the fraction of a window its stage spent in forward, backward and update (the rest is messages,
-waiting, and the engine's own work), and its update share: the part of that spent in optimizer steps.
+waiting, and the engine's own work), and its update share: the part of that spent in optimizer steps. For
+every system, each rank's process CPU time per window (all its threads, median over rounds) and its sum over
+the ranks: with more ranks than cores, the sum is what competes for the cores.
 
 GPT rows (systems ``gpt:...``): ``pipecore.models.GPT(vocab_size=96, block_size=64, n_layer=4, n_head=4,
 n_embd=128)``, whose LM head is tied to the token embedding, split at ``blocks.2`` (2 ranks: blocks 0-1 with
@@ -45,6 +47,18 @@ same batches, 8 micro-batches, momentum SGD stepped once per mini-batch. pipecor
 ``r, 2R-1-r`` for the V ones, as pipecore places them) under one ``torch.optim.SGD(foreach=True)`` per rank.
 Their ``vs torch`` ratio is to that twin. Every row records its first step's loss (the same for every MLP
 row: same weights, same batch); a torch schedule that refuses the configuration is reported with its error.
+
+Data x pipeline parallelism (systems ``ALGORITHM@WxP`` and ``gpt:ALGORITHM@WxP``, ``W x P = --ranks``, e.g.
+``1f1b@4x1``, ``2bw@2x2``, ``gpt:1f1b@1x4``): ``Pipeline(model, P, algorithm, 8, data_parallel=W)``, W replicas
+of a P-stage pipeline (the MLP cut at Linear+ReLU pairs as above, the GPT at blocks as above, ``P = 1``: the
+whole model in one stage); every rank is handed the global mini-batch and each replica trains on its
+``1/W`` share (``torch.tensor_split``), split into the same 8 micro-batches. Their reference is ``DDP@Wx1``
+(``gpt:DDP@Wx1``, W = --ranks): ``torch.nn.parallel.DistributedDataParallel`` over the whole model on every
+rank, each rank its ``torch.tensor_split`` share of the mini-batch in 8 micro-batches with gradient
+accumulation (``no_sync()`` for all but the last), then one ``torch.optim.SGD(momentum=0.9, foreach=True)``
+(GPT: ``torch.optim.AdamW(foreach=True)``) step. ``vs DDP`` is the median per-round ratio to that row. Every
+data-parallel row records the global mini-batch loss of its warm-up steps (DDP's: its ranks' losses averaged),
+to be compared with DDP's (the same weights and batch: the first step's loss must agree).
 """
 
 from __future__ import annotations
@@ -84,6 +98,10 @@ GPT_BATCH, GPT_LR, GPT_WEIGHT_DECAY = 32, 1e-3, 0.01
 GPT_SINGLE, GPT_TORCH = GPT + SINGLE, GPT + "Schedule1F1B"
 GPT_PIPECORE = [GPT + "1f1b", GPT + "2bw"]
 GPT_SYSTEMS = [GPT_TORCH] + GPT_PIPECORE
+# Data x pipeline parallelism: systems "[gpt:]ALGORITHM@WxP", W replicas of a P-stage pipeline; "DDP@Wx1" is torch's
+# DistributedDataParallel over the whole model, the reference of those rows.
+DDP = "DDP"
+DP_ALGORITHMS = ["1f1b", "2bw"]
 TORCH_TIE = ("torch.distributed.pipelining (torch 2.13) traces the tied GPT without complaint but replicates the "
              "tied tok_emb/head weight into both stages and never sums their gradients (in a check, the two copies "
              "differed by 6e-3 after 3 AdamW steps); the torch row therefore trains an explicitly untied copy "
@@ -295,6 +313,86 @@ def gpt_pipecore_pipeline(system: str, rank: int, world: int, batches) -> Callab
     return _pipecore_window(pipe, batches)
 
 
+def dp_layout(system: str) -> tuple[str, int, int] | None:
+    """``(algorithm or "DDP", W, P)`` for a data x pipeline system ``[gpt:]ALGORITHM@WxP``, else None."""
+    name, at, shape = system.removeprefix(GPT).partition("@")
+    w, x, p = shape.partition("x")
+    if not (at and x and w.isdigit() and p.isdigit()):
+        return None
+    return name, int(w), int(p)
+
+
+def dp_systems(ranks: int, gpt: bool = False) -> list[str]:
+    """Every data x pipeline layout of ``ranks`` processes for 1f1b and 2bw, widest first, and DDP's row."""
+    layouts = [(ranks // p, p) for p in range(1, ranks + 1) if ranks % p == 0]
+    prefix = GPT if gpt else ""
+    return ([f"{prefix}{DDP}@{ranks}x1"]
+            + [f"{prefix}{a}@{w}x{p}" for a in DP_ALGORITHMS for w, p in layouts])
+
+
+def dp_reference(system: str) -> str:
+    """The DDP row a data x pipeline system's ``vs DDP`` ratio is taken to (same model, every rank a replica)."""
+    _, w, p = dp_layout(system)  # type: ignore[misc]
+    return f"{GPT if system.startswith(GPT) else ''}{DDP}@{w * p}x1"
+
+
+def pipecore_dp_pipeline(system: str, batches) -> Callable[[int], None]:
+    """W replicas of a P-stage pipecore pipeline (``data_parallel=W``) for the system ``[gpt:]ALGORITHM@WxP``;
+    every rank is handed the global mini-batch, each replica trains on its share."""
+    import pipecore
+
+    algorithm, w, p = dp_layout(system)  # type: ignore[misc]
+    if system.startswith(GPT):
+        pipe = pipecore.Pipeline(make_gpt(), p, algorithm, MICRO,
+                                 optimizer=pipecore.AdamW(lr=GPT_LR, weight_decay=GPT_WEIGHT_DECAY), loss_fn=lm_loss,
+                                 partition=gpt_cuts(p), timeout=300, data_parallel=w)
+    else:
+        pipe = pipecore.Pipeline(make_model(), p, algorithm, MICRO, optimizer=pipecore.SGD(lr=0.01, momentum=0.9),
+                                 loss_fn=nn.CrossEntropyLoss(), partition=split_points(p), timeout=300,
+                                 data_parallel=w)
+    if (pipe.data_parallel, pipe.num_ranks) != (w, p):
+        raise RuntimeError(f"{system}: pipecore runs {pipe.data_parallel} replicas of {pipe.num_ranks} ranks")
+    return _pipecore_window(pipe, batches)
+
+
+def ddp(system: str, rank: int, world: int, batches) -> Callable[[int], None]:
+    """torch's DistributedDataParallel over the whole model on every rank: each rank its ``tensor_split`` share of
+    the mini-batch in ``MICRO`` micro-batches, gradients accumulated under ``no_sync()`` but for the last one (whose
+    backward all-reduces them, averaged over the ranks), one optimizer step per mini-batch."""
+    import contextlib
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    gpt = system.startswith(GPT)
+    model = DistributedDataParallel(make_gpt() if gpt else make_model())
+    if gpt:
+        opt = torch.optim.AdamW(model.parameters(), lr=GPT_LR, weight_decay=GPT_WEIGHT_DECAY, foreach=True)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=True)
+    loss_fn = lm_loss if gpt else nn.CrossEntropyLoss()
+
+    def window(n: int) -> None:
+        for i in range(n):
+            x, y = batches[i % len(batches)]
+            xs, ys = torch.tensor_split(x, world)[rank], torch.tensor_split(y, world)[rank]
+            total = torch.zeros(())
+            for k, (xm, ym) in enumerate(zip(torch.tensor_split(xs, MICRO), torch.tensor_split(ys, MICRO))):
+                with model.no_sync() if k < MICRO - 1 else contextlib.nullcontext():
+                    loss = loss_fn(model(xm), ym) / MICRO
+                    loss.backward()
+                if window.losses is not None:
+                    total += loss.detach()
+            opt.step()
+            opt.zero_grad()
+            if window.losses is not None:  # the global mini-batch loss: the ranks' (equal-sized shards) averaged
+                dist.all_reduce(total)
+                window.losses.append(total.item() / world)
+
+    window.losses = []  # type: ignore[attr-defined]  # mini-batch losses while not None (the warm-up's)
+    return window
+
+
 def worker(systems: list[str], steps: int, gpt_steps: int, rounds: int) -> dict:
     import torch.distributed as dist
 
@@ -307,7 +405,12 @@ def worker(systems: list[str], steps: int, gpt_steps: int, rounds: int) -> dict:
     refused: dict[str, str] = {}  # torch schedules that refused the configuration: their error
     first_loss: dict[str, list[float] | None] = {}  # the warm-up steps' losses
     for system in systems:
-        if system in MODERN_TORCH:
+        layout = dp_layout(system)
+        if layout is not None and layout[0] == DDP:
+            windows[system] = ddp(system, rank, world, gpt_batches if system.startswith(GPT) else batches)
+        elif layout is not None:
+            windows[system] = pipecore_dp_pipeline(system, gpt_batches if system.startswith(GPT) else batches)
+        elif system in MODERN_TORCH:
             # A refusal at construction is the same on every rank; agree before any rank steps.
             try:
                 built: Callable[[int], None] | None = torch_modern_pipeline(system, rank, world, batches)
@@ -341,6 +444,7 @@ def worker(systems: list[str], steps: int, gpt_steps: int, rounds: int) -> dict:
         dist.barrier()
     systems = [s for s in systems if s not in refused]
     seconds: dict[str, list[float]] = {s: [] for s in systems}
+    cpu: dict[str, list[float]] = {s: [] for s in systems}  # this process's CPU seconds (all its threads) per window
     compute: dict[str, dict[str, list[float]]] = {
         s: {"compute": [], "update": []} for s in systems if hasattr(windows[s], "compute_seconds")}
     for r in range(rounds):
@@ -349,8 +453,9 @@ def worker(systems: list[str], steps: int, gpt_steps: int, rounds: int) -> dict:
             busy = getattr(windows[system], "compute_seconds", None)
             before = busy() if busy else {}
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             windows[system](gpt_steps if system.startswith(GPT) else steps)
+            cpu[system].append(time.process_time() - cpu_start)
             dist.barrier()
             seconds[system].append(time.perf_counter() - start)
             if busy:
@@ -362,11 +467,14 @@ def worker(systems: list[str], steps: int, gpt_steps: int, rounds: int) -> dict:
     shares: list[dict[str, dict[str, float]]] = [{}] * world
     dist.all_gather_object(shares, {s: {part: statistics.median(v) for part, v in parts.items()}
                                     for s, parts in compute.items()})
+    cpu_seconds: list[dict[str, float]] = [{}] * world
+    dist.all_gather_object(cpu_seconds, {s: statistics.median(v) for s, v in cpu.items()})
     # the warm-up steps' losses of every system, from whichever rank saw them (the last stage's, for torch)
     seen: list[dict[str, list[float] | None]] = [{}] * world
     dist.all_gather_object(seen, first_loss)
     dist.destroy_process_group()
     return {"seconds": seconds, "refused": refused,
+            "cpu_seconds": {s: [cpu_seconds[r][s] for r in range(world)] for s in systems},
             "warmup_losses": {s: next((r[s] for r in seen if r.get(s) is not None), None) for s in first_loss},
             **{f"{part}_share": {s: [shares[r][s][part] for r in range(world)] for s in compute}
                for part in ("compute", "update")}}
@@ -402,8 +510,12 @@ def summarize(measured: dict, steps: int, gpt_steps: int) -> list[dict]:
         twin = MODERN.get(system, MODERN_TORCH.get(system))
         row["torch_twin"] = twin if system in MODERN else None
         row["stages_per_rank"] = STAGES_PER_RANK if twin else 1
+        layout = dp_layout(system)
+        if layout is not None:
+            row["data_parallel"], row["pipeline_stages"] = layout[1], layout[2]
         for key, baseline in (("vs_single_process", SINGLE), ("vs_schedule_1f1b", "Schedule1F1B"),
-                              ("vs_torch_twin", MODERN.get(system))):
+                              ("vs_torch_twin", MODERN.get(system)),
+                              ("vs_ddp", None if layout is None else dp_reference(system).removeprefix(GPT))):
             per_round = None if baseline is None else ratios(system, GPT + baseline if gpt else baseline)
             row[key] = None if per_round is None else statistics.median(per_round)
             row[key + "_range"] = None if per_round is None else [min(per_round), max(per_round)]
@@ -411,6 +523,10 @@ def summarize(measured: dict, steps: int, gpt_steps: int) -> list[dict]:
         row["first_step_loss"] = warmup[0] if warmup else None
         row["warmup_losses"] = warmup  # the losses of the untimed warm-up steps 1..3 (step 2 on: after updates)
         row["compute_share_per_rank"] = measured["compute_share"].get(system)
+        # each rank's process CPU time (all threads) per window, median over rounds, and its sum over the ranks
+        row["cpu_seconds_per_window_per_rank"] = measured["cpu_seconds"].get(system)
+        row["cpu_seconds_per_window"] = (sum(row["cpu_seconds_per_window_per_rank"])
+                                         if row["cpu_seconds_per_window_per_rank"] else None)
         row["update_share_per_rank"] = measured["update_share"].get(system)
         results.append(row)
     for system, error in measured["refused"].items():
@@ -427,25 +543,46 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(TORCH + PIPECORE + VARIANTS + GPT_SYSTEMS),
                         help="comma-separated; the single-process baseline always runs (and the GPT one with any "
                              f"GPT system, {','.join(GPT_SYSTEMS)}); two stages per rank, each beside its torch "
-                             f"twin: {','.join(f'{a},{t}' for a, t in MODERN.items())}")
+                             f"twin: {','.join(f'{a},{t}' for a, t in MODERN.items())}; data x pipeline "
+                             f"parallelism, W replicas of P stages, W x P = --ranks: ALGORITHM@WxP beside "
+                             f"{DDP}@Wx1 (torch's DistributedDataParallel), e.g. on 4 ranks "
+                             f"{','.join(dp_systems(4))} and the same with the prefix {GPT}")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline-cpu.json"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker.split(","), args.steps, args.gpt_steps, args.rounds)))
         return
-    if DEPTH % args.ranks:
-        raise SystemExit(f"--ranks must divide the model's {DEPTH} blocks, got {args.ranks}")
     chosen = [s for s in args.systems.split(",") if s and s not in (SINGLE, GPT_SINGLE)]
+    if DEPTH % args.ranks and any(not s.startswith(GPT) and dp_layout(s) is None for s in chosen):
+        raise SystemExit(f"--ranks must divide the model's {DEPTH} blocks, got {args.ranks}")
     known = TORCH + PIPECORE + VARIANTS + GPT_SYSTEMS + list(MODERN) + list(MODERN_TORCH)
-    unknown = [s for s in chosen if s not in known]
+    unknown = [s for s in chosen if s not in known and dp_layout(s) is None]
     if unknown:
-        raise SystemExit(f"unknown systems {unknown}; choose from {known}")
+        raise SystemExit(f"unknown systems {unknown}; choose from {known}, or ALGORITHM@WxP, {DDP}@Wx1 "
+                         f"(with or without {GPT}), W x P = --ranks")
+    for system in chosen:
+        layout = dp_layout(system)
+        if layout is None:
+            continue
+        name, w, p = layout
+        blocks = GPT_SIZES["n_layer"] if system.startswith(GPT) else DEPTH
+        if name not in PIPECORE + [DDP] or w * p != args.ranks or w < 1 or p < 1 or blocks % p:
+            raise SystemExit(f"{system}: ALGORITHM@WxP needs an algorithm of {PIPECORE} (or {DDP}), W x P = --ranks "
+                             f"({args.ranks}) and P dividing the model's {blocks} blocks")
+        if name == DDP and p != 1:
+            raise SystemExit(f"{system}: DDP runs the whole model on every rank: {DDP}@{args.ranks}x1")
+        batch = GPT_BATCH if system.startswith(GPT) else BATCH
+        if batch % (w * MICRO):
+            # DDP averages its ranks' gradients: the global mean only when every rank's micro-batches are equal
+            raise SystemExit(f"{system}: the batch of {batch} must split into {w} x {MICRO} equal micro-batches")
+        if name != DDP and dp_reference(system) not in chosen:
+            chosen.append(dp_reference(system))  # the reference of the row's vs DDP ratio
     modern = [s for s in chosen if s in MODERN or s in MODERN_TORCH]
     if modern and DEPTH % (STAGES_PER_RANK * args.ranks):
         raise SystemExit(f"{modern} cut the model's {DEPTH} blocks into {STAGES_PER_RANK} x --ranks chunks: "
                          f"--ranks must divide {DEPTH // STAGES_PER_RANK}, got {args.ranks}")
-    if any(s.startswith(GPT) for s in chosen) and GPT_SIZES["n_layer"] % args.ranks:
+    if any(s.startswith(GPT) and dp_layout(s) is None for s in chosen) and GPT_SIZES["n_layer"] % args.ranks:
         raise SystemExit(f"--ranks must divide the GPT's {GPT_SIZES['n_layer']} blocks, got {args.ranks}")
     mlp, gpt = [s for s in chosen if not s.startswith(GPT)], [s for s in chosen if s.startswith(GPT)]
     systems = [SINGLE] + mlp + ([GPT_SINGLE] + gpt if gpt else [])
@@ -455,20 +592,23 @@ def main() -> None:
     gpt_model = (f"GPT({', '.join(f'{k}={v}' for k, v in GPT_SIZES.items())}), LM head tied to the token "
                  f"embedding")
     for model, title in (("mlp", None), ("gpt", f"{gpt_model}; batch {GPT_BATCH} x {GPT_SIZES['block_size']} "
-                                                f"tokens, {MICRO} micro-batches, cut at {', '.join(gpt_cuts(args.ranks))}, "
-                                                "AdamW; ratios to the GPT baselines, median [min, max] over rounds")):
+                                                f"tokens, {MICRO} micro-batches, cut at {', '.join(gpt_cuts(args.ranks))} "
+                                                "(ALGORITHM@WxP rows: at the P-stage cuts), AdamW; ratios to the GPT "
+                                                "baselines, median [min, max] over rounds")):
         rows = [r for r in results if r["model"] == model]
         if not rows:
             continue
         if title:
-            print(f"\n{title}\n{TORCH_TIE}")
+            print(f"\n{title}" + (f"\n{TORCH_TIE}" if any(r["system"] == GPT_TORCH for r in rows) else ""))
         keys = ["vs_single_process", "vs_schedule_1f1b"]
         if any(r.get("stages_per_rank", 1) > 1 for r in rows):
             keys.append("vs_torch_twin")
+        if any("data_parallel" in r for r in rows):
+            keys.append("vs_ddp")
         heads = {"vs_single_process": "vs 1 process", "vs_schedule_1f1b": "vs Schedule1F1B",
-                 "vs_torch_twin": "vs torch twin"}
-        print(f"{'system':<32}{'samples/s':>10}{''.join(f'{heads[k]:>26}' for k in keys)}  first loss  compute share "
-              "per rank (of which updates)")
+                 "vs_torch_twin": "vs torch twin", "vs_ddp": "vs DDP"}
+        print(f"{'system':<32}{'samples/s':>10}{''.join(f'{heads[k]:>26}' for k in keys)}  first loss  CPU s  "
+              "compute share per rank (of which updates)")
         for r in rows:
             if "refused" in r:
                 print(f"{r['system']:<32} refused: {r['refused']}")
@@ -480,14 +620,23 @@ def main() -> None:
             share = " ".join(f"{x:.0%} ({u:.0%})" for x, u in zip(r["compute_share_per_rank"] or [],
                                                                  r["update_share_per_rank"] or []))
             loss = "-" if r["first_step_loss"] is None else f"{r['first_step_loss']:.6f}"
+            cpu = "-" if r["cpu_seconds_per_window"] is None else f"{r['cpu_seconds_per_window']:.1f}"
             print(f"{r['system']:<32}{r['samples_per_s']:>10.1f}{''.join(f'{c:>26}' for c in cells)}  {loss:>10}  "
-                  f"{share}")
+                  f"{cpu:>5}  {share}")
         same = [r["warmup_losses"] for r in rows
                 if r.get("warmup_losses") and (r["system"] in MODERN or r["system"] in MODERN_TORCH)]
         if same:
             spread = [max(ls[i] for ls in same) - min(ls[i] for ls in same) for i in range(min(map(len, same)))]
             print("two-stages-per-rank rows, warm-up losses (steps 1..): largest difference between rows "
                   + ", ".join(f"{d:.1e}" for d in spread))
+        for r in rows:
+            if "data_parallel" in r and dp_layout(r["system"])[0] != DDP:  # type: ignore[index]
+                reference = next((q for q in rows if q["system"] == dp_reference(r["system"])), None)
+                if reference is None or not r["warmup_losses"] or not reference["warmup_losses"]:
+                    continue
+                r["warmup_loss_minus_ddp"] = [a - b for a, b in zip(r["warmup_losses"], reference["warmup_losses"])]
+                print(f"{r['system']}: warm-up losses (steps 1..) minus {reference['system']}'s "
+                      + ", ".join(f"{d:+.1e}" for d in r["warmup_loss_minus_ddp"]))
     report = {
         "benchmark": "pipeline", "device": "cpu", "backend": "gloo", "dtype": "float32",
         "machine": machine(),
@@ -518,6 +667,23 @@ def main() -> None:
             "vs_torch_twin": "per round, the twin's window seconds / this system's (above 1: pipecore faster)",
             "torch_refused": {r["system"]: r["refused"] for r in results if "refused" in r},
         } if any(r.get("stages_per_rank", 1) > 1 for r in results) else None,
+        "data_x_pipeline": {
+            "systems": "ALGORITHM@WxP: pipecore.Pipeline(model, P, algorithm, 8, data_parallel=W), W replicas of a P-stage "
+                       "pipeline on W x P ranks (process (i, s) is global rank i*P + s); every rank is handed the global "
+                       "mini-batch, each replica trains on its torch.tensor_split share in 8 micro-batches; MLP cut at "
+                       "Linear+ReLU pairs, GPT at blocks (split_at); pipecore.SGD(lr=0.01, momentum=0.9) / "
+                       f"pipecore.AdamW(lr={GPT_LR}, weight_decay={GPT_WEIGHT_DECAY})",
+            "split_at": {f"{p}": {"mlp": split_points(p), "gpt": gpt_cuts(p)}
+                         for p in range(1, args.ranks + 1) if args.ranks % p == 0},
+            "reference": f"{DDP}@{args.ranks}x1: torch.nn.parallel.DistributedDataParallel (default buckets) over the "
+                         "whole model on every rank, each rank its torch.tensor_split share of the mini-batch in 8 "
+                         "micro-batches, loss / 8 per micro-batch, no_sync() for all but the last, one "
+                         "torch.optim.SGD(lr=0.01, momentum=0.9, foreach=True) / torch.optim.AdamW(lr="
+                         f"{GPT_LR}, weight_decay={GPT_WEIGHT_DECAY}, foreach=True) step per mini-batch",
+            "vs_ddp": "per round, the DDP row's window seconds / this system's (above 1: faster than DDP)",
+            "losses": "warmup_losses: the global mini-batch loss of the 3 untimed warm-up steps (DDP: its ranks' "
+                      "losses averaged over the equal shards); warmup_loss_minus_ddp: the difference to DDP's, step by step",
+        } if any("data_parallel" in r for r in results) else None,
         "method": "systems interleaved in the same processes; ratios are medians of per-round ratios",
         "results": results,
     }

@@ -7,9 +7,12 @@ from .partitioners import OBJECTIVES, InfeasibleMemoryLimit, Partition, partitio
 from .planner import Plan, plan_costs
 from .api import parse_bytes, plan
 from .profiler import profile
+from .bandwidth import Bandwidth, measure_allreduce
+from .world import Configuration, World, plan_world
 
 __all__ = [
-    "Choice", "GraphCosts", "InfeasibleMemoryLimit", "OBJECTIVES", "Partition", "Plan", "Sizing", "StageFit",
-    "StageMemory", "StageModel", "fit_stage", "parse_bytes", "partition", "plan", "plan_costs", "profile",
-    "smallest_memory_limit", "stage_memory", "stage_time", "TiedParameter", "ValueCost",
+    "Bandwidth", "Choice", "Configuration", "GraphCosts", "InfeasibleMemoryLimit", "OBJECTIVES", "Partition", "Plan",
+    "Sizing", "StageFit", "StageMemory", "StageModel", "fit_stage", "measure_allreduce", "parse_bytes", "partition",
+    "plan", "plan_costs", "plan_world", "profile", "smallest_memory_limit", "stage_memory", "stage_time",
+    "TiedParameter", "ValueCost", "World",
 ]

@@ -37,7 +37,7 @@ def parse_bytes(value: int | float | str) -> int:
 def plan(
     model: nn.Module,
     example_input: Any,
-    num_stages: int,
+    num_stages: int | None = None,
     algorithm: str | Algorithm = "pipedream",
     batch_size: int | None = None,
     n_microbatches: int = 4,
@@ -51,6 +51,8 @@ def plan(
     cuts: str = "modules",
     progress: bool = False,
     threads_per_stage: int | None = None,
+    world_size: int | None = None,
+    allreduce_gbps: float | None = None,
     **algorithm_options: Any,
 ) -> Plan:
     """Where to cut ``model`` into ``num_stages`` stages for ``algorithm``, from measured per-node costs.
@@ -86,14 +88,55 @@ def plan(
     partition=plan)``), ``recomputed``, ``offloaded``, ``stage_time``, ``stage_memory`` (predicted peak bytes per
     stage), ``max_batch_size()``, ``table()`` and ``plot(path)``. A limit no partition meets raises
     :class:`~pipecore.planning.InfeasibleMemoryLimit`, which names the smallest limit that works.
+
+    **Data x pipeline parallelism** (PipeDream-2BW's planner): with ``world_size=N`` instead of ``num_stages``,
+    the planner tries every ``N = W x P``: ``W`` replicas, each a pipeline of ``P`` ranks (``P x
+    stages_per_rank`` stages) trained on ``batch_size / W`` samples of every mini-batch (``batch_size`` is then
+    the global mini-batch, default the example's samples x ``n_microbatches`` x ``N``). It plans each pipeline as
+    above, predicts its step time by simulating the schedule with the stages' predicted times and each update
+    paying the ring all-reduce of the stage's gradients over ``W`` replicas (``2 (W-1)/W x bytes /
+    bandwidth``), and returns the plan of the fastest ``(W, P)`` whose every rank fits ``memory_limit``, with
+    ``Plan.data_parallel`` (``W``), ``Plan.step_time`` and ``Plan.world`` (every configuration, the reason
+    each other one was rejected, the bandwidth; ``Plan.world.table()``). The bandwidth is ``allreduce_gbps``
+    GB/s (10^9 bytes per second, bus bandwidth) when given, else measured: an all-reduce of 4 MiB between
+    two local gloo processes (:func:`pipecore.planning.bandwidth.measure_allreduce`). The nodes are then
+    timed with ``cores // N`` threads unless ``threads_per_stage`` says otherwise. See docs/planning.md.
     """
     from ..engine.graph import CapturedModel
     from ..engine.threads import default_threads_per_stage
     from ..engine.partition import module_units
 
+    from .bandwidth import check_gbps
+    from .world import check_world_size, configure, plan_world
+
     if cuts not in _CUTS:
         raise ValueError(f"cuts must be one of {_CUTS}, got {cuts!r}")
     limit = None if memory_limit is None else parse_bytes(memory_limit)
+    if world_size is not None:
+        world_size = check_world_size(world_size)
+        if num_stages is not None:
+            raise ValueError("give num_stages or world_size, not both: with world_size the planner chooses the "
+                             "pipeline's size (P ranks x stages_per_rank stages) for each W x P = world_size")
+        if allreduce_gbps is not None:
+            check_gbps(allreduce_gbps)
+        # The algorithm and its options first, for every pipeline size, before the model is profiled.
+        configure(algorithm, world_size, n_microbatches, dict(algorithm_options))
+        costs = profile(model, example_input, leaf_modules=leaf_modules, optimizer=optimizer, loss_fn=loss_fn,
+                        example_target=example_target, progress=progress,
+                        threads=(default_threads_per_stage(world_size) if threads_per_stage is None
+                                 else threads_per_stage))
+        if batch_size is None:
+            batch_size = costs.microbatch_size * n_microbatches * world_size
+        allowed = None
+        if cuts == "modules":
+            allowed = [a for a, _ in module_units(CapturedModel(model, leaf_modules, example_input))][1:]
+        return plan_world(costs, world_size, algorithm, batch_size, n_microbatches, memory_limit=limit,
+                          objective=objective, allowed_cuts=allowed, allreduce_gbps=allreduce_gbps,
+                          **algorithm_options)
+    if allreduce_gbps is not None:
+        raise ValueError("allreduce_gbps is for world_size (data x pipeline planning)")
+    if num_stages is None:
+        raise ValueError("plan needs num_stages (or world_size, to choose data x pipeline parallelism)")
     # Configured first: a bad algorithm, option or shape (e.g. stages_per_rank=2 for an algorithm that runs one
     # stage per rank) fails here, before the model is profiled.
     if isinstance(algorithm, str):

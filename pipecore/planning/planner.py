@@ -34,6 +34,10 @@ class Plan:
             per rank the stage's limit; with several (``placement``) it bounds :attr:`rank_memory`.
         costs: the graph costs the plan was made from, per micro-batch of ``costs.microbatch_size`` samples.
         sizing: what the algorithm makes each stage hold (from the simulator), and which rank holds each stage.
+        world: with ``plan(..., world_size=N)``, the :class:`~pipecore.planning.world.World` the plan was chosen
+            from: every ``(W, P)`` with ``W x P = N``, each one's predicted step time and memory, why the others
+            were rejected, and the all-reduce bandwidth used; None otherwise. The plan is then one replica's
+            (``batch_size`` its share of the global mini-batch), to run ``data_parallel`` times.
 
     With several stages per rank, :attr:`rank_memory` (a rank's stages' peaks summed) is an upper bound of
     the device's peak: the stages' peaks need not coincide.
@@ -52,6 +56,24 @@ class Plan:
     memory_limit: float | None
     costs: GraphCosts
     sizing: Sizing
+    world: Any = None
+
+    @property
+    def data_parallel(self) -> int:
+        """``W``, the replicas of this pipeline the plan was chosen for (1 unless planned with ``world_size``)."""
+        return 1 if self.world is None else self.world.chosen.data_parallel
+
+    @property
+    def alternatives(self) -> tuple:
+        """With ``world_size``: the ``(W, P)`` configurations not chosen, each with its predicted step time,
+        memory and the reason (:class:`~pipecore.planning.world.Configuration`); empty otherwise."""
+        return () if self.world is None else self.world.alternatives
+
+    @property
+    def step_time(self) -> float | None:
+        """With ``world_size``: predicted seconds per global mini-batch (one replica's step, all-reduce
+        included); None otherwise."""
+        return None if self.world is None else self.world.chosen.step_time
 
     @property
     def microbatch_size(self) -> int:
@@ -136,7 +158,9 @@ class Plan:
             + f", batch {self.batch_size} = {self.n_microbatches} x {self.microbatch_size} samples, objective "
             f"{self.objective}"
             + (f", limit {format_bytes(limit)} per {'device (rank)' if several else 'stage'}" if limit is not None
-               else ""),
+               else "")
+            + (f"; one pipeline of W={self.data_parallel} (global batch {self.world.batch_size} = "
+               f"{self.data_parallel} x {self.batch_size})" if self.world is not None else ""),
         ]
 
         def of_limit(nbytes: int) -> str:

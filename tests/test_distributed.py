@@ -553,7 +553,7 @@ def test_pipecore_train_under_torchrun_matches_one_process_and_checkpoints_move_
 
     one = alone("--epochs", "2", "--save", "alone.pt")
     two = ranks("--epochs", "2", "--save", "ranks.pt")
-    assert two.count("epoch      loss") == 1 and "one process per stage: 2 ranks (gloo)" in two, two
+    assert two.count("epoch      loss") == 1 and "one process per rank: 2 ranks (gloo)" in two, two
     assert len(report(one)) == 3 and report(two) == report(one), two
     stage_rows = [line.split()[0] for line in two[two.index("stage  layers"):].splitlines()[1:3]]
     assert stage_rows == ["0", "1"], two  # rank 0 reports both ranks' stages

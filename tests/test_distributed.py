@@ -599,7 +599,7 @@ def test_modern_schedules_across_processes(tmp_path):
                     if key != "pipecore":
                         assert torch.equal(value, state[key]), (config, rank, key)
                         held.append(key)
-            assert sorted(held) == sorted(set(state) - {"pipecore"}), config
+            assert set(held) == set(state) - {"pipecore"}, config  # (a tied weight is held by two ranks)
 
 
 def test_a_world_size_that_is_not_the_number_of_ranks_is_refused(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from .algorithms.base import Algorithm, WeightRead
 from .runtime.executor import Event
@@ -13,6 +13,7 @@ from .schedule.ir import B, F, Kind, U, W, traced
 from .schedule.schedule import Schedule
 
 _COLOURS = {F: "#4c78a8", B: "#59a14f", W: "#b07aa1", U: "#9d9d9d"}
+_INDEXES = frozenset({"_reads", "_forward_versions", "_stage_events", "_stage_reads"})
 
 
 @dataclass(frozen=True)
@@ -37,25 +38,48 @@ class Trace:
     weights, minus the version they are derived from).
     """
 
+    _reads: dict[tuple[int, int, Kind], tuple[WeightRead, int]]
+    _forward_versions: dict[tuple[int, int], int]
+    _stage_events: list[list[Event]]
+    _stage_reads: list[list[tuple[int, Kind, WeightRead, int]]]
+
     def __init__(self, algorithm: Algorithm, schedule: Schedule, events: Sequence[Event], peak_versions: Sequence[int]):
         self.algorithm = algorithm
         self.schedule = schedule
         self.events = list(events)
         self._peak_versions = list(peak_versions)
-        self._reads: dict[tuple[int, int, Kind], tuple[WeightRead, int]] = {}
-        self._forward_versions: dict[tuple[int, int], int] = {}
-        for e in self.events:
-            for k, read in e.record.reads.items():
-                self._reads[(e.action.stage, k, e.action.kind)] = (read, e.record.live)
-            for k, read in e.record.forward_reads.items():
-                self._forward_versions[(e.action.stage, k)] = read.version
+        # The indexes over the events (_INDEXES) are built on first use (see __getattr__): a simulation
+        # returns a trace, and a caller that reads only its events or makespan need not pay for them.
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only for attributes not set yet: build the indexes once, then they are plain attributes.
+        if name in _INDEXES:
+            self._index()
+            return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _index(self) -> None:
+        """The lookups behind the per-action and per-stage figures, in one pass over the events."""
+        reads: dict[tuple[int, int, Kind], tuple[WeightRead, int]] = {}
+        forward_versions: dict[tuple[int, int], int] = {}
         # Per-stage views, so that per-stage figures cost one pass over that stage rather than the trace.
-        self._stage_events: list[list[Event]] = [[] for _ in range(self.num_stages)]
+        stage_events: list[list[Event]] = [[] for _ in range(self.num_stages)]
         for e in self.events:
-            self._stage_events[e.action.stage].append(e)
-        self._stage_reads: list[list[tuple[int, Kind, WeightRead, int]]] = [[] for _ in range(self.num_stages)]
-        for (s, k, kind), (read, live) in self._reads.items():
-            self._stage_reads[s].append((k, kind, read, live))
+            action, record = e.action, e.record
+            s = action.stage
+            stage_events[s].append(e)
+            if record.reads:
+                kind, live = action.kind, record.live
+                for k, read in record.reads.items():
+                    reads[(s, k, kind)] = (read, live)
+            if record.forward_reads:
+                for k, read in record.forward_reads.items():
+                    forward_versions[(s, k)] = read.version
+        stage_reads: list[list[tuple[int, Kind, WeightRead, int]]] = [[] for _ in range(self.num_stages)]
+        for (s, k, kind), (read, live) in reads.items():
+            stage_reads[s].append((k, kind, read, live))
+        self.__dict__.update(_reads=reads, _forward_versions=forward_versions, _stage_events=stage_events,
+                             _stage_reads=stage_reads)
 
     @property
     def num_stages(self) -> int:

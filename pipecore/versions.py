@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import AbstractSet, NamedTuple
 
 from .algorithms.base import Algorithm, ReadContext, WeightRead
 
 
 _new_tuple = tuple.__new__
+_set = object.__setattr__
 
 
 class VersionError(RuntimeError):
@@ -24,14 +25,17 @@ class VersionError(RuntimeError):
 
 class BookMark(NamedTuple):
     """A version book's state at one moment, to go back to (:meth:`VersionBook.rewind`). A named tuple: one
-    is taken before every action, and a frozen dataclass costs a Python call and six attribute writes."""
+    is taken before every action, and a frozen dataclass costs a Python call and six attribute writes.
+
+    It costs the same however many micro-batches are in flight: instead of copies of the book's in-flight
+    reads and pins, it holds the changes the book makes to them after it (its journal, oldest first)."""
 
     live: int
     updates: int
-    held: frozenset[int]
-    pins: tuple[tuple[int, int], ...]
-    forward_reads: tuple[tuple[int, WeightRead], ...]
+    held: AbstractSet[int]  # not to be changed (the book's own set, which it replaces rather than changes)
     latest_tag: int | None
+    read_changes: list[tuple[int, WeightRead | None]]  # (micro-batch, its forward read before; None: none)
+    pin_changes: list[tuple[int, int | None]]  # (version, its pin count before; None: no entry)
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,11 @@ class UpdateInfo:
     lr_scale: float
     index: int  # the stage's updates before this one (since construction or a checkpoint): lr_scale's index
 
+    def __init__(self, new_version: int, keeps_previous: bool, lr_scale: float, index: int):
+        # The dataclass's own __init__ in one write (see WeightRead.__init__): one per update.
+        _set(self, "__dict__", {"new_version": new_version, "keeps_previous": keeps_previous, "lr_scale": lr_scale,
+                                "index": index})
+
 
 class VersionBook:
     """Version state of one stage: live version, pins, held versions, and the reads of in-flight work."""
@@ -51,13 +60,33 @@ class VersionBook:
         self.algorithm = algorithm
         self.stage = stage
         self.live = 0
-        self.held: set[int] = {0}
+        self.held: set[int] = {0}  # replaced, never changed in place (a BookMark may share it)
         self.pins: Counter[int] = Counter()
         self.forward_reads: dict[int, WeightRead] = {}
         self.latest_tag: int | None = None
         self.peak_versions = 1
         self.updates = 0
         self.base = 0
+        # The algorithm's policy, read once: forward, backward and _refresh run once per action.
+        self._pins_forward = algorithm.pins_forward_weights
+        self._stash = algorithm.backward_rule == "stash"  # a backward reads what its forward read
+        self._oldest_is_live = algorithm.oldest_needed_is_live  # nothing older than live is named again
+        plain = type(algorithm) is Algorithm  # not a subclass that may answer otherwise than its spec
+        # Algorithm.forward_read's and backward_read's answers, without the calls that only forward to the rules.
+        self._resolve_forward = algorithm.spec.forward.resolve if plain else None
+        self._resolve_backward = algorithm.spec.backward.resolve if plain and not self._stash else None
+        self._unscaled = plain and algorithm.spec.lr_scale is None  # Algorithm.lr_scale is 1.0
+        # The latest mark's journals (see BookMark); None: no mark to go back to.
+        self._read_changes: list[tuple[int, WeightRead | None]] | None = None
+        self._pin_changes: list[tuple[int, int | None]] | None = None
+        # What the last _refresh left: the held set (the object) and a version older than which every held
+        # version was pinned. While the held set is that object, a refresh need look only at the versions whose
+        # pin count has dropped to zero since (_unpinned) and at those from there up to the oldest still needed.
+        self._settled: tuple[AbstractSet[int], int] | None = None
+        self._unpinned: list[int] = []
+        # The algorithm's oldest_needed(stage, live, latest_tag), and the (live, latest_tag) it was asked for.
+        self._needed = 0
+        self._needed_for: tuple[int, int | None] | None = None
 
     def restart(self) -> None:
         """Start a new schedule (after a flush): micro-batch numbering and version offsets begin again."""
@@ -73,6 +102,7 @@ class VersionBook:
         self.updates = updates
         self.held = {live}
         self.pins.clear()
+        self._read_changes = self._pin_changes = None  # the state was replaced: no mark can be gone back to
 
     def _context(self, microbatch: int, tag: int | None, forward_version: int | None) -> ReadContext:
         a = self.algorithm
@@ -90,10 +120,52 @@ class VersionBook:
                 )
 
     def _refresh(self) -> None:
+        """Drop the held versions no future read names (older than the oldest needed) and no in-flight
+        micro-batch pins; the live one stays."""
+        live, held = self.live, self.held
         # Reads after a restart are counted from ``base``, so nothing older than it is named again.
-        oldest = max(self.algorithm.oldest_needed(self.stage, self.live, self.latest_tag), self.base)
-        self.held = {v for v in self.held if v >= oldest or self.pins[v] > 0} | {self.live}
-        self.peak_versions = max(self.peak_versions, len(self.held))
+        if self._oldest_is_live:
+            needed = live
+        else:  # asked again only when what it depends on changed (a rule's answer is a function of these)
+            key = (live, self.latest_tag)
+            if key != self._needed_for:
+                self._needed = self.algorithm.oldest_needed(self.stage, live, self.latest_tag)
+                self._needed_for = key
+            needed = self._needed
+        oldest = max(needed, self.base)
+        settled, unpinned = self._settled, self._unpinned
+        if settled is not None and settled[0] is held and live in held:
+            # Every held version older than settled[1] is pinned, but those unpinned since: the rule below can
+            # drop only those, and the versions from settled[1] up to ``oldest``.
+            known = settled[1]
+            if oldest > known:
+                if oldest == known + 1:  # the usual step (an update): one version to look at
+                    candidates = [known] if known in held else []
+                else:
+                    candidates = [v for v in held if known <= v < oldest]
+                candidates += unpinned
+                known = oldest
+            else:
+                candidates = unpinned
+            if candidates:
+                pins = self.pins
+                gone = None
+                for v in candidates:
+                    if v < oldest and v != live and pins.get(v, 0) <= 0 and v in held:
+                        gone = [v] if gone is None else gone + [v]
+                if gone is not None:
+                    held = self.held = held.difference(gone)
+                unpinned.clear()
+            if held is not settled[0] or known != settled[1]:
+                self._settled = (held, known)
+        else:
+            if live not in held or min(held) < oldest:  # else every held version stays: the set is unchanged
+                pins = self.pins
+                held = self.held = {v for v in held if v >= oldest or pins.get(v, 0) > 0} | {live}
+            unpinned.clear()
+            self._settled = (held, oldest)
+        if len(held) > self.peak_versions:
+            self.peak_versions = len(held)
 
     def forward(self, microbatch: int, tag: int | None) -> tuple[WeightRead, int]:
         """Resolve the weights the forward of ``microbatch`` reads. Returns the read and the tag to send on.
@@ -102,12 +174,25 @@ class VersionBook:
         """
         if self.stage == 0 or tag is None:
             tag = self.live
-        self.latest_tag = tag if self.latest_tag is None else max(self.latest_tag, tag)
-        read = self.algorithm.forward_read(self._context(microbatch, tag, None))
-        self._check_held(read, f"F of micro-batch {microbatch}")
-        self.forward_reads[microbatch] = read
-        if self.algorithm.pins_forward_weights:
-            self.pins[read.version] += 1
+        latest = self.latest_tag
+        self.latest_tag = tag if latest is None or tag > latest else latest
+        a = self.algorithm
+        ctx = ReadContext(self.stage, a.num_stages, microbatch, a.n_microbatches, self.live, tag, None, self.base)
+        resolve = self._resolve_forward
+        read = a.forward_read(ctx) if resolve is None else resolve(ctx, a.options)
+        held = self.held
+        if read.version not in held or (read.other is not None and read.other not in held):
+            self._check_held(read, f"F of micro-batch {microbatch}")
+        forward_reads = self.forward_reads
+        if self._read_changes is not None:
+            self._read_changes.append((microbatch, forward_reads.get(microbatch)))
+        forward_reads[microbatch] = read
+        if self._pins_forward:
+            pins = self.pins
+            count = pins.get(read.version)
+            if self._pin_changes is not None:
+                self._pin_changes.append((read.version, count))
+            pins[read.version] = 1 if count is None else count + 1
         self._refresh()
         return read, tag
 
@@ -116,13 +201,31 @@ class VersionBook:
         forward_read = self.forward_reads.pop(microbatch, None)
         if forward_read is None:
             raise VersionError(f"stage {self.stage}: backward of micro-batch {microbatch} before its forward")
-        ctx = self._context(microbatch, None, forward_read.version)
-        read = self.algorithm.backward_read(ctx, forward_read)
-        self._check_held(read, f"B of micro-batch {microbatch}")
-        if self.algorithm.pins_forward_weights:
-            self.pins[forward_read.version] -= 1
-            if not self.pins[forward_read.version]:
-                del self.pins[forward_read.version]  # a long run would otherwise keep one entry per version
+        if self._read_changes is not None:
+            self._read_changes.append((microbatch, forward_read))
+        if self._stash:  # Algorithm.backward_read's answer, without the context it does not look at
+            read = forward_read
+        else:
+            a = self.algorithm
+            ctx = ReadContext(self.stage, a.num_stages, microbatch, a.n_microbatches, self.live, None,
+                              forward_read.version, self.base)
+            resolve = self._resolve_backward
+            read = a.backward_read(ctx, forward_read) if resolve is None else resolve(ctx, a.options)
+        held = self.held
+        if read.version not in held or (read.other is not None and read.other not in held):
+            self._check_held(read, f"B of micro-batch {microbatch}")
+        if self._pins_forward:
+            pins = self.pins
+            version = forward_read.version
+            count = pins.get(version)
+            if self._pin_changes is not None:
+                self._pin_changes.append((version, count))
+            left = (0 if count is None else count) - 1
+            if left:
+                pins[version] = left
+            else:
+                del pins[version]  # a long run would otherwise keep one entry per version
+                self._unpinned.append(version)  # it may now be dropped (see _refresh)
         return read, forward_read
 
     def release_backward(self) -> None:
@@ -132,26 +235,49 @@ class VersionBook:
     def update(self) -> UpdateInfo:
         """Advance the live version by one update."""
         index = self.updates
-        lr_scale = self.algorithm.lr_scale(self.stage, index)
+        lr_scale = 1.0 if self._unscaled else self.algorithm.lr_scale(self.stage, index)
         previous = self.live
         self.live += 1
         self.updates += 1
-        self.held.add(self.live)
+        held = self.held
+        self.held = held | {self.live}
+        settled = self._settled
+        if settled is not None and settled[0] is held and self.live >= settled[1]:
+            self._settled = (self.held, settled[1])  # what _refresh knew of the held versions still holds
         self._refresh()
         return UpdateInfo(self.live, previous in self.held, lr_scale, index)
 
     def mark(self) -> BookMark:
-        """The state now, for :meth:`rewind`."""
-        # tuple.__new__: the named tuple without its Python-level __new__ (this runs before every action).
-        return _new_tuple(BookMark, (self.live, self.updates, frozenset(self.held), tuple(self.pins.items()),
-                                     tuple(self.forward_reads.items()), self.latest_tag))
+        """The state now, for :meth:`rewind` (which goes back to the latest mark only)."""
+        # tuple.__new__: the named tuple without its Python-level __new__ (this runs before every action). The
+        # held set is replaced, never changed in place, so the mark can share it; the in-flight reads and the
+        # pins are journaled from here on rather than copied (a stage may have dozens of micro-batches in flight).
+        reads: list[tuple[int, WeightRead | None]] = []
+        pins: list[tuple[int, int | None]] = []
+        self._read_changes, self._pin_changes = reads, pins
+        return _new_tuple(BookMark, (self.live, self.updates, self.held, self.latest_tag, reads, pins))
 
     def rewind(self, mark: BookMark) -> None:
-        """Go back to ``mark`` (an action that failed before it changed anything else is undone this way)."""
+        """Go back to ``mark``, the latest (an action that failed before it changed anything else is undone this
+        way)."""
+        if mark.read_changes is not self._read_changes or mark.pin_changes is not self._pin_changes:
+            raise ValueError(f"stage {self.stage}: a version book goes back to its latest mark only, and not across "
+                             "a discard or a load")
         self.live, self.updates, self.latest_tag = mark.live, mark.updates, mark.latest_tag
         self.held = set(mark.held)
-        self.pins = Counter(dict(mark.pins))
-        self.forward_reads = dict(mark.forward_reads)
+        forward_reads, pins = self.forward_reads, self.pins
+        for k, read in reversed(mark.read_changes):
+            if read is None:
+                forward_reads.pop(k, None)
+            else:
+                forward_reads[k] = read
+        for version, count in reversed(mark.pin_changes):
+            if count is None:
+                pins.pop(version, None)
+            else:
+                pins[version] = count
+        mark.read_changes.clear()
+        mark.pin_changes.clear()
 
     def discard(self, first: int, live: int, updates: int, latest_tag: int | None) -> None:
         """Forget micro-batches ``first`` and later (their forwards, and the updates after version ``live``),
@@ -161,6 +287,7 @@ class VersionBook:
             else Counter()
         self.live, self.updates, self.latest_tag = live, updates, latest_tag
         self.held = {v for v in self.held if v <= live} | {live}
+        self._read_changes = self._pin_changes = None  # the state was replaced: no mark can be gone back to
         self._refresh()
 
     def in_flight(self) -> int:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Any, Callable, Mapping, Sequence
@@ -20,6 +22,12 @@ from ..schedule.periodic import PeriodicForm, periodic_form
 from ..schedule.schedule import Schedule
 
 Options = Mapping[str, Any]
+
+# Frozen dataclasses built once per action (reads, contexts) define their __init__ as one write of the
+# instance dictionary, which the dataclass keeps (it never replaces a class's own __init__); equality, hashing,
+# repr, replace() and pickling work on the fields as usual (tests/test_simulate_speed.py checks that each
+# such __init__ takes and sets exactly the fields, with their defaults).
+_set = object.__setattr__
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,12 @@ class WeightRead:
     other: int | None = None
     coef: float | None = None
 
+    def __init__(self, version: int, derivation: str | None = None, other: int | None = None,
+                 coef: float | None = None):
+        # The dataclass's own __init__, in one write instead of one frozen-bypassing setattr per field: every
+        # F and B makes a read.
+        _set(self, "__dict__", {"version": version, "derivation": derivation, "other": other, "coef": coef})
+
     def __str__(self) -> str:
         if self.derivation is None:
             return f"v{self.version}"
@@ -45,6 +59,21 @@ class WeightRead:
         if self.derivation == "predict":
             return f"v{self.version}~pred(s={self.coef:g})"
         return f"v{self.version}~corr(tau={self.coef:g})"
+
+
+_PLAIN_READS: dict[int, WeightRead] = {}
+_PLAIN_READS_KEPT = 64  # the versions in use at once are a few around the live ones
+
+
+def plain_read(version: int) -> WeightRead:
+    """``WeightRead(version)``, one object per version shared by every read of it (reads are immutable): the
+    read rules return one per F and B, most of them plain."""
+    read = _PLAIN_READS.get(version)
+    if read is None:
+        if len(_PLAIN_READS) >= _PLAIN_READS_KEPT:  # versions only grow: start again (a bounded table)
+            _PLAIN_READS.clear()
+        read = _PLAIN_READS[version] = WeightRead(version)
+    return read
 
 
 @dataclass(frozen=True)
@@ -59,6 +88,13 @@ class ReadContext:
     tag: int | None            # version assigned at stage 0 (vertical sync), carried with the data
     forward_version: int | None  # for B: the version this micro-batch's F read at this stage
     base: int = 0              # the stage's live version when the current schedule started (after a flush)
+
+    def __init__(self, stage: int, num_stages: int, microbatch: int, n_microbatches: int, live: int,
+                 tag: int | None, forward_version: int | None, base: int = 0):
+        # The dataclass's own __init__ in one write (see WeightRead.__init__): one context per F and B.
+        _set(self, "__dict__", {"stage": stage, "num_stages": num_stages, "microbatch": microbatch,
+                                "n_microbatches": n_microbatches, "live": live, "tag": tag,
+                                "forward_version": forward_version, "base": base})
 
 
 class ReadRule(ABC):
@@ -83,7 +119,7 @@ class Live(ReadRule):
     """The stage's current weights."""
 
     def resolve(self, ctx: ReadContext, options: Options) -> WeightRead:
-        return WeightRead(ctx.live)
+        return plain_read(ctx.live)
 
 
 @dataclass(frozen=True)
@@ -94,7 +130,7 @@ class SameAsForward(ReadRule):
 
     def resolve(self, ctx: ReadContext, options: Options) -> WeightRead:
         assert ctx.forward_version is not None, "SameAsForward is a backward rule"
-        return WeightRead(ctx.forward_version)
+        return plain_read(ctx.forward_version)
 
 
 @dataclass(frozen=True)
@@ -103,7 +139,7 @@ class StageZeroTag(ReadRule):
 
     def resolve(self, ctx: ReadContext, options: Options) -> WeightRead:
         assert ctx.tag is not None
-        return WeightRead(ctx.tag)
+        return plain_read(ctx.tag)
 
     def oldest_needed(self, stage: int, live: int, latest_tag: int | None) -> int:
         # Stage 0 hands out its live version as the tag. Later stages receive tags in non-decreasing order,
@@ -118,7 +154,7 @@ class MinibatchDelay(ReadRule):
     delay: int = 1
 
     def resolve(self, ctx: ReadContext, options: Options) -> WeightRead:
-        return WeightRead(ctx.base + max(ctx.microbatch // ctx.n_microbatches - self.delay, 0))
+        return plain_read(ctx.base + max(ctx.microbatch // ctx.n_microbatches - self.delay, 0))
 
     def oldest_needed(self, stage: int, live: int, latest_tag: int | None) -> int:
         return max(live - self.delay, 0)
@@ -157,7 +193,7 @@ class Interpolated(ReadRule):
     def resolve(self, ctx: ReadContext, options: Options) -> WeightRead:
         assert ctx.forward_version is not None
         if ctx.live == ctx.forward_version:
-            return WeightRead(ctx.live)
+            return plain_read(ctx.live)
         if options["degree"] == "timeprest":
             d = timeprest_version_difference(ctx.num_stages, ctx.n_microbatches)
         else:
@@ -169,9 +205,9 @@ class Interpolated(ReadRule):
                              "[0, 1] (outside it the backward would extrapolate past the stashed or the live weights)")
         # The end points are plain reads, exactly the live or the stashed weights (no rounding, no scratch).
         if alpha == 0.0:
-            return WeightRead(ctx.live)
+            return plain_read(ctx.live)
         if alpha == 1.0:
-            return WeightRead(ctx.forward_version)
+            return plain_read(ctx.forward_version)
         return WeightRead(ctx.live, "interpolate", ctx.forward_version, alpha)
 
 
@@ -190,7 +226,7 @@ class Predicted(ReadRule):
         override = options.get("lookahead")
         s = override[ctx.stage] if override is not None else self.horizon(ctx.stage, ctx.num_stages)
         if s == 0:
-            return WeightRead(ctx.live)
+            return plain_read(ctx.live)
         return WeightRead(ctx.live, "predict", coef=float(s))
 
 
@@ -202,7 +238,7 @@ class Corrected(ReadRule):
         assert ctx.forward_version is not None
         tau = ctx.live - ctx.forward_version
         if tau == 0:
-            return WeightRead(ctx.live)
+            return plain_read(ctx.live)
         return WeightRead(ctx.live, "correct", coef=float(tau))
 
 
@@ -246,13 +282,36 @@ def _option_type_problem(key: str, value: Any, default: Any) -> str | None:
     return None  # string options are checked against their allowed values
 
 
+_CONSTRAINT_ANSWERS: dict[tuple[Any, ...], str | None] = {}
+_CONSTRAINT_ANSWERS_KEPT = 1024
+
+
+def _constraint_answer(check: Callable[[int, int, Options], str | None], num_stages: int, n_microbatches: int,
+                       options: Options) -> str | None:
+    """``check(num_stages, n_microbatches, options)``, kept for hashable options (values keyed with their types,
+    so that ``1`` and ``1.0`` or ``True`` are told apart)."""
+    key = (check, num_stages, n_microbatches, tuple((k, type(v), v) for k, v in sorted(options.items())))
+    try:
+        return _CONSTRAINT_ANSWERS[key]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable option value (a list): asked every time
+        return check(num_stages, n_microbatches, options)
+    answer = check(num_stages, n_microbatches, options)
+    if len(_CONSTRAINT_ANSWERS) >= _CONSTRAINT_ANSWERS_KEPT:
+        _CONSTRAINT_ANSWERS.clear()
+    _CONSTRAINT_ANSWERS[key] = answer
+    return answer
+
+
 @dataclass(frozen=True)
 class AlgorithmSpec:
     """One algorithm, declared. See the modules next to this one for examples.
 
     ``update_every(n_microbatches, options)`` is the number of micro-batches whose gradients one update
     accumulates. ``defaults`` lists every option the algorithm accepts (anything else is rejected).
-    ``constraints`` are ``(num_stages, n_microbatches, options) -> error message or None``.
+    ``constraints`` are ``(num_stages, n_microbatches, options) -> error message or None``, functions of those
+    alone (their answers are kept: a check may build a schedule, and simulations configure algorithms often).
     ``lr_scale(stage, update_index, algorithm)`` scales the learning rate per stage (update_index from 0).
     ``velocity_decay(stage, algorithm)``, when set and not None for the stage, makes the stage keep a
     weight-velocity buffer ``delta = decay*delta + (1-decay)*(W_new - W_old)`` updated with every step
@@ -309,7 +368,7 @@ class AlgorithmSpec:
         if lookahead is not None and len(lookahead) != num_stages:
             raise ValueError(f"lookahead needs one horizon per stage ({num_stages}), got {len(lookahead)}")
         for check in self.constraints:
-            message = check(num_stages, n_microbatches, merged)
+            message = _constraint_answer(check, num_stages, n_microbatches, merged)
             if message:
                 raise ValueError(f"{self.name}: {message}")
         every = self.update_every(n_microbatches, merged)
@@ -350,6 +409,9 @@ class _Family:
 # the small bound; a warm-up is an int. Forms are immutable, safe to share between algorithms.
 _FORM_CACHE_SIZE = 8
 _WARMUP_CACHE_SIZE = 256
+# Schedules shorter than their warm-up, by their actions (16 stages x 64 micro-batches x 4 mini-batches: 8256
+# to 12352 actions, 2 to 3 MB with their positions).
+_SCHEDULE_CACHE_ACTIONS = 200_000
 
 
 @lru_cache(maxsize=_WARMUP_CACHE_SIZE)
@@ -373,13 +435,61 @@ def _find_periodic_form(family: _Family) -> PeriodicForm | None:
                          warmup=_cached(_find_warmup, family))
 
 
-def _cached(function: Callable[[_Family], Any], family: _Family) -> Any:
-    """``function(family)`` through its cache, or uncached when a schedule option's value is unhashable."""
+class _ScheduleCache:
+    """Schedules shorter than their family's warm-up, generated in full (see :meth:`Algorithm.schedule`),
+    least recently used first out, holding at most ``actions`` actions in all.
+
+    Simulations and a pipeline's first steps ask for the same few of these again and again, and generating
+    one costs about as much as simulating it. A schedule is immutable, so one object can serve every caller;
+    it also keeps what is derived from it (positions, validity; see ``Schedule``), so a cached schedule is
+    validated and indexed once. Some 200 bytes per action with those.
+    """
+
+    def __init__(self, actions: int):
+        self.actions = actions
+        self._held = 0
+        self._entries: OrderedDict[tuple[_Family, int], Schedule] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __call__(self, family: _Family, n_minibatches: int) -> Schedule:
+        key = (family, n_minibatches)
+        with self._lock:
+            schedule = self._entries.get(key)
+            if schedule is not None:
+                self._entries.move_to_end(key)
+                return schedule
+        schedule = family.generate(n_minibatches)
+        size = len(schedule)
+        if size <= self.actions:
+            with self._lock:
+                if key not in self._entries:
+                    self._entries[key] = schedule
+                    self._held += size
+                    while self._held > self.actions:
+                        _, dropped = self._entries.popitem(last=False)
+                        self._held -= len(dropped)
+        return schedule
+
+    def __wrapped__(self, family: _Family, n_minibatches: int) -> Schedule:
+        return family.generate(n_minibatches)
+
+    def cache_clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._held = 0
+
+
+_short_schedule = _ScheduleCache(_SCHEDULE_CACHE_ACTIONS)
+
+
+def _cached(function: Callable[..., Any], family: _Family, *args: Any) -> Any:
+    """``function(family, *args)`` through its cache, or uncached when a schedule option's value is
+    unhashable."""
     try:
         hash(family)
     except TypeError:
-        return function.__wrapped__(family)  # type: ignore[attr-defined]
-    return function(family)
+        return function.__wrapped__(family, *args)  # type: ignore[attr-defined]
+    return function(family, *args)
 
 
 @dataclass(frozen=True)
@@ -411,7 +521,9 @@ class Algorithm:
                 periodic = form.schedule(n_minibatches)
                 if periodic is not None:
                     return periodic
-        return family.generate(n_minibatches)
+            return family.generate(n_minibatches)
+        # Shorter than the warm-up: generated in full, and kept (see _short_schedule).
+        return _cached(_short_schedule, family, n_minibatches)
 
     def _generate(self, n_minibatches: int) -> Schedule:
         return self._family.generate(n_minibatches)
@@ -445,6 +557,13 @@ class Algorithm:
         if self.backward_rule == "stash":
             return forward_read
         return self.spec.backward.resolve(ctx, self.options)
+
+    @cached_property
+    def oldest_needed_is_live(self) -> bool:
+        """Whether :meth:`oldest_needed` is always the live version (neither read rule names older unpinned
+        versions), so that a version book need not ask it after every action."""
+        return type(self).oldest_needed is Algorithm.oldest_needed and all(
+            type(rule).oldest_needed is ReadRule.oldest_needed for rule in (self.spec.forward, self.spec.backward))
 
     def oldest_needed(self, stage: int, live: int, latest_tag: int | None) -> int:
         """Lowest version a future read at ``stage`` may name; older versions are kept only while pinned."""

@@ -32,13 +32,23 @@ from .. import _C
 from ..schedule.ir import Action, B, F, Kind, W
 from ..schedule.progress import positions, rank_cursor, runnable
 from ..schedule.schedule import Schedule, upstream
-from ..schedule.validate import ScheduleError
+from ..schedule.validate import ScheduleError, is_valid
 from .threads import StageThreads
-from .transport import LocalTransport, Transport
+from .transport import _STAGE_BITS, LocalTransport, Transport
 from .worker import ActionRecord, Message, StageWorker
 
 _RECHECKED = 64
+_KEY_SHIFT = _STAGE_BITS + 1  # LocalTransport's mailbox key: (micro-batch << _KEY_SHIFT) | (stage << 1) | (kind is B)
 _POLL = 0.05  # seconds between the caller's checks for Ctrl-C while it waits for a stage thread
+
+
+def _mailbox_of(transport: Transport) -> Any:
+    """The mailbox of a :class:`LocalTransport` whose ``ready`` and ``send`` are its class's (not a subclass's,
+    nor replaced on the object, which may add to them), else None: the hot path checks for and posts messages
+    there directly, under the transport's keys (one C call instead of two Python calls and one)."""
+    if type(transport) is not LocalTransport or "ready" in vars(transport) or "send" in vars(transport):
+        return None
+    return transport._mailbox  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -137,6 +147,7 @@ class Executor:
         self.rank_free = [0.0] * self.schedule.num_ranks
         # In-process mailboxes: a stage whose message is not there yet can wait for another stage's turn.
         self._local = isinstance(self.transport, LocalTransport)
+        self._mailbox = _mailbox_of(self.transport)
         self._index = positions(self.schedule)
         # Actions handed out: every stage will have run up to here once the stage threads settle (the
         # cursors are where each stage is now).
@@ -182,11 +193,14 @@ class Executor:
         with the rest while the caller works, and :meth:`settle` waits for them.
         """
         self._check_failure()
+        self._mailbox = _mailbox_of(self.transport)  # the transport may have been replaced since
         rows = self.schedule.stages
-        if (available is not None and self.threads is None and self._local
-                and len(self.workers) == self.schedule.num_stages):
+        if (self.threads is None and self._local and len(self.workers) == self.schedule.num_stages
+                and (available is not None
+                     or (self.needs is None and is_valid(self.schedule) and not any(self.planned)))):
             # Every stage is here and runs on this thread: the dependency closure is what running in turn
             # until no rank can go on reaches, so it need not be computed first (a walk over every action).
+            # Without ``available`` the schedule must finish: a validated schedule does, from its start.
             try:
                 with self._on_calling_thread():
                     self._run_in_turn(None, available)
@@ -267,6 +281,7 @@ class Executor:
         last = self.schedule.num_stages - 1
         ready, needs, cursor, lane_cursor, workers, execute = self.transport.ready, self.needs, self.cursor, \
             self.lane_cursor, self.workers, self._execute
+        contains = None if self._mailbox is None else self._mailbox.contains
         progressed = True
         while progressed:
             progressed = False
@@ -283,9 +298,12 @@ class Executor:
                     if kind is F:
                         if available is not None and action.index >= available:
                             break
-                        if s > 0 and not ready(s, F, action.index):
+                        if s > 0 and not (ready(s, F, action.index) if contains is None
+                                          else contains(action.index << _KEY_SHIFT | s << 1)):
                             break
-                    elif kind is B and s < last and not ready(s, B, action.index + action.count - 1):
+                    elif kind is B and s < last and not (
+                            ready(s, B, action.index + action.count - 1) if contains is None
+                            else contains((action.index + action.count - 1) << _KEY_SHIFT | s << 1 | 1)):
                         break
                     if needs is not None and not all(
                             self._index[n] < cursor[n[0]] for n in needs(action) if n[0] in workers):
@@ -402,9 +420,10 @@ class Executor:
     def _execute(self, action: Action) -> None:
         """Run one action on its stage's worker and hand its messages on. An action that raises is noted in
         ``failed_actions``, with whether it left no trace. (One method: this runs once per action.)"""
-        worker = self.workers[action.stage]
+        s = action.stage
+        worker = self.workers[s]
         try:
-            s, last = action.stage, self.schedule.num_stages - 1
+            last = self.schedule.num_stages - 1
             kind = action.kind
             transport = self.transport
             rank = self._rank[s]
@@ -419,37 +438,50 @@ class Executor:
                         transport.give_back(s, F, action.index, incoming)  # the action can run again: give its input back
                     raise
                 end = start + costs.forward[s]
+                self.rank_free[rank] = end
+                if s < last:
+                    out.ready_at = end + (costs.send if self._rank[s + 1] != rank else 0.0)
+                    if self._mailbox is None:
+                        transport.send(s + 1, F, action.index, out)
+                    else:
+                        self._mailbox.put(action.index << _KEY_SHIFT | (s + 1) << 1, out)
             elif kind is B:
-                microbatches = action.microbatches  # a property that builds a range: once per action
-                incoming = self._receive_gradients(s, microbatches) if s < last else [Message() for _ in microbatches]
-                start = max([self.rank_free[rank]] + [m.ready_at for m in incoming])
+                if action.count == 1:  # one micro-batch: its gradient, without the lists of several
+                    k = action.index
+                    incoming = [transport.receive(s, B, k) if s < last else Message()]
+                    start = max(self.rank_free[rank], incoming[0].ready_at)
+                else:
+                    microbatches = action.microbatches  # a property that builds a range: once per action
+                    incoming = self._receive_gradients(s, microbatches) if s < last else [Message() for _ in microbatches]
+                    start = max([self.rank_free[rank]] + [m.ready_at for m in incoming])
                 try:
                     outs, record = worker.backward(action, incoming)
                 except BaseException:
                     if worker.failed_cleanly and s < last:
-                        for k, m in zip(microbatches, incoming):
+                        for k, m in zip(action.microbatches, incoming):
                             transport.give_back(s, B, k, m)
                     raise
-                end = start + (costs.backward[s] + (0.0 if self._split[s] else costs.weight[s])) * action.count
+                split = self._split[s]
+                end = start + (costs.backward[s] + (0.0 if split else costs.weight[s])) * action.count
+                self.rank_free[rank] = end
+                if s > 0:
+                    ready_at = end + (costs.send if self._rank[s - 1] != rank else 0.0)
+                    for k, m in zip(action.microbatches if action.count > 1 else (action.index,), outs):
+                        m.ready_at = ready_at
+                        if self._mailbox is None:
+                            transport.send(s - 1, B, k, m)
+                        else:
+                            self._mailbox.put(k << _KEY_SHIFT | (s - 1) << 1 | 1, m)
+                if not split:
+                    worker.finish_backward()  # after the send: the upstream stage waits only for the input gradient
             elif kind is W:
                 start = self.rank_free[rank]
                 record = worker.weight(action)
-                end = start + costs.weight[s]
+                end = self.rank_free[rank] = start + costs.weight[s]
             else:
                 start = self.rank_free[rank]
                 record = worker.update(action)
-                end = start + costs.update[s]
-            self.rank_free[rank] = end
-            if kind is F and s < last:
-                out.ready_at = end + (costs.send if self._rank[s + 1] != rank else 0.0)
-                transport.send(s + 1, F, action.index, out)
-            elif kind is B and s > 0:
-                ready_at = end + (costs.send if self._rank[s - 1] != rank else 0.0)
-                for k, m in zip(microbatches, outs):
-                    m.ready_at = ready_at
-                    transport.send(s - 1, B, k, m)
-            if kind is B and not self._split[s]:
-                worker.finish_backward()  # after the send: the upstream stage waits only for the input gradient
+                end = self.rank_free[rank] = start + costs.update[s]
             event = Event(action, start, end, record)
             if self.keep_events:
                 self.events.append(event)

@@ -39,7 +39,12 @@ class ActionRecord:
 
 
 class StageWorker:
-    """Runs one stage's actions. Subclasses override the ``compute_*`` hooks to do real work."""
+    """Runs one stage's actions. Subclasses override the ``compute_*`` hooks to do real work.
+
+    ``running``, ``action_range``, ``accept`` and ``stamp`` are overridden in a subclass, not set on an object:
+    a worker whose class keeps the no-op ``action_range``, ``accept`` and ``stamp`` skips them (and what it
+    would build only for them) on every action.
+    """
 
     def __init__(self, algorithm: Algorithm, stage: int):
         self.algorithm = algorithm
@@ -55,6 +60,11 @@ class StageWorker:
         #: where it was, so it can run again).
         self.last_action: Action | None = None
         self.failed_cleanly = False
+        # Whether this class keeps the default no-op action_range, accept and stamp (the symbolic stage): the
+        # actions then skip them, and the per-micro-batch objects made only for them.
+        cls = type(self)
+        self._bare = (cls.action_range is StageWorker.action_range and cls.accept is StageWorker.accept
+                      and cls.stamp is StageWorker.stamp)
 
     # Hooks: the symbolic stage does no compute.
     def compute_forward(self, action: Action, read: WeightRead, payload: Any) -> Any:
@@ -96,43 +106,66 @@ class StageWorker:
 
     # The version logic, shared by every kind of stage.
     def forward(self, action: Action, message: Message) -> tuple[Message, ActionRecord]:
-        live = self.book.live
+        book = self.book
+        live = book.live
         # _begin, inline: this runs once per action.
         self.last_action, self.mutated, self.failed_cleanly = action, False, False
-        mark = self.book.mark()
+        mark = book.mark()
+        k = action.index
         try:
-            read, tag = self.book.forward(action.index, message.tag)
-            with self.action_range(action, {action.index: read}):
-                payload = self.compute_forward(action, read, self.accept(message))
+            read, tag = book.forward(k, message.tag)
+            if self._bare:
+                payload = self.compute_forward(action, read, message.payload)
+            else:
+                with self.action_range(action, {k: read}):
+                    payload = self.compute_forward(action, read, self.accept(message))
         except BaseException:
             self._failed(mark)
             raise
-        return self.stamp(Message(payload, tag)), ActionRecord({action.index: read}, live=live)
+        out = Message(payload, tag)
+        return out if self._bare else self.stamp(out), ActionRecord({k: read}, live=live)
 
     def backward(self, action: Action, messages: Sequence[Message]) -> tuple[list[Message], ActionRecord]:
-        live = self.book.live
+        book = self.book
+        live = book.live
         every = self.algorithm.update_every
-        microbatches = action.microbatches  # a property that builds a range: once per action
         poisoned = self.poisoned_groups
-        for k, m in zip(microbatches, messages):
-            if m.poisoned:
+        if action.count == 1 and len(messages) == 1:  # the common case, without the per-micro-batch lists
+            k = action.index
+            if messages[0].poisoned:
                 poisoned.add(k // every)
-        # _begin, inline: this runs once per action.
-        self.last_action, self.mutated, self.failed_cleanly = action, False, False
-        mark = self.book.mark()
-        try:
-            book = self.book
-            if len(microbatches) == 1:  # the common case, without the per-micro-batch lists
-                k = microbatches[0]
+            # _begin, inline: this runs once per action.
+            self.last_action, self.mutated, self.failed_cleanly = action, False, False
+            mark = book.mark()
+            try:
                 read, forward_read = book.backward(k)
                 reads, forward_reads = [read], [forward_read]
                 record = ActionRecord({k: read}, {k: forward_read}, live=live)
-            else:
-                pairs = [book.backward(k) for k in microbatches]
-                reads = [p[0] for p in pairs]
-                forward_reads = [p[1] for p in pairs]
-                record = ActionRecord(dict(zip(microbatches, reads)), dict(zip(microbatches, forward_reads)),
-                                      live=live)
+                if self._bare:
+                    payloads = self.compute_backward(action, reads, forward_reads, [messages[0].payload])
+                else:
+                    with self.action_range(action, record.reads):
+                        payloads = self.compute_backward(action, reads, forward_reads, [self.accept(messages[0])])
+            except BaseException:
+                self._failed(mark)
+                raise
+            book.release_backward()
+            if not payloads:
+                return [], record
+            out = Message(payloads[0], poisoned=k // every in poisoned)
+            return [out if self._bare else self.stamp(out)], record
+        microbatches = action.microbatches  # a property that builds a range: once per action
+        for k, m in zip(microbatches, messages):
+            if m.poisoned:
+                poisoned.add(k // every)
+        self.last_action, self.mutated, self.failed_cleanly = action, False, False
+        mark = book.mark()
+        try:
+            pairs = [book.backward(k) for k in microbatches]
+            reads = [p[0] for p in pairs]
+            forward_reads = [p[1] for p in pairs]
+            record = ActionRecord(dict(zip(microbatches, reads)), dict(zip(microbatches, forward_reads)),
+                                  live=live)
             with self.action_range(action, record.reads):
                 payloads = self.compute_backward(action, reads, forward_reads, [self.accept(m) for m in messages])
         except BaseException:
@@ -153,8 +186,11 @@ class StageWorker:
         live = self.book.live
         self.last_action, self.mutated, self.failed_cleanly = action, False, False
         try:
-            with self.action_range(action, {}):
+            if self._bare:
                 self.compute_weight(action)
+            else:
+                with self.action_range(action, {}):
+                    self.compute_weight(action)
         except BaseException:
             self.failed_cleanly = not self.mutated
             raise
@@ -178,8 +214,11 @@ class StageWorker:
                     f"version {info.new_version}; the schedule "
                     "and the stage disagree on the update count"
                 )
-            with self.action_range(action, {}):
+            if self._bare:
                 self.compute_update(action, info)
+            else:
+                with self.action_range(action, {}):
+                    self.compute_update(action, info)
         except BaseException:
             self._failed(mark)
             raise

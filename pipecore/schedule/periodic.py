@@ -47,7 +47,17 @@ class Shift:
 
 def microbatch_positions(row: Sequence[Action]) -> dict[_Key, int]:
     """(kind, micro-batch) -> position, for every micro-batch an action covers (updates cover none)."""
-    return {(a.kind, k): i for i, a in enumerate(row) for k in a.microbatches}
+    table: dict[_Key, int] = {}
+    for i, a in enumerate(row):  # a.microbatches, unrolled: this indexes every action of a schedule
+        kind = a.kind
+        if kind is U:
+            continue
+        if a.count == 1:
+            table[(kind, a.index)] = i
+        else:
+            for k in range(a.index, a.index + a.count):
+                table[(kind, k)] = i
+    return table
 
 
 class PeriodicRow(Sequence[Action]):

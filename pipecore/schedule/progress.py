@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from .ir import Action, F, Kind
+from .ir import Action, B, F, Kind
 from .periodic import PeriodicRow, microbatch_positions
-from .schedule import Schedule, upstream
+from .schedule import Schedule, immutable
 
 
 class Positions:
@@ -41,8 +41,13 @@ class Positions:
 
 
 def positions(schedule: Schedule) -> Positions:
-    """The :class:`Positions` index of ``schedule``."""
-    return Positions(schedule)
+    """The :class:`Positions` index of ``schedule`` (built once per schedule whose lists cannot change)."""
+    cached = schedule.__dict__.get("_positions")
+    if cached is None:
+        cached = Positions(schedule)
+        if immutable(schedule):
+            schedule.__dict__["_positions"] = cached  # as functools.cached_property keeps its values
+    return cached
 
 
 def runnable(
@@ -61,28 +66,7 @@ def runnable(
     an update), as ``(stage, kind, micro-batch)``.
     """
     index = positions(schedule) if index is None else index
-    P = schedule.num_stages
-    cur = list(cursors)
-    if schedule.ranks is not None:
-        return _runnable_ranks(schedule, cur, available, index, needs)
-    rows = schedule.stages
-    progressed = True
-    while progressed:
-        progressed = False
-        for s in range(P):
-            row = rows[s]
-            while cur[s] < len(row):
-                a = row[cur[s]]
-                if available is not None and a.kind is F and a.index >= available:
-                    break
-                need = upstream(a, P)
-                if need is not None and not index[need] < cur[need[0]]:
-                    break
-                if needs is not None and not all(index[n] < cur[n[0]] for n in needs(a)):
-                    break
-                cur[s] += 1
-                progressed = True
-    return cur
+    return _advance(schedule, list(cursors), available, index, needs)
 
 
 def rank_cursor(schedule: Schedule, cursors: Sequence[int], rank: int) -> int:
@@ -93,26 +77,47 @@ def rank_cursor(schedule: Schedule, cursors: Sequence[int], rank: int) -> int:
     return sum(cursors[s] for s in schedule.stages_of(rank))
 
 
-def _runnable_ranks(schedule: Schedule, cur: list[int], available: int | None, index: Positions,
-                    needs: Callable[[Action], Sequence[tuple[int, Kind, int]]] | None) -> list[int]:
-    """:func:`runnable` for several stages per rank: each rank goes down its own list, in its order."""
+def _advance(schedule: Schedule, cur: list[int], available: int | None, index: Positions,
+             needs: Callable[[Action], Sequence[tuple[int, Kind, int]]] | None) -> list[int]:
+    """:func:`runnable`: each rank (each stage, without ``ranks``) goes down its own list, in its order, while
+    its next action's upstream work (see :func:`~pipecore.schedule.schedule.upstream`, looked up inline: this
+    runs once per action) has run."""
     P = schedule.num_stages
     rows = schedule.rank_rows
-    at = [rank_cursor(schedule, cur, r) for r in range(len(rows))]
+    stage_rows = schedule.stages
+    # Each rank's position in its list; without ranks, a stage's cursor is its rank's.
+    at = cur if schedule.ranks is None else [rank_cursor(schedule, cur, r) for r in range(len(rows))]
+    tables = index._tables if type(index) is Positions else None  # Positions.get, inline
     progressed = True
     while progressed:
         progressed = False
         for r, row in enumerate(rows):
-            while at[r] < len(row):
+            end = len(row)
+            while at[r] < end:
                 a = row[at[r]]
-                if available is not None and a.kind is F and a.index >= available:
-                    break
-                need = upstream(a, P)
-                if need is not None and not index[need] < cur[need[0]]:
-                    break
+                kind = a.kind
+                if kind is F:
+                    if available is not None and a.index >= available:
+                        break
+                    u, k = a.stage - 1, a.index  # -1 at stage 0: no upstream
+                elif kind is B and a.stage < P - 1:
+                    u, k = a.stage + 1, a.index + a.count - 1
+                else:
+                    u = -1
+                if u >= 0:  # upstream(a, P) is (u, kind, k)
+                    if tables is None:
+                        i = index[(u, kind, k)]
+                    else:
+                        table = tables[u]
+                        i = table.get((kind, k)) if table is not None else stage_rows[u].position(kind, k)
+                        if i is None:
+                            raise KeyError((u, kind, k))
+                    if not i < cur[u]:
+                        break
                 if needs is not None and not all(index[n] < cur[n[0]] for n in needs(a)):
                     break
+                if at is not cur:
+                    at[r] += 1
                 cur[a.stage] += 1
-                at[r] += 1
                 progressed = True
     return cur

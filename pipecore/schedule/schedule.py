@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Collection, Iterable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 from .ir import Action, B, F, Kind, U, W
 
@@ -52,17 +52,31 @@ class Schedule:
     @property
     def placement(self) -> tuple[int, ...]:
         """The rank of every stage."""
-        if self.ranks is None:
-            return tuple(range(self.num_stages))
-        return _placement(self)
+        return self._derived("_placement", _placement)
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages rank ``rank`` runs, in increasing order."""
+        if 0 <= rank < self.num_ranks:
+            return self._derived("_rank_stages", _rank_stages)[rank]
         return tuple(s for s, r in enumerate(self.placement) if r == rank)
 
     def splits_backward(self, stage: int) -> bool:
         """Whether ``stage``'s list splits backwards into ``B`` (input gradient) and ``W`` (weight gradients)."""
-        return _splits(self, stage)
+        return self._derived("_splits", _splits)[stage]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # What is kept on the schedule (see _derived) is rebuilt where needed rather than pickled.
+        return {k: v for k, v in self.__dict__.items() if k in _FIELDS}
+
+    def _derived(self, name: str, compute: Callable[["Schedule"], Any]) -> Any:
+        """``compute(self)``, kept on the schedule (as ``functools.cached_property`` keeps its values) when its
+        lists cannot change."""
+        value = self.__dict__.get(name)
+        if value is None:
+            value = compute(self)
+            if immutable(self):
+                self.__dict__[name] = value
+        return value
 
     @classmethod
     def from_strings(
@@ -163,6 +177,9 @@ class Schedule:
         return Schedule(self.num_stages, self.n_microbatches, self.n_minibatches, tuple(stages), ranks)
 
 
+_FIELDS = frozenset(f.name for f in fields(Schedule))
+
+
 def _merge_updates(row: Sequence[Action], stages: Sequence[Sequence[Action]], every: int) -> tuple[Action, ...]:
     """Rank list ``row`` with the updates of ``stages`` (lists with updates) put in: a stage's update after its
     group's last action, and after every other action of the rank on micro-batches of that group or earlier."""
@@ -184,7 +201,18 @@ def _merge_updates(row: Sequence[Action], stages: Sequence[Sequence[Action]], ev
     return tuple(merged + pending)
 
 
+def immutable(schedule: Schedule) -> bool:
+    """Whether ``schedule``'s lists cannot change (tuples, or periodic rows): then what is derived from them
+    (positions, validity) may be kept on the schedule object."""
+    from .periodic import PeriodicRow
+
+    return all(type(row) is tuple or isinstance(row, PeriodicRow)
+               for row in (schedule.stages if schedule.ranks is None else schedule.stages + schedule.ranks))
+
+
 def _placement(schedule: Schedule) -> tuple[int, ...]:
+    if schedule.ranks is None:
+        return tuple(range(schedule.num_stages))
     placement = [-1] * schedule.num_stages
     for r, row in enumerate(schedule.rank_rows):
         for a in row:
@@ -195,11 +223,16 @@ def _placement(schedule: Schedule) -> tuple[int, ...]:
     return tuple(placement)
 
 
-def _splits(schedule: Schedule, stage: int) -> bool:
+def _rank_stages(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
+    placement = schedule.placement
+    return tuple(tuple(s for s, r in enumerate(placement) if r == rank) for rank in range(schedule.num_ranks))
+
+
+def _splits(schedule: Schedule) -> tuple[bool, ...]:
     # A stage that splits does so from its first mini-batch, whose actions (m each of F, B and W, and its
     # updates) come first in its list: a bounded scan, so that a long periodic list is not walked.
-    row = schedule.stages[stage]
-    return any(a.kind is W for a in row[:4 * schedule.n_microbatches + 4])
+    n = 4 * schedule.n_microbatches + 4
+    return tuple(any(a.kind is W for a in row[:n]) for row in schedule.stages)
 
 
 def upstream(action: Action, num_stages: int) -> tuple[int, Kind, int] | None:

@@ -6,7 +6,7 @@ from typing import Sequence
 
 from .ir import Action, B, F, Kind, U, W
 from .progress import rank_cursor, runnable
-from .schedule import Schedule, upstream
+from .schedule import Schedule, immutable, upstream
 
 
 class ScheduleError(ValueError):
@@ -37,7 +37,11 @@ def validate(schedule: Schedule) -> Schedule:
     after its ``B``; multi-micro-batch backwards cover the same ranges on every stage; updates are numbered
     1, 2, 3, ...; with several stages per rank, each stage is on one rank whose list holds its actions in the
     stage's order; and the lists can run to completion (no dependency cycle between stages or within a rank).
+    A schedule whose lists cannot change (tuples or periodic rows) is checked once: validating it again
+    returns at once.
     """
+    if schedule.__dict__.get("_valid"):
+        return schedule  # checked before, and its lists cannot change (see below)
     P = schedule.num_stages
     if len(schedule.stages) != P:
         raise ScheduleError(f"schedule declares {P} stages but has {len(schedule.stages)} rows", schedule)
@@ -107,7 +111,14 @@ def validate(schedule: Schedule) -> Schedule:
     if schedule.ranks is not None:
         _check_ranks(schedule)
     _check_runs_to_completion(schedule)
+    if immutable(schedule):
+        schedule.__dict__["_valid"] = True  # as functools.cached_property keeps its values
     return schedule
+
+
+def is_valid(schedule: Schedule) -> bool:
+    """Whether :func:`validate` accepted ``schedule`` (this object, whose lists cannot change) before."""
+    return schedule.__dict__.get("_valid", False)
 
 
 def _check_ranks(schedule: Schedule) -> None:

@@ -207,7 +207,7 @@ def test_bad_common_sizes(family):
     v = 2 if family in V_SHAPED else 1
     for args, word in [((0, 8), "num_stages"), ((4, 0), "n_microbatches"), ((4, 8, 0), "n_minibatches"),
                        ((4.0, 8), "num_stages"), ((4, True), "n_microbatches")]:
-        with pytest.raises(ValueError, match=f"{word} must be an integer >= 1"):
+        with pytest.raises(ValueError, match=f"{word} must be (an integer )?>= 1"):
             family(*args, stages_per_rank=v)
     with pytest.raises(ValueError, match="stages_per_rank"):
         family(4, 8, stages_per_rank=0)

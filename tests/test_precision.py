@@ -29,8 +29,13 @@ def data(steps: int = 3, dtype: torch.dtype = torch.float32) -> list[tuple[torch
     return [(torch.randn(8, 5, generator=g).to(dtype), torch.randint(0, 3, (8,), generator=g)) for _ in range(steps)]
 
 
+def stages(algorithm: str) -> int:
+    """3 stages, or 4 for the V placements (two stages on each rank)."""
+    return 4 if algorithm in ("zb-v", "dualpipe-v") else 3
+
+
 def train(model: nn.Module, algorithm: str, batches, **kw) -> tuple[list[float], dict]:
-    pipe = Pipeline(model, 3, algorithm, M, loss_fn=nn.CrossEntropyLoss(), **kw)
+    pipe = Pipeline(model, stages(algorithm), algorithm, M, loss_fn=nn.CrossEntropyLoss(), **kw)
     losses = [pipe.step(x, y) for x, y in batches]
     pipe.flush()
     return losses, pipe.state_dict()
@@ -116,7 +121,8 @@ def test_autocast_must_be_a_floating_dtype():
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 def test_bfloat16_weights_train_with_float32_optimizer_state(algorithm, opt):
     optimizer = SGD(lr=0.05, momentum=0.9) if opt == "sgd" else AdamW(lr=1e-3)
-    pipe = Pipeline(mlp(torch.bfloat16), 3, algorithm, M, optimizer=optimizer, loss_fn=nn.CrossEntropyLoss())
+    pipe = Pipeline(mlp(torch.bfloat16), stages(algorithm), algorithm, M, optimizer=optimizer,
+                    loss_fn=nn.CrossEntropyLoss())
     before = {k: v.clone() for k, v in pipe.state_dict().items() if k != "pipecore"}
     losses = [pipe.step(x, y) for x, y in data(dtype=torch.bfloat16)]
     pipe.flush()

@@ -188,3 +188,21 @@ def test_microbatches_not_a_multiple_of_the_ranks_is_refused():
     with pytest.raises(ValueError, match="n_microbatches .* must be a multiple"):
         Pipeline(TiedMLP(), 8, "interleaved-1f1b", 6, loss_fn=nn.CrossEntropyLoss(), partition=cuts(8),
                  stages_per_rank=2)
+
+
+def test_a_weight_action_right_after_its_backward_is_computed_in_one_pass(monkeypatch):
+    """Where a rank runs a B and then at once its own W (no earlier W pending), the stage computes both in one
+    autograd pass: fewer split backwards than B actions, and the same training (test_equals_sequential_training)."""
+    import pipecore.engine.stage as stage_module
+
+    calls = []
+    real = stage_module.input_gradient
+    monkeypatch.setattr(stage_module, "input_gradient", lambda *a, **k: calls.append(1) or real(*a, **k))
+    pipe = pipeline("dualpipe-v", 4, 2, concurrent=False)
+    rows = pipe.algorithm.schedule(1).rank_rows
+    adjacent = sum(1 for row in rows for a, b in zip(row, row[1:])
+                   if a.kind.value == "B" and b.kind is W and (a.stage, a.index) == (b.stage, b.index) and a.stage > 0)
+    splittable = sum(1 for row in rows for a in row if a.kind.value == "B" and a.stage > 0)  # stage 0 sends nothing
+    assert adjacent > 0
+    pipe.step(*data(1)[0])
+    assert splittable - adjacent <= len(calls) < splittable

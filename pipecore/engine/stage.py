@@ -413,7 +413,11 @@ class TensorStage(StageWorker):
                     continue
                 # Only the action's last micro-batch defers: an earlier one's derived weights (scratch) are
                 # overwritten by the next micro-batch's read. Split backwards take one tensor in and one out.
-                if ((self.split_backward or self.weight_actions) and len(wanted) == 1 and len(inputs) == 1
+                # A W that follows at once, with no earlier W pending (the gradients then still add in micro-batch
+                # order): one full backward costs less than the two passes of a split one.
+                at_once = self.weights_at_once and not self._deferred
+                defer = self.split_backward or (self.weight_actions and not at_once)
+                if (defer and len(wanted) == 1 and len(inputs) == 1
                         and len(tensors) == 1 and graph.leaves and k == microbatches[-1]):
                     self._committed(k)
                     with rule.reading(graph.weights):

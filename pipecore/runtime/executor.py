@@ -454,6 +454,13 @@ class Executor:
                     microbatches = action.microbatches  # a property that builds a range: once per action
                     incoming = self._receive_gradients(s, microbatches) if s < last else [Message() for _ in microbatches]
                     start = max([self.rank_free[rank]] + [m.ready_at for m in incoming])
+                if self._split[s]:
+                    # Whether this B's own W comes next on the rank (see StageWorker.weights_at_once).
+                    row = self.schedule.rank_rows[rank]
+                    i = self.lane_cursor[rank] + 1
+                    following = row[i] if i < len(row) else None
+                    worker.weights_at_once = (following is not None and following.kind is W
+                                              and following.stage == s and following.index == action.index)
                 try:
                     outs, record = worker.backward(action, incoming)
                 except BaseException:

@@ -60,6 +60,9 @@ class StageWorker:
         #: where it was, so it can run again).
         self.last_action: Action | None = None
         self.failed_cleanly = False
+        #: Set by the executor before a backward whose W comes right after it on the rank: the stage may compute
+        #: the weight gradients in the backward itself (one autograd pass instead of two).
+        self.weights_at_once = False
         # Whether this class keeps the default no-op action_range, accept and stamp (the symbolic stage): the
         # actions then skip them, and the per-micro-batch objects made only for them.
         cls = type(self)

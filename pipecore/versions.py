@@ -34,8 +34,9 @@ class BookMark(NamedTuple):
     updates: int
     held: AbstractSet[int]  # not to be changed (the book's own set, which it replaces rather than changes)
     latest_tag: int | None
-    read_changes: list[tuple[int, WeightRead | None]]  # (micro-batch, its forward read before; None: none)
-    pin_changes: list[tuple[int, int | None]]  # (version, its pin count before; None: no entry)
+    # (micro-batch, its in-flight forward read before, after; None: none): a forward sets one (and pins its
+    # version), a backward takes one away (and unpins it).
+    changes: list[tuple[int, WeightRead | None, WeightRead | None]]
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,11 @@ class VersionBook:
         self._resolve_forward = algorithm.spec.forward.resolve if plain else None
         self._resolve_backward = algorithm.spec.backward.resolve if plain and not self._stash else None
         self._unscaled = plain and algorithm.spec.lr_scale is None  # Algorithm.lr_scale is 1.0
-        # The latest mark's journals (see BookMark); None: no mark to go back to.
-        self._read_changes: list[tuple[int, WeightRead | None]] | None = None
-        self._pin_changes: list[tuple[int, int | None]] | None = None
+        # The latest mark's journal (see BookMark); None: no mark to go back to.
+        self._changes: list[tuple[int, WeightRead | None, WeightRead | None]] | None = None
+        # What every read context of this stage holds besides the action's own (see forward).
+        self._num_stages, self._n_microbatches, self._options = (algorithm.num_stages, algorithm.n_microbatches,
+                                                                 algorithm.options)
         # What the last _refresh left: the held set (the object) and a version older than which every held
         # version was pinned. While the held set is that object, a refresh need look only at the versions whose
         # pin count has dropped to zero since (_unpinned) and at those from there up to the oldest still needed.
@@ -102,13 +105,7 @@ class VersionBook:
         self.updates = updates
         self.held = {live}
         self.pins.clear()
-        self._read_changes = self._pin_changes = None  # the state was replaced: no mark can be gone back to
-
-    def _context(self, microbatch: int, tag: int | None, forward_version: int | None) -> ReadContext:
-        a = self.algorithm
-        return ReadContext(
-            self.stage, a.num_stages, microbatch, a.n_microbatches, self.live, tag, forward_version, self.base
-        )
+        self._changes = None  # the state was replaced: no mark can be gone back to
 
     def _check_held(self, read: WeightRead, what: str) -> None:
         for v in (read.version, read.other):
@@ -176,51 +173,48 @@ class VersionBook:
             tag = self.live
         latest = self.latest_tag
         self.latest_tag = tag if latest is None or tag > latest else latest
-        a = self.algorithm
-        ctx = ReadContext(self.stage, a.num_stages, microbatch, a.n_microbatches, self.live, tag, None, self.base)
+        ctx = ReadContext(self.stage, self._num_stages, microbatch, self._n_microbatches, self.live, tag, None,
+                          self.base)
         resolve = self._resolve_forward
-        read = a.forward_read(ctx) if resolve is None else resolve(ctx, a.options)
+        read = self.algorithm.forward_read(ctx) if resolve is None else resolve(ctx, self._options)
         held = self.held
         if read.version not in held or (read.other is not None and read.other not in held):
             self._check_held(read, f"F of micro-batch {microbatch}")
         forward_reads = self.forward_reads
-        if self._read_changes is not None:
-            self._read_changes.append((microbatch, forward_reads.get(microbatch)))
+        if self._changes is not None:
+            self._changes.append((microbatch, forward_reads.get(microbatch), read))
         forward_reads[microbatch] = read
         if self._pins_forward:
             pins = self.pins
-            count = pins.get(read.version)
-            if self._pin_changes is not None:
-                self._pin_changes.append((read.version, count))
-            pins[read.version] = 1 if count is None else count + 1
+            pins[read.version] = pins.get(read.version, 0) + 1
         self._refresh()
         return read, tag
 
     def backward(self, microbatch: int) -> tuple[WeightRead, WeightRead]:
         """Resolve the backward read of ``microbatch``; returns ``(backward read, forward read)``."""
-        forward_read = self.forward_reads.pop(microbatch, None)
+        forward_reads = self.forward_reads
+        forward_read = forward_reads.get(microbatch)
         if forward_read is None:
             raise VersionError(f"stage {self.stage}: backward of micro-batch {microbatch} before its forward")
-        if self._read_changes is not None:
-            self._read_changes.append((microbatch, forward_read))
         if self._stash:  # Algorithm.backward_read's answer, without the context it does not look at
             read = forward_read
         else:
-            a = self.algorithm
-            ctx = ReadContext(self.stage, a.num_stages, microbatch, a.n_microbatches, self.live, None,
+            ctx = ReadContext(self.stage, self._num_stages, microbatch, self._n_microbatches, self.live, None,
                               forward_read.version, self.base)
             resolve = self._resolve_backward
-            read = a.backward_read(ctx, forward_read) if resolve is None else resolve(ctx, a.options)
+            read = (self.algorithm.backward_read(ctx, forward_read) if resolve is None
+                    else resolve(ctx, self._options))
         held = self.held
         if read.version not in held or (read.other is not None and read.other not in held):
             self._check_held(read, f"B of micro-batch {microbatch}")
+        # The read is settled: the micro-batch leaves the in-flight ones (nothing below raises).
+        del forward_reads[microbatch]
+        if self._changes is not None:
+            self._changes.append((microbatch, forward_read, None))
         if self._pins_forward:
             pins = self.pins
             version = forward_read.version
-            count = pins.get(version)
-            if self._pin_changes is not None:
-                self._pin_changes.append((version, count))
-            left = (0 if count is None else count) - 1
+            left = pins.get(version, 0) - 1
             if left:
                 pins[version] = left
             else:
@@ -252,32 +246,32 @@ class VersionBook:
         # tuple.__new__: the named tuple without its Python-level __new__ (this runs before every action). The
         # held set is replaced, never changed in place, so the mark can share it; the in-flight reads and the
         # pins are journaled from here on rather than copied (a stage may have dozens of micro-batches in flight).
-        reads: list[tuple[int, WeightRead | None]] = []
-        pins: list[tuple[int, int | None]] = []
-        self._read_changes, self._pin_changes = reads, pins
-        return _new_tuple(BookMark, (self.live, self.updates, self.held, self.latest_tag, reads, pins))
+        changes: list[tuple[int, WeightRead | None, WeightRead | None]] = []
+        self._changes = changes
+        return _new_tuple(BookMark, (self.live, self.updates, self.held, self.latest_tag, changes))
 
     def rewind(self, mark: BookMark) -> None:
         """Go back to ``mark``, the latest (an action that failed before it changed anything else is undone this
         way)."""
-        if mark.read_changes is not self._read_changes or mark.pin_changes is not self._pin_changes:
+        if mark.changes is not self._changes:
             raise ValueError(f"stage {self.stage}: a version book goes back to its latest mark only, and not across "
                              "a discard or a load")
         self.live, self.updates, self.latest_tag = mark.live, mark.updates, mark.latest_tag
         self.held = set(mark.held)
-        forward_reads, pins = self.forward_reads, self.pins
-        for k, read in reversed(mark.read_changes):
-            if read is None:
+        forward_reads, pins, pinning = self.forward_reads, self.pins, self._pins_forward
+        for k, before, after in reversed(mark.changes):
+            if before is None:
                 forward_reads.pop(k, None)
             else:
-                forward_reads[k] = read
-        for version, count in reversed(mark.pin_changes):
-            if count is None:
-                pins.pop(version, None)
-            else:
-                pins[version] = count
-        mark.read_changes.clear()
-        mark.pin_changes.clear()
+                forward_reads[k] = before
+            if pinning:  # a forward pinned its read's version, a backward unpinned its forward's
+                version, count = (after.version, pins.get(after.version, 0) - 1) if after is not None else \
+                    (before.version, pins.get(before.version, 0) + 1)  # type: ignore[union-attr]
+                if count:
+                    pins[version] = count
+                else:
+                    pins.pop(version, None)
+        mark.changes.clear()
 
     def discard(self, first: int, live: int, updates: int, latest_tag: int | None) -> None:
         """Forget micro-batches ``first`` and later (their forwards, and the updates after version ``live``),
@@ -287,7 +281,7 @@ class VersionBook:
             else Counter()
         self.live, self.updates, self.latest_tag = live, updates, latest_tag
         self.held = {v for v in self.held if v <= live} | {live}
-        self._read_changes = self._pin_changes = None  # the state was replaced: no mark can be gone back to
+        self._changes = None  # the state was replaced: no mark can be gone back to
         self._refresh()
 
     def in_flight(self) -> int:

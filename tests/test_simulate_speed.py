@@ -102,3 +102,43 @@ def test_the_fast_constructors_take_and_set_exactly_the_fields(cls):
     assert vars(made) == values and made == cls(**values) and hash(made) == hash(cls(**values))
     with pytest.raises(AttributeError):
         setattr(made, declared[0][0], -1)
+
+
+@pytest.mark.parametrize("name", ["pipedream", "2bw", "spectrain", "i-timeprest", "pipemare", "1f1b"])
+def test_a_version_book_goes_back_to_its_mark_exactly(name):
+    """A mark journals the in-flight reads and pins instead of copying them: going back after any forward,
+    backward or update leaves the book as a copy taken at the mark (the worker undoes a failed action so)."""
+    from pipecore.algorithms import get_algorithm
+    from pipecore.schedule.ir import B, F, U
+    from pipecore.versions import VersionBook
+
+    algorithm = get_algorithm(name, 4, 4)
+    row = algorithm.schedule(3).stages[2]
+    book = VersionBook(algorithm, 2)
+
+    def state():
+        return (book.live, book.updates, set(book.held), dict(book.pins), dict(book.forward_reads), book.latest_tag)
+
+    def act(a):
+        if a.kind is F:
+            book.forward(a.index, a.index // 4)
+        elif a.kind is B:
+            for k in a.microbatches:
+                book.backward(k)
+        elif a.kind is U:
+            book.update()
+
+    for a in row:
+        before = state()
+        mark = book.mark()
+        act(a)
+        book.rewind(mark)
+        assert state() == before, a
+        mark = book.mark()
+        act(a)
+        if a.kind is B:
+            book.release_backward()
+    with pytest.raises(ValueError, match="latest mark"):
+        old = book.mark()
+        book.mark()
+        book.rewind(old)

@@ -177,12 +177,13 @@ class Executor:
         self._layout(schedule)
 
     def _layout(self, schedule: Schedule) -> None:
-        """Per-stage facts the hot path reads: each stage's rank, and whether its B leaves a W."""
+        """Per-stage facts the hot path reads: each stage's rank, whether its B leaves a W, and the rank lists."""
         placement = schedule.placement
         if hasattr(self, "_rank") and tuple(self._rank) != placement:
             raise ValueError(f"the new schedule places the stages on ranks {placement}, not {tuple(self._rank)}")
         self._rank = list(placement)
         self._split = [schedule.splits_backward(s) for s in range(schedule.num_stages)]
+        self._rank_rows = schedule.rank_rows
 
     def run(self, available: int | None = None, until: tuple[int, Kind, int] | None = None) -> None:
         """Run every action that can run; with ``available``, forwards of micro-batch ``available`` and
@@ -456,7 +457,7 @@ class Executor:
                     start = max([self.rank_free[rank]] + [m.ready_at for m in incoming])
                 if self._split[s]:
                     # Whether this B's own W comes next on the rank (see StageWorker.weights_at_once).
-                    row = self.schedule.rank_rows[rank]
+                    row = self._rank_rows[rank]
                     i = self.lane_cursor[rank] + 1
                     following = row[i] if i < len(row) else None
                     worker.weights_at_once = (following is not None and following.kind is W

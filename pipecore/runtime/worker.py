@@ -126,7 +126,7 @@ class StageWorker:
             self._failed(mark)
             raise
         out = Message(payload, tag)
-        return out if self._bare else self.stamp(out), ActionRecord({k: read}, live=live)
+        return out if self._bare else self.stamp(out), ActionRecord({k: read}, {}, live)
 
     def backward(self, action: Action, messages: Sequence[Message]) -> tuple[list[Message], ActionRecord]:
         book = self.book
@@ -143,7 +143,7 @@ class StageWorker:
             try:
                 read, forward_read = book.backward(k)
                 reads, forward_reads = [read], [forward_read]
-                record = ActionRecord({k: read}, {k: forward_read}, live=live)
+                record = ActionRecord({k: read}, {k: forward_read}, live)
                 if self._bare:
                     payloads = self.compute_backward(action, reads, forward_reads, [messages[0].payload])
                 else:

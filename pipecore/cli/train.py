@@ -146,7 +146,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-a", "--algorithm", default="1f1b", metavar="NAME",
                         help="algorithm name or alias (default 1f1b; see `pipecore simulate --compare`)")
     parser.add_argument("-p", "--stages", type=positive_int, metavar="P",
-                        help="pipeline stages (default 4, under torchrun the number of processes times --stages-per-rank; at most the "
+                        help="pipeline stages (default 4, under torchrun the number of processes times "
+                             "--stages-per-rank over --data-parallel; at most the "
                              "number of modules the model can be cut between: an error says how many)")
     parser.add_argument("--stages-per-rank", type=positive_int, default=1, metavar="V",
                         help="stages (model chunks) per rank, for interleaved-1f1b, looped-bfs and zb-h1 (default 1; "
@@ -833,12 +834,13 @@ def _train(args: argparse.Namespace, interrupts: Interrupts | None = None, given
             what = "stage" if per_rank == 1 else f"rank ({per_rank} stages each)"
             raise ValueError(f"--stages {args.stages} but torchrun started {processes} processes: pipecore runs one "
                              f"process per {what} of each replica of the pipeline, so the processes must be a "
-                             f"multiple of {ranks}; pass --nproc-per-node {ranks} (or a multiple, with --data-parallel)")
+                             f"multiple of {ranks}; pass --nproc-per-node {ranks} (or a multiple, with "
+                             "--data-parallel)")
         args.data_parallel = processes // ranks
     replicas = args.data_parallel or 1
     if processes == 1 and replicas > 1:
-        raise ValueError(f"--data-parallel {replicas} runs {replicas} replicas of the pipeline, one process per rank of "
-                         f"each: launch with torchrun --nproc-per-node {replicas * ranks}")
+        raise ValueError(f"--data-parallel {replicas} runs {replicas} replicas of the pipeline, one process per rank "
+                         f"of each: launch with torchrun --nproc-per-node {replicas * ranks}")
     if processes > 1 and processes != replicas * ranks:
         what = "stage" if per_rank == 1 else f"rank ({per_rank} stages each)"
         raise ValueError(f"--stages {args.stages} and --data-parallel {replicas} need {replicas * ranks} processes but "

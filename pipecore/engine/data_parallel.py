@@ -67,7 +67,8 @@ def join(num_stages: int, num_ranks: int, timeout: float, data_parallel: int | N
 
     if data_parallel is not None and (isinstance(data_parallel, bool) or not isinstance(data_parallel, int)
                                       or data_parallel < 1):
-        raise ValueError(f"data_parallel must be a positive int (the number of pipeline replicas), got {data_parallel!r}")
+        raise ValueError(f"data_parallel must be a positive int (the number of pipeline replicas), got "
+                         f"{data_parallel!r}")
     if mesh is not None:
         return _from_mesh(mesh, num_stages, num_ranks, data_parallel)
     if not dist.is_available():

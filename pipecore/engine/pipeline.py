@@ -246,7 +246,8 @@ class Pipeline:
         if self.data_parallel > 1 and on_nonfinite == "skip":
             raise ValueError("on_nonfinite='skip' with data_parallel > 1 is not supported: the replicas would have to "
                              "agree on which updates to skip; use on_nonfinite='raise'")
-        owned = range(num_stages) if self.rank is None else [s for s in range(num_stages) if self.placement[s] == self.rank]
+        owned = (range(num_stages) if self.rank is None
+                 else [s for s in range(num_stages) if self.placement[s] == self.rank])
         self.concurrent = (self.rank is None and num_stages > 1) if concurrent is None else concurrent
         self.devices = _stage_devices(devices, graphs, self.rank, self.placement)
         if isinstance(partition, Plan) and any(partition.offloaded):

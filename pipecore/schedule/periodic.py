@@ -177,7 +177,8 @@ class PeriodicForm:
         copies = 1 + (n_minibatches - b) // self.period
         base = self.bases[r]
         rows = tuple(row.with_copies(copies) for row in base.stages)  # type: ignore[attr-defined]
-        ranks = None if base.ranks is None else tuple(row.with_copies(copies) for row in base.ranks)  # type: ignore[attr-defined]
+        ranks = (None if base.ranks is None
+                 else tuple(row.with_copies(copies) for row in base.ranks))  # type: ignore[attr-defined]
         return Schedule(base.num_stages, base.n_microbatches, n_minibatches, rows, ranks)
 
 

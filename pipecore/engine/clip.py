@@ -230,6 +230,11 @@ class DistributedGlobalNorm(GlobalNorm):
 
     def after_ties(self, stage: "TensorStage", update: int) -> float:
         own = stage_squared_norm(stage, lambda name: stage.ties.views[name])  # tied views hold the sum now
+        return self._exchange(own, update)
+
+    def _exchange(self, own: float, update: int) -> float:
+        """The global norm of ``update``: this rank's squared share ``own`` sent to every other rank, theirs taken,
+        all added in rank order."""
         message = torch.tensor([update, own], dtype=torch.float64)
         for peer in self._peers:
             self._send(peer, message, update)
@@ -329,16 +334,7 @@ class RankGlobalNorm(DistributedGlobalNorm):
     def before_ties(self, stage: "TensorStage", update: int) -> None:
         if update in self._norms:
             return
-        own = self._local.squared()
-        message = torch.tensor([update, own], dtype=torch.float64)
-        for peer in self._peers:
-            self._send(peer, message, update)
-        parts = {self.rank: own}
-        for peer in self._peers:
-            parts[peer] = self._take(peer, update)
-            while self._sends[peer] and self._sends[peer][0][0] < update:
-                self._sends[peer].pop(0)[1].wait(self.timeout)
-        self._norms[update] = (math.sqrt(sum(parts[r] for r in range(self.num_stages))), set())
+        self._norms[update] = (self._exchange(self._local.squared(), update), set())
 
     def after_ties(self, stage: "TensorStage", update: int) -> float:
         norm, seen = self._norms[update]

@@ -10,18 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 import pipecore
 from pipecore.algorithms import get_algorithm
 from pipecore.cli import main
 from pipecore.engine.graph import CapturedModel
 from pipecore.engine.partition import module_units
-from pipecore.models import GPT
 from pipecore.planning import (
     GraphCosts, InfeasibleMemoryLimit, Sizing, partition, plan_costs, smallest_memory_limit, stage_memory,
 )
 from pipecore.simulate import simulate
+from test_plan_api import gpt, lm_loss, tokens  # the same small GPT as the planner's API tests
 
 # (algorithm, options): every schedule with several stages per rank, as 4 stages on 2 ranks.
 SEVERAL = [("zb-v", {}), ("dualpipe-v", {}), ("interleaved-1f1b", {"stages_per_rank": 2}),
@@ -222,17 +221,6 @@ def test_the_table_shows_ranks():
 # -- the model API and the CLI -------------------------------------------------------------------------------
 
 
-def gpt() -> GPT:
-    torch.manual_seed(0)
-    return GPT(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_embd=32)
-
-
-def tokens(n: int) -> torch.Tensor:
-    return torch.randint(0, 32, (n, 16), generator=torch.Generator().manual_seed(n))
-
-
-def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())
 
 
 def test_bad_combinations_fail_before_profiling(monkeypatch):

@@ -571,15 +571,16 @@ def main() -> None:
         held.append(sum(len(q) for q in pipe._transport._unacknowledged.values()))
         torch.save(held, os.path.join(out, f"held-{rank}.pt"))
     elif mode == "posted":
-        # Each rank keeps a receive posted on every incoming link between steps and across a flush, so the
-        # neighbour's next message never waits for its receive to be posted.
+        # Each rank keeps receives posted on every incoming link between steps and across a flush, so the
+        # neighbour's next messages never wait for their receives to be posted.
         pipe = make_pipeline(world, "1f1b", timeout=60)
         posted = []
         for i, (x, y) in enumerate(batches(3)):
             pipe.step(x if first else None, y if last else None)
             if i == 1:
                 pipe.flush()
-            posted.append(sorted(kind.name for kind, _ in pipe._transport._posted))
+            posted.append({f"{kind.name}{b}": len(queue) for (kind, b), queue in pipe._transport._posted.items()
+                           if queue})
         torch.save(posted, os.path.join(out, f"posted-{rank}.pt"))
     elif mode == "close":
         # Pipelines built and closed one after another (a sweep in one job): closing releases each one's

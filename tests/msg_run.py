@@ -121,8 +121,10 @@ def expected_sum(owners: tuple[int, ...], group: int, name: str = "w") -> torch.
     return total
 
 
-def _messages(rank: int, world: int, out: str) -> None:
-    transport = DistributedTransport(rank, world, timeout=60)
+def _messages(rank: int, world: int, out: str, ahead: int = 1, order: str = "lockstep") -> None:
+    """``order``: "lockstep" interleaves the two directions message by message; "bursts" sends every forward
+    message before any backward one, so a sender runs up to the whole list ahead of its receiver."""
+    transport = DistributedTransport(rank, world, timeout=60, receives_ahead=ahead)
     forward, backward = payloads("F"), payloads("B")
     got: dict[str, list] = {"F": [], "B": []}
     errors: list[str] = []
@@ -135,9 +137,12 @@ def _messages(rank: int, world: int, out: str) -> None:
             except (TypeError, ValueError) as exc:
                 errors.append(f"{type(exc).__name__}: {exc}")
     steps = max(len(forward), len(backward))
-    for i in range(steps):
+    rounds = [(i, i) for i in range(steps)] if order == "lockstep" else (
+        [(i, None) for i in range(len(forward))] + [(None, i) for i in range(len(backward))])
+    for f, b in rounds:
         # Forward: rank 0 sends, middle ranks relay (what they received, resent as is), the last rank keeps it.
-        if i < len(forward):
+        if f is not None and f < len(forward):
+            i = f
             if rank == 0:
                 message = Message(forward[i], tag_of(i), poisoned=i % 4 == 1)
             else:
@@ -146,7 +151,8 @@ def _messages(rank: int, world: int, out: str) -> None:
                     got["F"].append(_received(message))
             if rank < world - 1:
                 transport.send(rank + 1, F, i, message)
-        if i < len(backward):
+        if b is not None and b < len(backward):
+            i = b
             if rank == world - 1:
                 message = Message(backward[i], tag_of(i + 1), poisoned=i % 5 == 2)
             else:
@@ -242,7 +248,7 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     if mode == "messages":
-        _messages(rank, world, out)
+        _messages(rank, world, out, *(int(sys.argv[3]), sys.argv[4]) if len(sys.argv) > 3 else ())
     elif mode == "ties":
         _ties(rank, world, out, sys.argv[3])
     elif mode == "ties-dead":

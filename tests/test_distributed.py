@@ -18,6 +18,9 @@ import torch
 
 import pipecore
 from pipecore import checkpoint
+from pipecore.algorithms import get_algorithm
+from pipecore.schedule import B, F
+from pipecore.schedule.links import messages_ahead
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _ranks import free_port, launch_ranks  # noqa: E402
@@ -237,19 +240,27 @@ def test_sends_held_for_acknowledgement_stay_bounded(algorithm, tmp_path):
     for rank in range(2):
         held = torch.load(tmp_path / f"held-{rank}.pt")
         assert len(held) == steps + 1 and held[-1] == 0
-        # a step's messages: 4 micro-batches, plus one layout announcement when the batch size changes
-        assert max(held[:-1]) <= 2 * (dist_run.MICROBATCHES + 1), held
+        # a step's messages: 4 micro-batches, plus an announcement per receive posted ahead (at most the
+        # micro-batches) when the batch size changes
+        assert max(held[:-1]) <= 2 * (2 * dist_run.MICROBATCHES), held
         assert max(held[steps // 2: -1]) <= max(held[: steps // 2]), held
 
 
-def test_a_receive_stays_posted_on_every_incoming_link_between_steps(tmp_path):
-    """The next message on a link is received into a buffer posted before it is sent, also across step()
-    and flush() (gloo moves a message only once its receive is posted; a late post stalls)."""
+def test_receives_stay_posted_on_every_incoming_link_between_steps(tmp_path):
+    """The next messages on a link are received into buffers posted before they are sent, also across step()
+    and flush() (gloo moves a message only once its receive is posted; a late post stalls): as many as the
+    schedule lets the sender get ahead on that link (1F1B: P - b on boundary b)."""
     world = 4
     _check_ok(launch(world, "posted", str(tmp_path)))
+    ahead = messages_ahead(get_algorithm("1f1b", world, dist_run.MICROBATCHES).schedule(2))
+    assert ahead[F, 0] == min(world, dist_run.MICROBATCHES) and ahead[F, 2] == 2
     for rank in range(world):
-        incoming = ["BACKWARD"] * (rank < world - 1) + ["FORWARD"] * (rank > 0)
-        assert torch.load(tmp_path / f"posted-{rank}.pt") == [sorted(incoming)] * 3
+        incoming = {}
+        if rank > 0:
+            incoming[f"FORWARD{rank - 1}"] = ahead[F, rank - 1]
+        if rank < world - 1:
+            incoming[f"BACKWARD{rank}"] = ahead[B, rank]
+        assert torch.load(tmp_path / f"posted-{rank}.pt") == [incoming] * 3
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc (Linux)")

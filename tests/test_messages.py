@@ -59,13 +59,16 @@ def _all_contiguous(flags: Any) -> bool:
 # Several tensors per message --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_messages_arrive_with_the_structure_dtypes_and_shapes_they_were_sent_with(world, tmp_path):
+@pytest.mark.parametrize("world,ahead,order", [(2, 1, "lockstep"), (3, 1, "lockstep"), (3, 3, "lockstep"),
+                                               (3, 1, "bursts"), (3, 3, "bursts"), (2, 64, "bursts")])
+def test_messages_arrive_with_the_structure_dtypes_and_shapes_they_were_sent_with(world, ahead, order, tmp_path):
     """Both directions, on F and B links: single tensors, tuples mixing float64, float32, int64, bool and None,
     1-tuples, empty tuples, None, tensors without elements, with 11 dimensions or none, non-contiguous ones,
     every supported dtype, and layouts that change at every message. With 3 ranks the middle rank resends
-    what it received (views into its receive buffer) onwards."""
-    _check_ok(launch(world, "messages", str(tmp_path)))
+    what it received (views into its receive buffer) onwards. With ``ahead`` receives posted per link, a
+    size change fills every buffer posted at the old size with an announcement; in bursts a sender sends its
+    whole list before its receiver takes any (more messages than receives posted, with 64 fewer)."""
+    _check_ok(launch(world, "messages", str(tmp_path), str(ahead), order))
     first = torch.load(tmp_path / "messages-0.pt", weights_only=False)
     last = torch.load(tmp_path / f"messages-{world - 1}.pt", weights_only=False)
     for direction, record in (("F", last), ("B", first)):

@@ -52,6 +52,9 @@ from .undo import Unrecoverable, UndoPoint, minibatches_in_flight, release, undo
 from .tied import StageTies
 
 _NONFINITE = ("raise", "skip")
+# The most receives a process keeps posted on one link: each is a buffer the size of a message, held between
+# steps too, so a schedule that sends m activations back to back (GPipe, looped BFS) gets at most this many.
+_MOST_RECEIVES_AHEAD = 8
 #: The format of :meth:`Pipeline.state_dict`'s ``"pipecore"`` entry: 2 names the parameters each stage's flat
 #: buffers hold (format 1, without the names, loads only into the same layout).
 STATE_FORMAT = 2
@@ -301,9 +304,14 @@ class Pipeline:
             self._transport = LocalTransport(timeout)
         else:
             from ..runtime.distributed import DistributedTransport
+            from ..schedule.links import messages_ahead
 
+            # Receives posted ahead on each link: as many messages as the schedule lets its sender get ahead
+            # (two mini-batches show the lead across a step's end), at most _MOST_RECEIVES_AHEAD buffers.
+            ahead = {link: min(lead, _MOST_RECEIVES_AHEAD)
+                     for link, lead in messages_ahead(self.algorithm.schedule(2)).items()}
             self._transport = DistributedTransport(self.rank, num_stages, timeout, self.devices[owned[0]],
-                                                   self.placement, *self._grid())
+                                                   self.placement, *self._grid(), receives_ahead=ahead)
         # With several replicas: each stage's gradients summed over its replicas before every update.
         self._dp_group: Any = None
         if self.data_parallel > 1:

@@ -45,17 +45,22 @@ one way and gradients the other within every mini-batch, so the sends held stay 
 in flight. Everything runs on the calling thread: no helper thread competes with compute for a core or the
 GIL, which matters most when ranks share a machine's cores.
 
-Latency hiding: a receive is always posted on each of this rank's incoming links, from construction on,
-sized like the previous message on that link (a bare header before the first). Sender and receiver track
-that size identically. When the next message's size differs (its layout description travels inside it, so
-a new shape of the same byte size needs nothing more), the sender first fills the pre-posted buffer with an
-announcement: a message of exactly the previous size whose header has the announcement flag set and gives
-the new size; it then sends the message itself, which the receiver takes into a buffer posted at that size.
-The first message on a link is announced the same way. Announcements count as messages for the
-acknowledgements. The next receive is posted as soon as the previous message is taken, also across
-``step()`` and ``flush()``: gloo transfers a message only once its receive is posted, and posting a receive
-after its message was sent takes milliseconds in the tail (``bench/post_latency.py``). The posted buffer is
-not tied to a micro-batch; the header says which one arrived. A receive still posted at exit is dropped.
+Latency hiding: ``receives_ahead`` receives (``K``) are always posted on each of this rank's incoming links,
+from construction on: gloo transfers a message only once its receive is posted, and posting a receive after
+its message was sent takes milliseconds in the tail (``bench/post_latency.py``), which a burst of messages
+(breadth-first schedules send a stage's ``m`` activations back to back) would pay once per message with a
+single receive posted. The buffer for a link's message ``j`` is posted as soon as message ``j - K`` is taken,
+sized as the announcements taken so far say (a bare header before the first); the sender tracks the sizes of
+the ``K`` buffers ahead of its next message identically. When the next message's size differs from its
+buffer's (its layout description travels inside it, so a new shape of the same byte size needs nothing
+more), the sender first fills buffers with announcements: messages of exactly the buffer's size whose header
+has the announcement flag set and gives the new size, until the buffer for the message has that size (``K``
+announcements: the buffers already posted have the old size); the receiver takes announcements until a
+message comes. The first message on a link is announced the same way. Announcements count as messages for
+the acknowledgements (so a size change costs ``K`` messages of the old size: the price of receives posted
+ahead where message sizes change, for instance with the sequence length). Receives stay posted across
+``step()`` and ``flush()``. A posted buffer is not tied to
+a micro-batch; the header says which one arrived. A receive still posted at exit is dropped.
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ import pickle
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -201,9 +206,9 @@ class PeerError(RuntimeError):
 
 @dataclass
 class _Posted:
-    """The receive posted for a link's next message."""
+    """A receive posted for one of a link's next messages."""
 
-    buffer: torch.Tensor  # sized like the link's previous message
+    buffer: torch.Tensor  # sized as the link's announcements taken before it was posted say
     work: Any  # the backend's Work
 
 
@@ -264,7 +269,7 @@ class DistributedTransport:
 
     def __init__(self, rank: int, num_stages: int, timeout: float = 30.0, device: torch.device | None = None,
                  placement: tuple[int, ...] | None = None, grid: tuple[tuple[int, ...], ...] | None = None,
-                 replica: int = 0):
+                 replica: int = 0, receives_ahead: int | Mapping[_Link, int] = 1):
         self.rank = rank
         self.num_stages = num_stages
         #: The rank of every stage (one stage per rank without it).
@@ -283,11 +288,21 @@ class DistributedTransport:
         # (less Python per message); they take ranks within the group.
         self._world = dist.group.WORLD
         self._links = _link_groups(self._global[rank], self.placement, self._grid, self.timeout)
-        # Per link: the size of the previous message, which the receiver's posted buffer has (sender and
-        # receiver track it identically; before the first message, a bare header).
-        self._sent_size: dict[_Link, int] = {link: _HEADER_BYTES for link in self._links}
+        #: Receives kept posted on each link (both ends of a link must use the same number; links missing from
+        #: a mapping get 1).
+        self.receives_ahead: dict[_Link, int] = {
+            link: receives_ahead if isinstance(receives_ahead, int) else receives_ahead.get(link, 1)
+            for link in self._links}
+        if any(not isinstance(k, int) or k < 1 for k in self.receives_ahead.values()):
+            raise ValueError(f"receives_ahead must be at least 1 on every link, got {receives_ahead!r}")
+        # Per outgoing link: the sizes of the receiver's buffers for the next receives_ahead messages, and the
+        # size the last announcement gave (the size of the buffers it posts next). Per incoming link: that
+        # size, and the receives posted, oldest first. Sender and receiver track the sizes identically.
+        self._ahead: dict[_Link, deque[int]] = {
+            link: deque([_HEADER_BYTES] * self.receives_ahead[link]) for link in self._links}
+        self._announced: dict[_Link, int] = {link: _HEADER_BYTES for link in self._links}
         self._recv_size: dict[_Link, int] = {link: _HEADER_BYTES for link in self._links}
-        self._posted: dict[_Link, _Posted] = {}
+        self._posted: dict[_Link, deque[_Posted]] = {link: deque() for link in self._links}
         # Per link: the sends not completed yet, in posting order; how many sends were completed; how many
         # messages were received.
         self._unacknowledged: dict[_Link, deque[_Sent]] = {link: deque() for link in self._links}
@@ -353,14 +368,17 @@ class DistributedTransport:
         tag = -1 if message.tag is None else message.tag
         # What we took from this neighbour so far acknowledges its sends.
         header = [_KIND_CODE[kind], microbatch, tag, int(message.poisoned), self._received[_REVERSE[kind], link[1]]]
-        previous = self._sent_size[link]
-        if size != previous:
-            # The receiver's posted buffer has the previous size: fill it with the announcement of this size.
-            announcement = torch.zeros(previous, dtype=torch.uint8, device=self.device)
+        ahead = self._ahead[link]
+        while ahead[0] != size:
+            # The buffer for this message has another size: fill it with the announcement of this size (only
+            # its header is read: the rest need not be written).
+            announcement = torch.empty(ahead[0], dtype=torch.uint8, device=self.device)
             announcement[-_HEADER_BYTES:].view(torch.int64).copy_(
                 torch.tensor(header + [0, size, 1], dtype=torch.int64))
             self._post_send(link, announcement, dst)
-            self._sent_size[link] = size
+            self._announced[link] = size
+            ahead.popleft()
+            ahead.append(size)
         buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
         offset = 0
         for entry in entries:
@@ -377,6 +395,8 @@ class DistributedTransport:
         words += (description, size, _NOTICE if notice else 0)
         buffer[data:].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
         self._post_send(link, buffer, dst)
+        ahead.popleft()
+        ahead.append(self._announced[link])
 
     def _post(self, buffer: torch.Tensor, dst: int, tag: int, link: _Link | None = None) -> _Sent:
         group, peer = (self._world, self._global[dst]) if link is None else self._links[link]
@@ -580,9 +600,11 @@ class DistributedTransport:
         return [r for r in range(self.num_ranks) if r != self.last_rank]
 
     def _post_next(self, link: _Link) -> None:
-        if link not in self._posted:
+        """Post receives on ``link`` until ``receives_ahead`` are posted, at the size announced so far."""
+        posted = self._posted[link]
+        while len(posted) < self.receives_ahead[link]:
             buffer, work = self._irecv(self._recv_size[link], link)
-            self._posted[link] = _Posted(buffer, work)
+            posted.append(_Posted(buffer, work))
 
     def _irecv(self, size: int, link: _Link) -> tuple[torch.Tensor, Any]:
         buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
@@ -637,37 +659,38 @@ class DistributedTransport:
         return self._accept(link, buffer, tail, header, what)
 
     def _take(self, link: _Link, what: str) -> tuple[torch.Tensor, list[int], list[int]]:
-        """The next message on the incoming ``link`` (after its announcement, if it has one): its buffer, the
-        words at its end and its header."""
+        """The next message on the incoming ``link`` (after the announcements before it, if any): its buffer,
+        the words at its end and its header. The receive of the message ``receives_ahead`` later is posted."""
         src = self._source(link)
         self._post_next(link)
-        posted = self._posted.pop(link)
-        self._wait(posted.work, what, src)
-        self._received[link] += 1
-        buffer = posted.buffer
-        tail = _tail(buffer)
-        header = tail[-_HEADER:]
-        if header[_ANNOUNCE] == 1:  # the posted buffer held the announcement; the message follows at its size
+        posted = self._posted[link]
+        announced: tuple[int, int] | None = None
+        while True:
+            self._wait(posted[0].work, what, src)
+            buffer = posted.popleft().buffer
+            self._received[link] += 1
+            tail = _tail(buffer)
+            header = tail[-_HEADER:]
+            if header[_ANNOUNCE] != 1:
+                break
+            # An announcement: the messages from here on are posted at its size (the next ones, posted
+            # already, are announcements of it too, or the message if the sizes agree).
             size = header[_SIZE]
             if size < _HEADER_BYTES or size % 8:
                 raise PeerError(f"{self._name(self.rank)}: {self._name(src)} announced a message of {size} bytes "
                                 f"for {what}")
+            if announced is not None and (header[_KIND], header[_MICROBATCH]) != announced:
+                raise PeerError(f"{self._name(self.rank)}: two announcements from {self._name(src)} for {what} "
+                                "disagree: the ranks are out of step")
             announced = (header[_KIND], header[_MICROBATCH])
-            buffer, work = self._irecv(size, link)
-            self._wait(work, what, src)
-            self._received[link] += 1
             self._recv_size[link] = size
-            tail = _tail(buffer)
-            header = tail[-_HEADER:]
-            if (header[_ANNOUNCE] == 1 or header[_SIZE] != buffer.numel()
-                    or (header[_KIND], header[_MICROBATCH]) != announced):
-                raise PeerError(f"{self._name(self.rank)}: the message from {self._name(src)} for {what} does not "
-                                f"match the buffer "
-                                f"({buffer.numel()} bytes) or the announcement before it: the ranks are out of step")
-        elif header[_SIZE] != buffer.numel():
-            raise PeerError(f"{self._name(self.rank)}: the message from {self._name(src)} for {what} does not match "
-                            f"the buffer "
-                            f"({buffer.numel()} bytes): the ranks are out of step")
+            self._post_next(link)
+        self._post_next(link)
+        if header[_SIZE] != buffer.numel() or (announced is not None
+                                               and (header[_KIND], header[_MICROBATCH]) != announced):
+            raise PeerError(f"{self._name(self.rank)}: the message from {self._name(src)} for {what} does not "
+                            f"match the buffer ({buffer.numel()} bytes) or the announcement before it: the ranks "
+                            "are out of step")
         return buffer, tail, header
 
     def _accept(self, link: _Link, buffer: torch.Tensor, tail: list[int], header: list[int],
@@ -678,7 +701,6 @@ class DistributedTransport:
         except (IndexError, ValueError, RuntimeError) as exc:
             raise PeerError(f"{self._name(self.rank)}: the message from {self._name(self._source(link))} for {what} is "
                             f"malformed ({_first_line(exc)})") from exc
-        self._post_next(link)  # the link's next message: later in this step, or in the next one
         self._acknowledge((_REVERSE[link[0]], link[1]), header[_ACK])
         tag = header[_VERSION_TAG]
         return Message(payload, None if tag < 0 else tag, poisoned=bool(header[_POISONED]))

@@ -363,3 +363,19 @@ def test_when_neither_capture_works_the_error_says_how_each_failed_and_where():
     message = str(info.value)
     assert "neither capture works" in message and "torch.fx failed" in message and "torch.export failed" in message
     assert message.count("if h.sum() > 0") == 2, message  # each failure names the line
+
+
+def test_the_example_trains_gpt2_on_the_text(capsys):
+    """examples/train_hf.py, the runnable example of docs/models.md: a GPT-2 from a config, captured with
+    torch.export, learns the character corpus (its loss falls well below the uniform guess's)."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+    try:
+        import train_hf
+    finally:
+        sys.path.pop(0)
+    from pipecore.models.text import load_char_data
+
+    loss = train_hf.main(steps=40)
+    uniform = math.log(load_char_data(train_hf.BLOCK).vocab_size)
+    assert loss < uniform - 1.0, (loss, uniform)
+    assert "Pipeline: GPT2LMHeadModel as 4 stages, 1f1b" in capsys.readouterr().out

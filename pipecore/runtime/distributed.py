@@ -74,6 +74,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -86,6 +87,12 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
            torch.int8, torch.uint8, torch.bool]
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _ITEMSIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _DTYPES}
+# On the CPU a message's words and tensors are written and read through a numpy view of its buffer: one torch
+# call per buffer instead of a slice and two views per tensor (a message's host cost is mostly such calls).
+# bfloat16 has no numpy dtype and takes the torch path.
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16, torch.int64: np.int64,
+          torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8, torch.uint8: np.uint8,
+          torch.bool: np.bool_}
 # Header words, at the end of every message.
 _KIND, _MICROBATCH, _VERSION_TAG, _POISONED, _ACK, _WORDS, _SIZE, _ANNOUNCE = range(8)
 _HEADER = 8
@@ -101,6 +108,7 @@ _REVERSE = {F: B, B: F}  # the link that carries messages back from the same nei
 # which is enough here: each link group carries one kind; on the default group, losses travel only inside
 # step() (a rank takes its loss before step() returns) and share() only between steps, never both at once.
 _TAG = {F: 10, B: 20}
+_NEXT = {F: "the next activation", B: "the next gradient"}  # what a link's posted receive waits for
 _LOSS_TAG = 30
 _SHARE_TAG = 40
 _FAILURE_TAG = 45  # the text of a failure notice, from the last rank to the ranks waiting for a loss
@@ -116,6 +124,20 @@ _PREDICT_TAG = 50  # Pipeline.predict's result, from the last rank to the others
 def _padded(nbytes: int) -> int:
     """``nbytes`` rounded up to 8, so that what follows stays aligned for int64 and float64 views."""
     return (nbytes + 7) // 8 * 8
+
+
+def _copy_into(array: np.ndarray, offset: int, nbytes: int, entry: torch.Tensor) -> bool:
+    """Copy ``entry`` into the CPU buffer ``array`` (its numpy view) at ``offset``; False where numpy cannot
+    (bfloat16, a tensor on another device, a lazily negated view): the caller copies with torch."""
+    np_dtype = _NUMPY.get(entry.dtype)
+    if np_dtype is None:
+        return False
+    try:
+        source = entry.detach().numpy()
+    except (RuntimeError, TypeError):
+        return False
+    np.copyto(array[offset: offset + nbytes].view(np_dtype).reshape(source.shape), source)
+    return True
 
 
 def _describe(payload: Any, rank: int) -> tuple[list[torch.Tensor | None], list[int], int]:
@@ -148,8 +170,9 @@ def _describe(payload: Any, rank: int) -> tuple[list[torch.Tensor | None], list[
     return entries, words, nbytes
 
 
-def _unpack(buffer: torch.Tensor, tail: list[int]) -> Any:
-    """The payload of a received message (views into ``buffer``), given the int64 words at its end."""
+def _unpack(buffer: torch.Tensor, tail: list[int], array: np.ndarray | None = None) -> Any:
+    """The payload of a received message (views into ``buffer``), given the int64 words at its end and, for
+    a CPU buffer, its numpy view ``array``."""
     header = tail[-_HEADER:]
     words = header[_WORDS]
     if words + _HEADER <= len(tail):
@@ -171,7 +194,11 @@ def _unpack(buffer: torch.Tensor, tail: list[int]) -> Any:
         i += 2 + ndim
         dtype = _DTYPES[code]
         nbytes = math.prod(shape) * _ITEMSIZE[dtype]
-        entries.append(buffer[offset: offset + nbytes].view(dtype).view(shape))
+        np_dtype = None if array is None else _NUMPY.get(dtype)
+        if np_dtype is not None:
+            entries.append(torch.from_numpy(array[offset: offset + nbytes].view(np_dtype).reshape(shape)))
+        else:
+            entries.append(buffer[offset: offset + nbytes].view(dtype).view(shape))
         offset += _padded(nbytes)
     if structure == _NONE:
         return None
@@ -182,8 +209,11 @@ def _unpack(buffer: torch.Tensor, tail: list[int]) -> Any:
     raise ValueError(f"unknown structure code {structure}")
 
 
-def _tail(buffer: torch.Tensor) -> list[int]:
-    """The int64 words at the end of a received message: its header and usually its description."""
+def _tail(buffer: torch.Tensor, array: np.ndarray | None = None) -> list[int]:
+    """The int64 words at the end of a received message: its header and usually its description (read through
+    ``array``, the buffer's numpy view, on the CPU)."""
+    if array is not None:
+        return array[-min(array.size, 8 * _TAIL_WORDS):].view(np.int64).tolist()
     return buffer[-min(buffer.numel(), 8 * _TAIL_WORDS):].view(torch.int64).tolist()
 
 
@@ -284,6 +314,7 @@ class DistributedTransport:
         self._local: dict[tuple[int, Kind, int], Message] = {}  # messages between two stages of this rank
         self.timeout = datetime.timedelta(seconds=timeout)
         self.device = device or torch.device("cpu")
+        self._on_cpu = self.device.type == "cpu"
         # The process groups' send/recv are called directly rather than through ``dist.isend``/``irecv``
         # (less Python per message); they take ranks within the group.
         self._world = dist.group.WORLD
@@ -380,20 +411,25 @@ class DistributedTransport:
             ahead.popleft()
             ahead.append(size)
         buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        array = buffer.numpy() if self._on_cpu else None
         offset = 0
         for entry in entries:
             if entry is None:
                 continue
             nbytes = entry.numel() * _ITEMSIZE[entry.dtype]
-            # One copy, straight from the (possibly strided, possibly other-device) tensor into the buffer.
-            buffer[offset: offset + nbytes].view(entry.dtype).view(entry.shape).copy_(entry.detach())
             end = _padded(nbytes) + offset
+            # One copy, straight from the (possibly strided, possibly other-device) tensor into the buffer.
+            if not (array is not None and _copy_into(array, offset, nbytes, entry)):
+                buffer[offset: offset + nbytes].view(entry.dtype).view(entry.shape).copy_(entry.detach())
             if end != offset + nbytes:
                 buffer[offset + nbytes: end].zero_()
             offset = end
         words += header
         words += (description, size, _NOTICE if notice else 0)
-        buffer[data:].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
+        if array is not None:
+            array[data:].view(np.int64)[:] = words
+        else:
+            buffer[data:].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
         self._post_send(link, buffer, dst)
         ahead.popleft()
         ahead.append(self._announced[link])
@@ -608,8 +644,7 @@ class DistributedTransport:
 
     def _irecv(self, size: int, link: _Link) -> tuple[torch.Tensor, Any]:
         buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-        what = f"the next {'activation' if link[0] is F else 'gradient'}"
-        return buffer, self._post_receive(buffer, self._source(link), _TAG[link[0]], what, link)
+        return buffer, self._post_receive(buffer, self._source(link), _TAG[link[0]], _NEXT[link[0]], link)
 
     def _post_receive(self, buffer: torch.Tensor, src: int, tag: int, what: str, link: _Link | None = None) -> Any:
         group, peer = (self._world, self._global[src]) if link is None else self._links[link]
@@ -669,7 +704,7 @@ class DistributedTransport:
             self._wait(posted[0].work, what, src)
             buffer = posted.popleft().buffer
             self._received[link] += 1
-            tail = _tail(buffer)
+            tail = _tail(buffer, buffer.numpy() if self._on_cpu else None)
             header = tail[-_HEADER:]
             if header[_ANNOUNCE] != 1:
                 break
@@ -697,7 +732,7 @@ class DistributedTransport:
                 what: str) -> Message:
         """A taken message as the stage's input: its payload unpacked; the link's next receive posted."""
         try:
-            payload = _unpack(buffer, tail)
+            payload = _unpack(buffer, tail, buffer.numpy() if self._on_cpu else None)
         except (IndexError, ValueError, RuntimeError) as exc:
             raise PeerError(f"{self._name(self.rank)}: the message from {self._name(self._source(link))} for {what} is "
                             f"malformed ({_first_line(exc)})") from exc

@@ -681,7 +681,7 @@ class DistributedTransport:
         if self.num_ranks != self.num_stages:
             what += f" for stage {stage}"
         link = (kind, _boundary(stage, kind))
-        buffer, tail, header = self._take(link, what)
+        buffer, array, tail, header = self._take(link, what)
         if header[_ANNOUNCE] == _NOTICE:
             raise self._failure_reported(buffer, tail, src)
         if (header[_KIND], header[_MICROBATCH]) != (_KIND_CODE[kind], microbatch):
@@ -691,11 +691,12 @@ class DistributedTransport:
                 f"{header[_MICROBATCH]}: the ranks run different schedules (same algorithm, stages and "
                 "micro-batches everywhere?)"
             )
-        return self._accept(link, buffer, tail, header, what)
+        return self._accept(link, buffer, array, tail, header, what)
 
-    def _take(self, link: _Link, what: str) -> tuple[torch.Tensor, list[int], list[int]]:
+    def _take(self, link: _Link, what: str) -> tuple[torch.Tensor, np.ndarray | None, list[int], list[int]]:
         """The next message on the incoming ``link`` (after the announcements before it, if any): its buffer,
-        the words at its end and its header. The receive of the message ``receives_ahead`` later is posted."""
+        the buffer's numpy view (on the CPU; else None), the words at its end and its header. The receive of the
+        message ``receives_ahead`` later is posted."""
         src = self._source(link)
         self._post_next(link)
         posted = self._posted[link]
@@ -704,7 +705,8 @@ class DistributedTransport:
             self._wait(posted[0].work, what, src)
             buffer = posted.popleft().buffer
             self._received[link] += 1
-            tail = _tail(buffer, buffer.numpy() if self._on_cpu else None)
+            array = buffer.numpy() if self._on_cpu else None
+            tail = _tail(buffer, array)
             header = tail[-_HEADER:]
             if header[_ANNOUNCE] != 1:
                 break
@@ -726,13 +728,14 @@ class DistributedTransport:
             raise PeerError(f"{self._name(self.rank)}: the message from {self._name(src)} for {what} does not "
                             f"match the buffer ({buffer.numel()} bytes) or the announcement before it: the ranks "
                             "are out of step")
-        return buffer, tail, header
+        return buffer, array, tail, header
 
-    def _accept(self, link: _Link, buffer: torch.Tensor, tail: list[int], header: list[int],
-                what: str) -> Message:
-        """A taken message as the stage's input: its payload unpacked; the link's next receive posted."""
+    def _accept(self, link: _Link, buffer: torch.Tensor, array: np.ndarray | None, tail: list[int],
+                header: list[int], what: str) -> Message:
+        """A taken message (see :meth:`_take`) as the stage's input: its payload unpacked, the sends it
+        acknowledges completed."""
         try:
-            payload = _unpack(buffer, tail, buffer.numpy() if self._on_cpu else None)
+            payload = _unpack(buffer, tail, array)
         except (IndexError, ValueError, RuntimeError) as exc:
             raise PeerError(f"{self._name(self.rank)}: the message from {self._name(self._source(link))} for {what} is "
                             f"malformed ({_first_line(exc)})") from exc
@@ -762,13 +765,13 @@ class DistributedTransport:
             total = counts[self._source(link)]["links"][f"{kind}{b}"]
             stage = self._consumer(link)
             while self._received[link] < total:
-                buffer, tail, header = self._take(link, "a message sent before the failure")
+                buffer, array, tail, header = self._take(link, "a message sent before the failure")
                 if header[_ANNOUNCE] == _NOTICE:
                     self._post_next(link)
                     self._acknowledge((_REVERSE[kind], b), header[_ACK])
                     continue
                 k = header[_MICROBATCH]
-                message = self._accept(link, buffer, tail, header, "a message sent before the failure")
+                message = self._accept(link, buffer, array, tail, header, "a message sent before the failure")
                 if keep(kind, k):
                     self._given_back[stage, kind, k] = message
         last = self.last_rank

@@ -12,6 +12,7 @@ warm-up forwards (``P``), and later each forward waits, through the backwards, f
 from __future__ import annotations
 
 from .ir import Action, B, F, Kind
+from .progress import runnable
 from .schedule import Schedule
 
 Link = tuple[Kind, int]
@@ -32,31 +33,10 @@ def _links_of(action: Action, placement: tuple[int, ...]) -> tuple[Link | None, 
 
 
 def _execution_order(schedule: Schedule) -> list[Action]:
-    """The actions in an order the schedule can run them in (each rank's list in order; an action after the
-    messages it takes are sent). The schedule must be valid."""
-    rows = schedule.rank_rows
-    cursors = [0] * len(rows)
-    produced: set[tuple[int, Kind, int]] = set()
-    last = schedule.num_stages - 1
+    """The actions in an order the schedule can run them in (the validator's dependency walk)."""
     order: list[Action] = []
-    progress = True
-    while progress:
-        progress = False
-        for r, row in enumerate(rows):
-            at = cursors[r]
-            while at < len(row):
-                a = row[at]
-                if a.kind is F and a.stage > 0 and (a.stage - 1, F, a.index) not in produced:
-                    break
-                if a.kind is B and a.stage < last and (a.stage + 1, B, a.index + a.count - 1) not in produced:
-                    break
-                if a.kind in (F, B):
-                    produced.update((a.stage, a.kind, k) for k in range(a.index, a.index + a.count))
-                order.append(a)
-                at += 1
-                progress = True
-            cursors[r] = at
-    if any(cursors[r] < len(row) for r, row in enumerate(rows)):
+    cursors = runnable(schedule, [0] * schedule.num_stages, ran=order)
+    if any(c < len(row) for c, row in zip(cursors, schedule.stages)):
         raise ValueError("the schedule cannot run to completion; validate it first")
     return order
 

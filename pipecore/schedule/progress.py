@@ -56,6 +56,7 @@ def runnable(
     available: int | None = None,
     index: Positions | None = None,
     needs: Callable[[Action], Sequence[tuple[int, Kind, int]]] | None = None,
+    ran: list[Action] | None = None,
 ) -> list[int]:
     """Advance every stage's cursor as far as dependencies allow.
 
@@ -63,10 +64,11 @@ def runnable(
     micro-batch ``available`` and later cannot run (their input has not been given). Returns the cursors
     after every action that can run has run; the result does not depend on the order stages are visited.
     ``needs`` names further work an action waits for (e.g. the other owners' gradients of tied weights before
-    an update), as ``(stage, kind, micro-batch)``.
+    an update), as ``(stage, kind, micro-batch)``. ``ran``, if given, gets every action run, in an order
+    the schedule can run them in.
     """
     index = positions(schedule) if index is None else index
-    return _advance(schedule, list(cursors), available, index, needs)
+    return _advance(schedule, list(cursors), available, index, needs, ran)
 
 
 def rank_cursor(schedule: Schedule, cursors: Sequence[int], rank: int) -> int:
@@ -78,7 +80,8 @@ def rank_cursor(schedule: Schedule, cursors: Sequence[int], rank: int) -> int:
 
 
 def _advance(schedule: Schedule, cur: list[int], available: int | None, index: Positions,
-             needs: Callable[[Action], Sequence[tuple[int, Kind, int]]] | None) -> list[int]:
+             needs: Callable[[Action], Sequence[tuple[int, Kind, int]]] | None,
+             ran: list[Action] | None = None) -> list[int]:
     """:func:`runnable`: each rank (each stage, without ``ranks``) goes down its own list, in its order, while
     its next action's upstream work (see :func:`~pipecore.schedule.schedule.upstream`, looked up inline: this
     runs once per action) has run."""
@@ -119,5 +122,7 @@ def _advance(schedule: Schedule, cur: list[int], available: int | None, index: P
                 if at is not cur:
                     at[r] += 1
                 cur[a.stage] += 1
+                if ran is not None:
+                    ran.append(a)
                 progressed = True
     return cur

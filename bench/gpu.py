@@ -118,6 +118,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="JSON path (default bench/results/gpu-<device name>.json)")
     p.add_argument("--gpt-configs", default=None,
                    help="only these gpt configurations (comma-separated, e.g. torch,hand,1f1b,1f1b-inturn-bf16)")
+    p.add_argument("--profile-gpt", default=None,
+                   help="also profile these gpt configurations' host time with cProfile (comma-separated "
+                        "size/config, e.g. small/1f1b-inturn,small/hand): the top functions per step in the JSON")
     p.add_argument("--dry-run-cpu", action="store_true",
                    help="run the script's own code on the CPU with tiny sizes (checks the script; no GPU figures)")
     # Internal: one part in this process.
@@ -707,7 +710,9 @@ def part_gpt(args: argparse.Namespace, rec: Recorder) -> None:
         if cuda:
             torch.cuda.synchronize(dev)
 
-    def timed(step: Callable[[Any, Any], Any], size: str) -> dict[str, Any]:
+    profiled = set() if not args.profile_gpt else {c.strip() for c in args.profile_gpt.split(",") if c.strip()}
+
+    def timed(step: Callable[[Any, Any], Any], size: str, profile: bool = False) -> dict[str, Any]:
         batches = data[size]
         for i in range(warmup):
             step(*batches[i % len(batches)])
@@ -720,8 +725,11 @@ def part_gpt(args: argparse.Namespace, rec: Recorder) -> None:
             loss = step(*batches[i % len(batches)])
         sync()
         dt = (time.perf_counter() - t0) / reps
-        return {"ms": dt * 1e3, "loss": float(loss),
-                "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None}
+        out = {"ms": dt * 1e3, "loss": float(loss),
+               "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None}
+        if profile:
+            out["profile"] = host_profile(lambda i: step(*batches[i % len(batches)]), reps, sync)
+        return out
 
     for size, config in configs:
         estimate = 2.0 * spent.get(size, 0.0) / max(1, sum(1 for r in res["runs"] if r["size"] == size)) \
@@ -742,11 +750,12 @@ def part_gpt(args: argparse.Namespace, rec: Recorder) -> None:
                 # What the device holds before this configuration (the data only, if the last one was freed):
                 # it is part of the peak below.
                 row["allocated_before_gib"] = torch.cuda.memory_allocated(dev) / 2**30
+            profile = f"{size}/{config}" in profiled
             if name in ("torch", "hand"):
                 held["model"] = copy.deepcopy(base).to(dev)
                 make = torch_step if name == "torch" else hand_written_step
                 held["step"] = make(held["model"], bf16, dev.type)
-                row.update(timed(held["step"], size))
+                row.update(timed(held["step"], size, profile))
             else:
                 alg, _, inturn = name.partition("-")
                 pipe = held["pipe"] = pipecore.Pipeline(
@@ -754,7 +763,7 @@ def part_gpt(args: argparse.Namespace, rec: Recorder) -> None:
                     optimizer=pipecore.AdamW(lr=1e-4), loss_fn=_lm_loss, devices=str(dev), concurrent=not inturn,
                     partition=gpt_partition(sizes[size]["n_layer"]), autocast=torch.bfloat16 if bf16 else None)
                 try:
-                    row.update(timed(pipe.step, size))
+                    row.update(timed(pipe.step, size, profile))
                     row["concurrent"] = pipe.concurrent
                     pipe.flush()
                 finally:
@@ -776,6 +785,40 @@ def part_gpt(args: argparse.Namespace, rec: Recorder) -> None:
         print(f"  gpt {size:<6}{config:<24}" + (f"{row['ms']:9.2f} ms  peak {_fmt(row.get('peak_gib'))} GiB"
                                                if row.get("ms") is not None else f"  {row['status']}"), flush=True)
         rec.save()
+
+
+PROFILE_TOP = 40
+
+
+def host_profile(step: Callable[[int], Any], steps: int, sync: Callable[[], None]) -> dict[str, Any]:
+    """cProfile over ``steps`` more steps (the device synchronised before and after): the calling thread's
+    functions with the most own time, per step (a stage thread's work is not seen: profile in-turn runs)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    sync()
+    t0 = time.perf_counter()
+    profiler.enable()
+    for i in range(steps):
+        step(i)
+    sync()
+    profiler.disable()
+    wall = (time.perf_counter() - t0) / steps
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:PROFILE_TOP]
+
+    def where(key: tuple[str, int, str]) -> str:
+        file, line, name = key
+        for prefix in (str(ROOT) + os.sep, "site-packages" + os.sep):
+            if prefix in file:
+                file = file.split(prefix, 1)[1]
+        return f"{file}:{line}({name})" if line else name
+
+    return {"steps": steps, "ms_per_step_profiled": wall * 1e3,
+            "calls_per_step": sum(v[1] for v in stats.values()) / steps,
+            "top_own_time": [{"function": where(k), "calls_per_step": v[1] / steps, "own_ms_per_step": v[2] / steps * 1e3,
+                              "cumulative_ms_per_step": v[3] / steps * 1e3} for k, v in rows]}
 
 
 def _ratios(runs: list[dict[str, Any]]) -> None:
@@ -829,6 +872,7 @@ def run_part(name: str, args: argparse.Namespace, timeout: float) -> dict[str, A
         cmd += ["--quick"] if args.quick else []
         cmd += ["--dry-run-cpu"] if args.dry_run_cpu else []
         cmd += ["--gpt-configs", args.gpt_configs] if args.gpt_configs else []
+        cmd += ["--profile-gpt", args.profile_gpt] if args.profile_gpt else []
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     print(f"== {name} (up to {timeout:.0f} s)", flush=True)
     output: list[str] = []
@@ -894,6 +938,8 @@ def versions() -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001
         out["triton"] = f"not importable: {type(exc).__name__}: {exc}"
     try:
+        if str(ROOT) not in sys.path:  # the checkout's pipecore (as the parts import it), built or not
+            sys.path.insert(0, str(ROOT))
         import pipecore
         out["pipecore"] = pipecore.__version__
     except Exception as exc:  # noqa: BLE001
@@ -983,6 +1029,8 @@ def main(argv: list[str] | None = None) -> int:
         timeout = left if name == "gpt" else min(budgets[name], left)
         try:
             report["parts"][name] = run_part(name, args, timeout)
+            if name == "build":  # pipecore's version can be read once it is built
+                report["versions"] = versions()
         except Exception as exc:  # noqa: BLE001
             report["parts"][name] = {"status": "error", "result": {}, "seconds": None,
                                      "errors": [{"where": name, "error": f"{type(exc).__name__}: {exc}",

@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import AbstractSet, NamedTuple
 
-from .algorithms.base import Algorithm, ReadContext, WeightRead
+from .algorithms.base import Algorithm, Live, ReadContext, WeightRead, plain_read
 
 
 _new_tuple = tuple.__new__
@@ -76,6 +76,8 @@ class VersionBook:
         # Algorithm.forward_read's and backward_read's answers, without the calls that only forward to the rules.
         self._resolve_forward = algorithm.spec.forward.resolve if plain else None
         self._resolve_backward = algorithm.spec.backward.resolve if plain and not self._stash else None
+        # Live's answer (the synchronous schedules' forward rule) needs no context: the live version's read.
+        self._forward_is_live = plain and type(algorithm.spec.forward) is Live
         self._unscaled = plain and algorithm.spec.lr_scale is None  # Algorithm.lr_scale is 1.0
         # The latest mark's journal (see BookMark); None: no mark to go back to.
         self._changes: list[tuple[int, WeightRead | None, WeightRead | None]] | None = None
@@ -173,10 +175,13 @@ class VersionBook:
             tag = self.live
         latest = self.latest_tag
         self.latest_tag = tag if latest is None or tag > latest else latest
-        ctx = ReadContext(self.stage, self._num_stages, microbatch, self._n_microbatches, self.live, tag, None,
-                          self.base)
-        resolve = self._resolve_forward
-        read = self.algorithm.forward_read(ctx) if resolve is None else resolve(ctx, self._options)
+        if self._forward_is_live:
+            read = plain_read(self.live)
+        else:
+            ctx = ReadContext(self.stage, self._num_stages, microbatch, self._n_microbatches, self.live, tag, None,
+                              self.base)
+            resolve = self._resolve_forward
+            read = self.algorithm.forward_read(ctx) if resolve is None else resolve(ctx, self._options)
         held = self.held
         if read.version not in held or (read.other is not None and read.other not in held):
             self._check_held(read, f"F of micro-batch {microbatch}")

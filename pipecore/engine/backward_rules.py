@@ -55,6 +55,7 @@ class RuleStage(Protocol):
     module: nn.Module
     layout: "FlatLayout"
     memory: "MemoryAccount"
+    autocast: torch.dtype | None  # the dtype its forwards autocast to, if any
 
     def materialize(self, read: WeightRead) -> torch.Tensor:
         """The flat weights ``read`` names."""
@@ -105,6 +106,9 @@ class BackwardRule(ABC):
     """One way to give a backward its weights (see the module docstring). One instance per stage."""
 
     name: str
+    #: Whether the backward's autograd passes must be run inside :meth:`reading` (the rule gives them other
+    #: weights than the graph holds); the others run without entering a context.
+    swaps_weights: bool = False
 
     @abstractmethod
     def forward(self, stage: RuleStage, k: int, weights: torch.Tensor, derived: bool, inputs: tuple[Any, ...],
@@ -133,8 +137,11 @@ class Stash(BackwardRule):
             # keep it alive until then).
             weights = weights.clone()
         leaves = stage.weight_leaves(weights)
-        with stage.autocasting(), stage.memory.hooks():
+        if stage.autocast is None and not stage.memory.enabled:  # no context to enter: this runs once per forward
             y = stage.run_forward(k, leaves, inputs, target)
+        else:
+            with stage.autocasting(), stage.memory.hooks():
+                y = stage.run_forward(k, leaves, inputs, target)
         return y, InFlight(inputs, leaves, y)
 
     def graph(self, stage, record, read):
@@ -156,6 +163,7 @@ class Swap(BackwardRule):
     pack hook new tensor objects, so only the memory they view identifies them."""
 
     name = "swap"
+    swaps_weights = True
 
     def __init__(self) -> None:
         self._packing: torch.Tensor | None = None  # the forward's flat weights, while it runs

@@ -25,6 +25,7 @@ from ..ring import WeightRing
 from ..runtime.worker import ActionRecord, Message, StageWorker
 from ..schedule.ir import Action, traced
 from ..versions import UpdateInfo
+from .autograd_call import accumulate_backward
 from .backward_rules import RULES, BackwardRule, InFlight
 from .flat import FlatLayout
 from .graph import StageGraph
@@ -116,6 +117,7 @@ class TensorStage(StageWorker):
         flat = torch.zeros(self.layout.buffer_numel, dtype=self.layout.dtype, device=device)
         self.layout.gather(module, flat)
         self.ring = WeightRing.from_flat(flat, num_slots, version=0)
+        self._ring_slots = self.ring._ring  # slot_of's lookups, without the wrapper's checks (set with ring)
         self.scratch = torch.empty_like(flat) if derived else None
         # PipeMare's weight velocity, where the algorithm keeps one: the average of the updates' weight changes.
         decay = algorithm.velocity_decay(stage)
@@ -200,13 +202,15 @@ class TensorStage(StageWorker):
         finally:
             ambient.wait_stream(self.stream)  # and whatever the caller does after the run sees its results
 
-    def action_range(self, action: Action, reads: Mapping[int, WeightRead]) -> AbstractContextManager[Any]:
+    def action_range(self, action: Action, reads: Mapping[int, WeightRead]) -> AbstractContextManager[Any] | None:
         if not (self._nvtx or _profiler_enabled()):
-            return _NO_RANGE  # the check costs far less than an idle record_function
+            return None  # the check costs far less than an idle record_function
         return _ActionRange(traced(action, reads), self._nvtx)
 
     def accept(self, message: Message) -> Any:
         payload = message.payload
+        if message.event is None and isinstance(payload, torch.Tensor) and payload.device == self.device:
+            return payload  # to_device's answer, without the call: this runs once per F and B
         if message.event is not None:
             # Computed on another stage's stream. What reads it here runs on this thread's current stream of
             # its device (this stage's own stream on the same device; a copy to another device runs on the
@@ -228,10 +232,10 @@ class TensorStage(StageWorker):
     # -- weights -------------------------------------------------------------------------------
 
     def slot_of(self, version: int) -> torch.Tensor:
-        i = self.ring.find(version)
+        i = self._ring_slots.find(version)  # the extension's ring itself: versions are ints here
         if i is None:
             raise RuntimeError(f"stage {self.stage}: weight version {version} is not in the ring ({self.ring!r})")
-        return self.ring.slot(i)
+        return self._ring_slots.slot(i)
 
     def materialize(self, read: WeightRead) -> torch.Tensor:
         """The flat weights a read names; derived weights are written into the scratch buffer."""
@@ -251,7 +255,11 @@ class TensorStage(StageWorker):
 
     def sync_ring(self) -> None:
         """Pin exactly the non-live versions the version book still holds; the rest become reusable."""
-        wanted = self.book.held - {self.book.live}
+        book = self.book
+        held = book.held
+        if not self.pinned_versions and len(held) == 1 and book.live in held:
+            return  # only the live version is held, as before (the synchronous schedules, every action)
+        wanted = held - {book.live}
         for v in wanted - self.pinned_versions:
             self.ring.pin(self.ring.find(v))
         for v in self.pinned_versions - wanted:
@@ -333,7 +341,8 @@ class TensorStage(StageWorker):
         for value, wants_grad in zip(values, self.boundary.grad_inputs):
             if isinstance(value, torch.Tensor):
                 if wants_grad and value.is_floating_point():
-                    self._check_input(value)
+                    if value.dtype is not self.layout.dtype:  # the stage's own dtype needs no check
+                        self._check_input(value)
                     value = value.detach().requires_grad_(True)
             out.append(value)
         return tuple(out)
@@ -358,20 +367,30 @@ class TensorStage(StageWorker):
         inputs = self._stage_inputs(payload)
         target = self.target(k) if self.is_last else None
         self.mutated = True  # the module may update buffers (BatchNorm) and draws random numbers
-        with self.memory.counting((*inputs, None if target is None else target.value)) as kept:
+        memory = self.memory
+        if memory.enabled:
+            with memory.counting((*inputs, None if target is None else target.value)) as kept:
+                y, record = self.rule.forward(self, k, weights, read.derivation is not None, inputs, target)
+            memory.forwarded(k, kept, () if self.is_last else y)
+        else:  # nothing to count: no context to enter (this runs once per forward)
             y, record = self.rule.forward(self, k, weights, read.derivation is not None, inputs, target)
-        self.memory.forwarded(k, kept, () if self.is_last else y)
         self.in_flight[k] = record
         self.sync_ring()
         self._timed("F", t0)
-        return None if self.is_last else as_payload(tuple(t.detach() for t in y))
+        if self.is_last:
+            return None
+        return y[0].detach() if len(y) == 1 else tuple(t.detach() for t in y)  # as_payload of the detached outputs
 
     def run_forward(self, k: int, params: Sequence[torch.Tensor], inputs: tuple[Any, ...],
                     target: LossTarget | None) -> Any:
         """Micro-batch ``k``'s forward: the module on ``inputs`` with ``params`` as its parameters; the loss at
         the last stage (recorded, see :meth:`_loss`), the checked outputs before it (what every backward rule
         runs in its forward)."""
-        y = self._forward_checked(params, inputs)
+        try:
+            y = self._run_module(params, inputs)
+        except Exception as exc:
+            self._note_module_error(exc, inputs)
+            raise
         return self._loss(k, y, target) if self.is_last else self._stage_outputs(y)
 
     def rerun_forward(self, params: Sequence[torch.Tensor], inputs: tuple[Any, ...],
@@ -392,19 +411,30 @@ class TensorStage(StageWorker):
         rule = self.rule
         outs = []
         # A recomputed segment's transient counts against this stage (on the CPU; CUDA's allocator sees it).
-        with self.memory.backward():
+        memory = self.memory
+        with memory.backward() if memory.enabled else _NO_RANGE:
             for k, read, grad_out in zip(microbatches, reads, payloads):
                 self.memory.released()  # the action's previous micro-batch, if any, is done
                 # Taken out of in_flight once the backward starts changing state (see _committed).
                 graph = rule.graph(self, self.in_flight[k], read)
                 inputs = graph.inputs
-                # The first stage has no upstream neighbour: a user input that requires grad gets nothing.
-                wanted = ([x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad] if self.stage > 0
-                          else [])
-                if self.is_last:
-                    tensors, grads = [graph.outputs], None
+                # The first stage has no upstream neighbour: a user input that requires grad gets nothing. (One
+                # input and one output, the usual case, without the comprehensions: this runs once per backward.)
+                if self.stage == 0:
+                    wanted = []
+                elif len(inputs) == 1:
+                    x = inputs[0]
+                    wanted = [x] if isinstance(x, torch.Tensor) and x.requires_grad else []
                 else:
-                    pairs = [(y, g) for y, g in zip(graph.outputs, from_payload(grad_out, len(graph.outputs)))
+                    wanted = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+                outputs = graph.outputs
+                if self.is_last:
+                    tensors, grads = [outputs], None
+                elif len(outputs) == 1:
+                    y = outputs[0]
+                    tensors, grads = ([y], [grad_out]) if grad_out is not None and y.requires_grad else ([], [])
+                else:
+                    pairs = [(y, g) for y, g in zip(outputs, from_payload(grad_out, len(outputs)))
                              if g is not None and y.requires_grad]
                     tensors, grads = [y for y, _ in pairs], [g for _, g in pairs]
                 if not (graph.leaves or wanted) or not tensors:  # nothing to differentiate, or no gradient arrived
@@ -429,13 +459,19 @@ class TensorStage(StageWorker):
                 # Weight gradients accumulate into the leaves' .grad, the gradient buffer (see weight_leaves); a
                 # parameter that takes no part gets nothing added.
                 self._committed(k)
-                with rule.reading(graph.weights):
-                    torch.autograd.backward(tensors, grad_tensors=grads, inputs=graph.leaves + wanted)
+                if rule.swaps_weights:
+                    with rule.reading(graph.weights):
+                        accumulate_backward(tensors, grads, graph.leaves + wanted)
+                else:  # the graph reads its own weights: no context to enter (this runs once per backward)
+                    accumulate_backward(tensors, grads, graph.leaves + wanted)
                 if self.stage == 0:
                     outs.append(None)
+                elif len(inputs) == 1:  # as_payload of one input's gradient
+                    x = inputs[0]
+                    outs.append(x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None)
                 else:
-                    outs.append(as_payload(tuple(x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None
-                                            for x in inputs)))
+                    outs.append(tuple(x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None
+                                      for x in inputs))
         self._timed("B", t0)
         return outs
 
@@ -448,8 +484,11 @@ class TensorStage(StageWorker):
         self.grad_span = (k, k) if self.grad_span is None else (min(self.grad_span[0], k), max(self.grad_span[1], k))
 
     def finish_backward(self) -> None:
-        super().finish_backward()
-        if not self.weight_actions:
+        if self.weight_actions:  # the W actions complete the gradients
+            return
+        if self._deferred:
+            self.compute_weight_gradients()
+        if self.ties is not None or self.gradient_sum is not None:  # _gradients_complete's work, if it has any
             self._gradients_complete(self._last_backward_count)
 
     def _gradients_complete(self, microbatches: int) -> None:
@@ -631,10 +670,13 @@ class TensorStage(StageWorker):
         try:
             return self._run_module(params, inputs)
         except Exception as exc:
-            # The module's own error, as itself (a shape mismatch or the user's code), with what it was given.
-            source = f"stage {self.stage - 1}'s output" if self.stage > 0 else "the input micro-batch"
-            exc.add_note(f"raised by stage {self.stage}'s forward, given {source} {_describe(inputs, self.boundary.inputs)}")
+            self._note_module_error(exc, inputs)
             raise
+
+    def _note_module_error(self, exc: Exception, inputs: tuple[Any, ...]) -> None:
+        # The module's own error, as itself (a shape mismatch or the user's code), with what it was given.
+        source = f"stage {self.stage - 1}'s output" if self.stage > 0 else "the input micro-batch"
+        exc.add_note(f"raised by stage {self.stage}'s forward, given {source} {_describe(inputs, self.boundary.inputs)}")
 
     def _loss(self, k: int, y: torch.Tensor, target: LossTarget) -> torch.Tensor:
         """The micro-batch loss divided by ``target.divisor`` (the micro-batches per update, weighted by the
@@ -692,6 +734,7 @@ class TensorStage(StageWorker):
         for name, view in self.layout.views(flat).items():
             view.copy_(params[name])
         self.ring = WeightRing.from_flat(flat, self.ring.num_slots, version=version)
+        self._ring_slots = self.ring._ring
         self._view_cache.clear()
         self._leaf_cache.clear()
         self._stable_storages = {self.ring.buffer.untyped_storage().data_ptr()} | (

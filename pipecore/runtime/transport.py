@@ -65,7 +65,8 @@ class LocalTransport:
 
     def receive(self, stage: int, kind: Kind, microbatch: int) -> Message:
         try:
-            return self._mailbox.take(_key(stage, kind, microbatch), self._timeout)
+            # _key, inline: this runs once per F and B
+            return self._mailbox.take((microbatch << (_STAGE_BITS + 1)) | (stage << 1) | (kind is not F), self._timeout)
         except TimeoutError:
             sender = stage - 1 if kind is F else stage + 1
             what = "activations" if kind is F else "gradient"

@@ -95,9 +95,10 @@ class StageWorker:
         CUDA makes its own stream current there)."""
         return nullcontext()
 
-    def action_range(self, action: Action, reads: Mapping[int, WeightRead]) -> AbstractContextManager[Any]:
-        """Around each action's compute: a profiler range named like the simulator's action (``"2B5@v3"``)."""
-        return nullcontext()
+    def action_range(self, action: Action, reads: Mapping[int, WeightRead]) -> AbstractContextManager[Any] | None:
+        """Around each action's compute: a profiler range named like the simulator's action (``"2B5@v3"``), or
+        None when there is nothing to record (the action then runs without entering a context)."""
+        return None
 
     def accept(self, message: Message) -> Any:
         """The payload of a received message, ready to compute with on this stage (e.g. on its device)."""
@@ -120,8 +121,12 @@ class StageWorker:
             if self._bare:
                 payload = self.compute_forward(action, read, message.payload)
             else:
-                with self.action_range(action, {k: read}):
+                around = self.action_range(action, {k: read})
+                if around is None:
                     payload = self.compute_forward(action, read, self.accept(message))
+                else:
+                    with around:
+                        payload = self.compute_forward(action, read, self.accept(message))
         except BaseException:
             self._failed(mark)
             raise
@@ -147,8 +152,12 @@ class StageWorker:
                 if self._bare:
                     payloads = self.compute_backward(action, reads, forward_reads, [messages[0].payload])
                 else:
-                    with self.action_range(action, record.reads):
+                    around = self.action_range(action, record.reads)
+                    if around is None:
                         payloads = self.compute_backward(action, reads, forward_reads, [self.accept(messages[0])])
+                    else:
+                        with around:
+                            payloads = self.compute_backward(action, reads, forward_reads, [self.accept(messages[0])])
             except BaseException:
                 self._failed(mark)
                 raise
@@ -169,7 +178,7 @@ class StageWorker:
             forward_reads = [p[1] for p in pairs]
             record = ActionRecord(dict(zip(microbatches, reads)), dict(zip(microbatches, forward_reads)),
                                   live=live)
-            with self.action_range(action, record.reads):
+            with self.action_range(action, record.reads) or nullcontext():
                 payloads = self.compute_backward(action, reads, forward_reads, [self.accept(m) for m in messages])
         except BaseException:
             self._failed(mark)
@@ -192,7 +201,7 @@ class StageWorker:
             if self._bare:
                 self.compute_weight(action)
             else:
-                with self.action_range(action, {}):
+                with self.action_range(action, {}) or nullcontext():
                     self.compute_weight(action)
         except BaseException:
             self.failed_cleanly = not self.mutated
@@ -220,7 +229,7 @@ class StageWorker:
             if self._bare:
                 self.compute_update(action, info)
             else:
-                with self.action_range(action, {}):
+                with self.action_range(action, {}) or nullcontext():
                     self.compute_update(action, info)
         except BaseException:
             self._failed(mark)

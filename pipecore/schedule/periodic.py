@@ -28,7 +28,7 @@ from .ir import Action, Kind, U
 from .schedule import Schedule
 
 _Key = tuple[Kind, int]
-_RECENT = 64  # shifted actions a row keeps (see PeriodicRow._at): a step's worth, not a run's
+_BLOCKS_KEPT = 8  # shifted copies of the body a row keeps (see PeriodicRow.__getitem__): a step's worth, not a run's
 
 
 @dataclass(frozen=True)
@@ -72,9 +72,12 @@ class PeriodicRow(Sequence[Action]):
         body_microbatches = [k for _, k in self._body_keys]
         self._body_span = (min(body_microbatches), max(body_microbatches)) if body_microbatches else None
         self._length = len(head) + copies * len(body) + len(tail)
-        # Executors look up each action several times (how far a step can run, then to run it); building
-        # the shifted Action is the costly part, so recent ones are kept (bounded: a long run's row is long).
-        self._recent: dict[int, Action] = {}
+        self._head_length, self._body_length = len(head), len(body)
+        # Executors look up each action at least once per run (how far a step can run, then to run it), so
+        # shifted copies of the body are built a whole copy at a time and the recent ones kept (bounded: a long
+        # run's row is long). A copy depends only on body and shift: rows made by with_copies share the table.
+        self._blocks: dict[int, tuple[Action, ...]] = {}
+        self._tail_block: tuple[Action, ...] | None = None  # the tail, shifted by copies - 1
 
     def with_copies(self, copies: int) -> "PeriodicRow":
         """The same row with ``copies`` copies of the body (the list for a different number of periods)."""
@@ -85,7 +88,7 @@ class PeriodicRow(Sequence[Action]):
         row = shallow_copy(self)
         row.copies = copies
         row._length = len(self.head) + copies * len(self.body) + len(self.tail)
-        row._recent = {}
+        row._tail_block = None
         return row
 
     def __len__(self) -> int:
@@ -99,32 +102,36 @@ class PeriodicRow(Sequence[Action]):
 
     def __getitem__(self, i: int | slice) -> Action | tuple[Action, ...]:
         if isinstance(i, slice):
-            return tuple(self._at(j) for j in range(*i.indices(self._length)))
+            return tuple(self[j] for j in range(*i.indices(self._length)))
         if i < 0:
             i += self._length
         if not 0 <= i < self._length:
             raise IndexError(f"position {i} is outside this stage's {self._length} actions")
-        return self._at(i)
-
-    def _at(self, i: int) -> Action:
-        action = self._recent.get(i)
-        if action is None:
-            if len(self._recent) >= _RECENT:
-                self._recent.clear()
-            action = self._recent[i] = self._compute(i)
-        return action
-
-    def _compute(self, i: int) -> Action:
-        if i < len(self.head):
+        # One method, no helper calls: executors index rows once or twice per action.
+        i -= self._head_length
+        if i < 0:
             return self.head[i]
-        i -= len(self.head)
-        copy, r = divmod(i, len(self.body))
+        copy, r = divmod(i, self._body_length)
         if copy < self.copies:
-            return self.shift.apply(self.body[r], copy)
-        return self.shift.apply(self.tail[i - self.copies * len(self.body)], self.copies - 1)
+            block = self._blocks.get(copy)
+            if block is None:
+                block = self._shifted(copy)
+            return block[r]
+        tail = self._tail_block
+        if tail is None:
+            tail = self._tail_block = tuple(self.shift.apply(a, self.copies - 1) for a in self.tail)
+        return tail[i - self.copies * self._body_length]
+
+    def _shifted(self, copy: int) -> tuple[Action, ...]:
+        """Copy ``copy`` of the body, kept among the recent ones."""
+        blocks = self._blocks
+        if len(blocks) >= _BLOCKS_KEPT:
+            blocks.clear()
+        block = blocks[copy] = tuple(self.shift.apply(a, copy) for a in self.body)
+        return block
 
     def __iter__(self) -> Iterator[Action]:
-        return (self._at(i) for i in range(self._length))
+        return (self[i] for i in range(self._length))
 
     def position(self, kind: Kind, microbatch: int) -> int | None:
         """Where the action of ``kind`` covering ``microbatch`` is, or None if the row has none."""

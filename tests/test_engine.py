@@ -86,6 +86,69 @@ def test_input_that_requires_grad_is_left_alone_and_weights_match_plain_training
         torch.testing.assert_close(pipe.state_dict()[key], value, rtol=0, atol=1e-12)
 
 
+class _ScaledByAttribute(nn.Module):
+    """A module that reads a tensor attribute requiring grad that is not a parameter: plain training
+    accumulates into it, a pipeline must not (it differentiates its own weights and received inputs only)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.scale = torch.full((5,), 1.5, dtype=torch.float64, requires_grad=True)
+
+    def forward(self, x):
+        return self.inner(x * self.scale)
+
+
+def _pipeline_with(model: nn.Module, num_stages: int = 2) -> Pipeline:
+    return Pipeline(model, num_stages, "1f1b", M, optimizer=SGD(lr=0.1), loss_fn=nn.CrossEntropyLoss())
+
+
+def test_backwards_accumulate_into_the_stage_leaves_only():
+    # Every leaf a stage's backward reaches is its own (weight leaves, received inputs): its backwards then let
+    # the engine accumulate into every leaf it reaches, which gives the same tensors the same gradients.
+    xs, ys = data(3)
+    pipe = _pipeline_with(mlp(4))
+    for x, y in zip(xs, ys):
+        pipe.step(x, y)
+    assert [st._every_leaf for st in pipe.stages.values()] == [True, True]
+    ref = mlp(4)
+    sequential_reference(ref, torch.optim.SGD(ref.parameters(), lr=0.1), xs, ys, per_update=M)
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(pipe.state_dict()[key], value, rtol=0, atol=1e-12)
+
+
+def test_a_tensor_attribute_that_requires_grad_gets_no_gradient():
+    # Its graph reaches a leaf that is not the stage's: that stage's backwards name their leaves.
+    xs, ys = data(3)
+    pipe = _pipeline_with(_ScaledByAttribute(mlp(4)))
+    for x, y in zip(xs, ys):
+        pipe.step(x, y)
+    scale = pipe.stages[0].module.scale  # the stage's generated module reads the attribute itself
+    assert scale.requires_grad and scale.grad is None
+    assert pipe.stages[0]._every_leaf is False and pipe.stages[1]._every_leaf is True
+
+
+def test_a_target_that_requires_grad_gets_no_gradient():
+    # A target computed with autograd (say, a teacher's output): the last stage names its leaves for it.
+    xs, ys = data(2)
+    teacher = nn.Linear(5, 3).double()
+    pipe = Pipeline(mlp(4), 2, "1f1b", M, optimizer=SGD(lr=0.1), loss_fn=nn.MSELoss())
+    for x in xs:
+        pipe.step(x, teacher(x))  # requires grad, through the teacher's parameters
+    assert all(p.grad is None for p in teacher.parameters())
+    assert pipe.stages[1]._every_leaf is None  # every backward named its leaves: the check never ran
+
+
+def test_leaves_reached_lists_the_gradient_accumulators_of_a_graph():
+    from pipecore.engine.autograd_call import leaves_reached
+
+    a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    c = torch.randn(3)  # no grad: not a leaf of the graph
+    y = (a * b + c).sum() + a.sum()
+    assert sorted(map(id, leaves_reached([y]))) == sorted(map(id, [a, b]))
+    assert [id(t) for t in leaves_reached([a])] == [id(a)]  # a leaf itself
+
+
 class _WithUnusedParameter(nn.Module):
     def __init__(self, inner: nn.Module):
         super().__init__()

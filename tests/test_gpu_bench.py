@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import pipecore
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 import gpu  # noqa: E402
@@ -188,7 +190,7 @@ def test_hand_written_stages_are_the_gpt_cut_where_pipecore_cuts_it():
 def test_a_cpu_dry_run_of_the_gpt_part_writes_its_json(tmp_path):
     out = tmp_path / "dry.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--dry-run-cpu", "--parts", "gpt",
-                           "--gpt-configs", "torch,hand,1f1b", "--out", str(out)], cwd=ROOT,
+                           "--gpt-configs", "torch,hand,1f1b", "--profile-gpt", "tiny/1f1b", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
@@ -199,6 +201,29 @@ def test_a_cpu_dry_run_of_the_gpt_part_writes_its_json(tmp_path):
     assert runs[2]["vs_hand"] == pytest.approx(runs[1]["ms"] / runs[2]["ms"])
     assert abs(runs[0]["loss"] - runs[1]["loss"]) < 1e-3  # the same model, data and step count
     assert "DRY RUN ON CPU (no GPU figures)" in proc.stdout
+    assert report["versions"]["pipecore"] == pipecore.__version__
+    # --profile-gpt profiles the configuration named, and only it: the pipeline's step is among its functions
+    assert "profile" not in runs[0] and "profile" not in runs[1]
+    profile = runs[2]["profile"]
+    assert profile["steps"] == report["parts"]["gpt"]["result"]["timed_steps"] and profile["calls_per_step"] > 0
+    functions = [f["function"] for f in profile["top_own_time"]]
+    assert len(functions) == gpu.PROFILE_TOP
+    assert any(f.startswith("pipecore/") for f in functions), functions  # paths relative to the checkout
+
+
+def test_host_profile_counts_the_calls_of_each_step():
+    def leaf(n: int) -> int:
+        return sum(range(n))
+
+    def step(i: int) -> None:
+        for _ in range(3):
+            leaf(1000)
+
+    profile = gpu.host_profile(step, 4, lambda: None)
+    assert profile["steps"] == 4
+    row = next(f for f in profile["top_own_time"] if f["function"].endswith("(leaf)"))
+    assert row["calls_per_step"] == 3 and row["own_ms_per_step"] > 0
+    assert row["cumulative_ms_per_step"] >= row["own_ms_per_step"]
 
 
 def test_the_tests_part_survives_a_crashing_test_file(tmp_path, monkeypatch):

@@ -88,6 +88,9 @@ class InFlight:
     outputs: Any                          # the values sent (a tuple), or the last stage's loss
     rng_state: Any = None                 # kept only under the recompute rule: (CPU state, CUDA state or None)
     target: LossTarget | None = None      # last stage, recompute rule: the loss is recomputed too
+    # The graph reaches tensors from outside the stage that require grad (a user input at the first stage, a
+    # target at the last): its backward must name the leaves it accumulates into (see TensorStage._every_leaf).
+    outside_grad: bool = False
 
 
 @dataclass

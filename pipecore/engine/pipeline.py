@@ -333,7 +333,10 @@ class Pipeline:
             )
         self.overlap_steps = overlap_steps
         rank_streams: dict[tuple[int, torch.device], Any] = {}
+        # Every stage on the CPU of this process: a message's payload needs no copy and no event.
+        plain = self.rank is None and all(torch.device(d).type == "cpu" for d in self.devices)
         for s, st in self.stages.items():
+            st.plain_messages(plain)
             st.use_stream(self._threads is not None)  # a stream of its own only where it runs on its own thread
             # The stages of one rank on one device compute on one stream, in the rank's order.
             st.stream = rank_streams.setdefault((self.placement[s], st.device), st.stream)

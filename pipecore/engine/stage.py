@@ -25,7 +25,7 @@ from ..ring import WeightRing
 from ..runtime.worker import ActionRecord, Message, StageWorker
 from ..schedule.ir import Action, traced
 from ..versions import UpdateInfo
-from .autograd_call import accumulate_backward
+from .autograd_call import accumulate_backward, leaves_reached
 from .backward_rules import RULES, BackwardRule, InFlight
 from .flat import FlatLayout
 from .graph import StageGraph
@@ -114,10 +114,21 @@ class TensorStage(StageWorker):
         # torch intra-op threads of its runs on a stage thread (Pipeline's threads_per_stage; None: as set).
         self.intra_op_threads: int | None = None
         self._nvtx = device.type == "cuda"
+        # With messages between CPU stages of one process, the worker skips accept, stamp and action_range
+        # while this says nothing profiles (see StageWorker.plain_messages).
+        self._profiling = _profiler_enabled
         flat = torch.zeros(self.layout.buffer_numel, dtype=self.layout.dtype, device=device)
         self.layout.gather(module, flat)
         self.ring = WeightRing.from_flat(flat, num_slots, version=0)
         self._ring_slots = self.ring._ring  # slot_of's lookups, without the wrapper's checks (set with ring)
+        # Whether a backward's graph reaches no leaf but the stage's weight leaves and inputs, so that the engine
+        # need not be told which leaves to accumulate into (autograd_call.accumulate_backward's every_leaf):
+        # checked on the first backward (None until then) for a module whose graph is the same every call, that
+        # is one made of torch's modules only; False for one that keeps a user module whole (leaf_modules),
+        # whose Python may reach other tensors on some calls. A micro-batch whose input or target requires grad
+        # names its leaves whatever this says (InFlight.outside_grad).
+        self._every_leaf: bool | None = (
+            None if all(type(m).__module__.startswith("torch.") for m in module.modules()) else False)
         self.scratch = torch.empty_like(flat) if derived else None
         # PipeMare's weight velocity, where the algorithm keeps one: the average of the updates' weight changes.
         decay = algorithm.velocity_decay(stage)
@@ -334,7 +345,7 @@ class TensorStage(StageWorker):
     def _stage_inputs(self, payload: Any) -> tuple[Any, ...]:
         """The received values as the module's arguments; those that may carry a gradient (floating tensors
         computed from parameters upstream) become leaves that require grad."""
-        values = from_payload(payload, len(self.boundary.inputs))
+        values = (payload,) if len(self.boundary.inputs) == 1 else tuple(payload)  # from_payload, inline
         if self.stage == 0:
             return values
         out = []
@@ -374,6 +385,8 @@ class TensorStage(StageWorker):
             memory.forwarded(k, kept, () if self.is_last else y)
         else:  # nothing to count: no context to enter (this runs once per forward)
             y, record = self.rule.forward(self, k, weights, read.derivation is not None, inputs, target)
+        if (self.stage == 0 and _carries_grad(inputs)) or (target is not None and _carries_grad(target.value)):
+            record.outside_grad = True
         self.in_flight[k] = record
         self.sync_ring()
         self._timed("F", t0)
@@ -414,9 +427,11 @@ class TensorStage(StageWorker):
         memory = self.memory
         with memory.backward() if memory.enabled else _NO_RANGE:
             for k, read, grad_out in zip(microbatches, reads, payloads):
-                self.memory.released()  # the action's previous micro-batch, if any, is done
+                if memory.enabled:
+                    memory.released()  # the action's previous micro-batch, if any, is done
                 # Taken out of in_flight once the backward starts changing state (see _committed).
-                graph = rule.graph(self, self.in_flight[k], read)
+                record = self.in_flight[k]
+                graph = rule.graph(self, record, read)
                 inputs = graph.inputs
                 # The first stage has no upstream neighbour: a user input that requires grad gets nothing. (One
                 # input and one output, the usual case, without the comprehensions: this runs once per backward.)
@@ -459,11 +474,18 @@ class TensorStage(StageWorker):
                 # Weight gradients accumulate into the leaves' .grad, the gradient buffer (see weight_leaves); a
                 # parameter that takes no part gets nothing added.
                 self._committed(k)
+                targets = graph.leaves + wanted
+                every_leaf = self._every_leaf
+                if record.outside_grad:
+                    every_leaf = False
+                elif every_leaf is None:  # the first backward: does the graph reach other leaves?
+                    ours = {id(t) for t in targets}
+                    every_leaf = self._every_leaf = all(id(t) in ours for t in leaves_reached(tensors))
                 if rule.swaps_weights:
                     with rule.reading(graph.weights):
-                        accumulate_backward(tensors, grads, graph.leaves + wanted)
+                        accumulate_backward(tensors, grads, targets, every_leaf)
                 else:  # the graph reads its own weights: no context to enter (this runs once per backward)
-                    accumulate_backward(tensors, grads, graph.leaves + wanted)
+                    accumulate_backward(tensors, grads, targets, every_leaf)
                 if self.stage == 0:
                     outs.append(None)
                 elif len(inputs) == 1:  # as_payload of one input's gradient
@@ -480,7 +502,8 @@ class TensorStage(StageWorker):
         undone by putting the micro-batch back."""
         self.mutated = True
         del self.in_flight[k]
-        self.memory.backwarded(k)
+        if self.memory.enabled:
+            self.memory.backwarded(k)
         self.grad_span = (k, k) if self.grad_span is None else (min(self.grad_span[0], k), max(self.grad_span[1], k))
 
     def finish_backward(self) -> None:
@@ -789,6 +812,17 @@ def _hooked(module: torch.nn.Module) -> bool:
                 or module._backward_pre_hooks or _module_hooks._global_forward_hooks
                 or _module_hooks._global_forward_pre_hooks or _module_hooks._global_backward_hooks
                 or _module_hooks._global_backward_pre_hooks)
+
+
+def _carries_grad(value: Any) -> bool:
+    """Whether a value (a tensor, or tuples, lists and dicts of them) holds a tensor that requires grad."""
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if isinstance(value, (tuple, list)):
+        return any(_carries_grad(v) for v in value)
+    if isinstance(value, dict):
+        return any(_carries_grad(v) for v in value.values())
+    return False
 
 
 def _tensors(payload: Any) -> list[torch.Tensor]:

@@ -68,6 +68,17 @@ class StageWorker:
         cls = type(self)
         self._bare = (cls.action_range is StageWorker.action_range and cls.accept is StageWorker.accept
                       and cls.stamp is StageWorker.stamp)
+        # A subclass whose hooks are no-ops while nothing profiles (see plain_messages) sets these: the actions
+        # then skip the hooks while ``_profiling()`` is false, one call in place of three.
+        self._plain: bool = False
+        self._profiling: Any = None
+
+    def plain_messages(self, plain: bool) -> None:
+        """Whether this stage's messages need nothing done to them: ``accept`` would return the payload as it
+        is and ``stamp`` the message, and ``action_range`` None while nothing profiles (a subclass that says so
+        sets ``_profiling``). Its caller knows where the messages come from (say, stages on the CPU of one
+        process)."""
+        self._plain = plain and self._profiling is not None
 
     # Hooks: the symbolic stage does no compute.
     def compute_forward(self, action: Action, read: WeightRead, payload: Any) -> Any:
@@ -118,7 +129,7 @@ class StageWorker:
         k = action.index
         try:
             read, tag = book.forward(k, message.tag)
-            if self._bare:
+            if self._bare or (self._plain and not self._profiling()):
                 payload = self.compute_forward(action, read, message.payload)
             else:
                 around = self.action_range(action, {k: read})
@@ -131,7 +142,7 @@ class StageWorker:
             self._failed(mark)
             raise
         out = Message(payload, tag)
-        return out if self._bare else self.stamp(out), ActionRecord({k: read}, {}, live)
+        return out if self._bare or self._plain else self.stamp(out), ActionRecord({k: read}, {}, live)
 
     def backward(self, action: Action, messages: Sequence[Message]) -> tuple[list[Message], ActionRecord]:
         book = self.book
@@ -149,7 +160,7 @@ class StageWorker:
                 read, forward_read = book.backward(k)
                 reads, forward_reads = [read], [forward_read]
                 record = ActionRecord({k: read}, {k: forward_read}, live)
-                if self._bare:
+                if self._bare or (self._plain and not self._profiling()):
                     payloads = self.compute_backward(action, reads, forward_reads, [messages[0].payload])
                 else:
                     around = self.action_range(action, record.reads)
@@ -165,7 +176,7 @@ class StageWorker:
             if not payloads:
                 return [], record
             out = Message(payloads[0], poisoned=k // every in poisoned)
-            return [out if self._bare else self.stamp(out)], record
+            return [out if self._bare or self._plain else self.stamp(out)], record
         microbatches = action.microbatches  # a property that builds a range: once per action
         for k, m in zip(microbatches, messages):
             if m.poisoned:

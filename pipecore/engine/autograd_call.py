@@ -1,8 +1,8 @@
 """One autograd backward that accumulates into given leaves, with less Python around the engine.
 
-``torch.autograd.backward`` spends about as long in Python as a small stage's whole backward takes in the
-engine: it normalises its arguments, checks every tensor for ``__torch_function__`` overrides and builds the
-output gradients one by one (``_make_grads``), about 25 Python calls per backward. A stage's backward always
+Before it reaches the engine, ``torch.autograd.backward`` normalises its arguments, checks every tensor for
+``__torch_function__`` overrides and builds the output gradients one by one (``_make_grads``), each a
+Python call or several, on every backward. A stage's backward always
 calls it the same way, with plain tensors, so :func:`accumulate_backward` checks that case once per call and
 hands the engine the same arguments ``torch.autograd.backward`` would; anything else (a tensor subclass, a
 shape mismatch, a functorch transform) goes through ``torch.autograd.backward`` itself, with its checks and
@@ -30,7 +30,7 @@ def accumulate_backward(tensors: Sequence[torch.Tensor], grads: Sequence[torch.T
     (weighted by ``grads``; None: each tensor is a scalar and its gradient is one) added into the ``.grad``
     of each of ``inputs``. ``every_leaf``: the caller knows that ``inputs`` are all the leaves the graph reaches
     (:func:`leaves_reached`), so the engine is not given them: it then accumulates into the same tensors without
-    first marking which of the graph's nodes lead to them (a tenth of a small stage's backward)."""
+    first walking the graph to mark which of its nodes lead to them."""
     if _fast(tensors, grads, inputs):
         if grads is None:
             grads = [torch.ones_like(t, memory_format=torch.preserve_format) for t in tensors]

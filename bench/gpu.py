@@ -1,7 +1,7 @@
 """pipecore on one GPU: every check and benchmark in one command that fits in 8 minutes.
 
 ``python bench/gpu.py [--build] [--quick] [--parts load,tests,kernels,plan,train,offload,gpt] [--budget 470]
-[--device cuda:0] [--out PATH]``
+[--device cuda:0] [--out PATH] [--gpt-configs a,b] [--profile-gpt size/config,...]``
 
 Parts, run in this order, each in its own Python process under a time limit (a part that fails, crashes or
 runs out of time is recorded with its error and traceback, and the next part still runs):
@@ -22,7 +22,9 @@ runs out of time is recorded with its error and traceback, and the next part sti
 * ``gpt``: the small and large GPT of the first GPU probe, trained with plain torch, with a hand-written loop
   over the same 4 stage modules and 8 micro-batches in 1F1B order, and with pipecore gpipe, 1f1b, 2bw and
   pipedream (a thread per stage and in turn), float32 and bf16 autocast: ms/step and peak memory; targets:
-  1f1b >= 0.9x (small) / 0.95x (large) of the hand-written loop, bf16 no slower than float32.
+  1f1b >= 0.9x (small) / 0.95x (large) of the hand-written loop, bf16 no slower than float32. With
+  ``--profile-gpt small/1f1b-inturn,small/hand``, those configurations' host time is also profiled (cProfile
+  of the calling thread over as many steps again): the functions with the most own time, per step.
 
 The whole run stays within ``--budget`` seconds (default 470); the ``gpt`` part comes last and gets what the
 others left, running its most important configurations first and recording those it had no time for.

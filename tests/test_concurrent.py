@@ -463,9 +463,12 @@ def _assert_close_nested(a: object, b: object, where: str, rtol: float, atol: fl
         assert a == b, where
 
 
-def test_every_action_is_a_profiler_range_named_like_the_simulator_with_its_kernels_inside(tmp_path):
+@pytest.mark.parametrize("concurrent", [True, False])
+def test_every_action_is_a_profiler_range_named_like_the_simulator_with_its_kernels_inside(tmp_path, concurrent):
+    # Stages on the CPU of one process skip their per-action hooks while nothing profiles: under a profiler
+    # every action still opens its range, on stage threads and in turn.
     pipe = pipecore.Pipeline(mlp(), 4, "pipedream", n_microbatches=4, loss_fn=nn.CrossEntropyLoss(),
-                             optimizer=pipecore.SGD(lr=0.05))
+                             optimizer=pipecore.SGD(lr=0.05), concurrent=concurrent)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for x, y in data(3):
             pipe.step(x, y)

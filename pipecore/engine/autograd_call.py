@@ -1,12 +1,12 @@
 """One autograd backward that accumulates into given leaves, with less Python around the engine.
 
 Before it reaches the engine, ``torch.autograd.backward`` normalises its arguments, checks every tensor for
-``__torch_function__`` overrides and builds the output gradients one by one (``_make_grads``), each a
-Python call or several, on every backward. A stage's backward always
-calls it the same way, with plain tensors, so :func:`accumulate_backward` checks that case once per call and
-hands the engine the same arguments ``torch.autograd.backward`` would; anything else (a tensor subclass, a
-shape mismatch, a functorch transform) goes through ``torch.autograd.backward`` itself, with its checks and
-its error messages. The gradients are the same: the same engine call computes them.
+``__torch_function__`` overrides and builds the output gradients one by one (``_make_grads``), each a Python
+call or several, on every backward. A stage's backward always calls it the same way, with plain tensors, so
+:func:`accumulate_backward` checks that case once per call and hands the engine the same arguments
+``torch.autograd.backward`` would; anything else (a tensor subclass, a shape mismatch, a functorch transform)
+goes through ``torch.autograd.backward`` itself, with its checks and its error messages. The gradients are
+the same: the same engine call computes them.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import AbstractSet, NamedTuple
 
-from .algorithms.base import _PLAIN_READS, Algorithm, Live, ReadContext, WeightRead, plain_read
+from .algorithms.base import Algorithm, Live, ReadContext, WeightRead, plain_read
 
 
 _new_tuple = tuple.__new__
@@ -176,7 +176,7 @@ class VersionBook:
         latest = self.latest_tag
         self.latest_tag = tag if latest is None or tag > latest else latest
         if self._forward_is_live:
-            read = _PLAIN_READS.get(self.live) or plain_read(self.live)  # plain_read's table, read inline
+            read = plain_read(self.live)
         else:
             ctx = ReadContext(self.stage, self._num_stages, microbatch, self._n_microbatches, self.live, tag, None,
                               self.base)

@@ -120,7 +120,6 @@ class TensorStage(StageWorker):
         flat = torch.zeros(self.layout.buffer_numel, dtype=self.layout.dtype, device=device)
         self.layout.gather(module, flat)
         self.ring = WeightRing.from_flat(flat, num_slots, version=0)
-        self._ring_slots = self.ring._ring  # slot_of's lookups, without the wrapper's checks (set with ring)
         # Whether a backward's graph reaches no leaf but the stage's weight leaves and inputs, so that the engine
         # need not be told which leaves to accumulate into (autograd_call.accumulate_backward's every_leaf):
         # checked on the first backward (None until then) for a module whose graph is the same every call, that
@@ -220,8 +219,6 @@ class TensorStage(StageWorker):
 
     def accept(self, message: Message) -> Any:
         payload = message.payload
-        if message.event is None and isinstance(payload, torch.Tensor) and payload.device == self.device:
-            return payload  # to_device's answer, without the call: this runs once per F and B
         if message.event is not None:
             # Computed on another stage's stream. What reads it here runs on this thread's current stream of
             # its device (this stage's own stream on the same device; a copy to another device runs on the
@@ -243,10 +240,11 @@ class TensorStage(StageWorker):
     # -- weights -------------------------------------------------------------------------------
 
     def slot_of(self, version: int) -> torch.Tensor:
-        i = self._ring_slots.find(version)  # the extension's ring itself: versions are ints here
+        ring = self.ring._ring  # the extension's ring itself, without the wrapper's checks: versions are ints here
+        i = ring.find(version)
         if i is None:
             raise RuntimeError(f"stage {self.stage}: weight version {version} is not in the ring ({self.ring!r})")
-        return self._ring_slots.slot(i)
+        return ring.slot(i)
 
     def materialize(self, read: WeightRead) -> torch.Tensor:
         """The flat weights a read names; derived weights are written into the scratch buffer."""
@@ -345,7 +343,7 @@ class TensorStage(StageWorker):
     def _stage_inputs(self, payload: Any) -> tuple[Any, ...]:
         """The received values as the module's arguments; those that may carry a gradient (floating tensors
         computed from parameters upstream) become leaves that require grad."""
-        values = (payload,) if len(self.boundary.inputs) == 1 else tuple(payload)  # from_payload, inline
+        values = from_payload(payload, len(self.boundary.inputs))
         if self.stage == 0:
             return values
         out = []
@@ -425,7 +423,7 @@ class TensorStage(StageWorker):
         outs = []
         # A recomputed segment's transient counts against this stage (on the CPU; CUDA's allocator sees it).
         memory = self.memory
-        with memory.backward() if memory.enabled else _NO_RANGE:
+        with memory.backward():
             for k, read, grad_out in zip(microbatches, reads, payloads):
                 if memory.enabled:
                     memory.released()  # the action's previous micro-batch, if any, is done
@@ -757,7 +755,6 @@ class TensorStage(StageWorker):
         for name, view in self.layout.views(flat).items():
             view.copy_(params[name])
         self.ring = WeightRing.from_flat(flat, self.ring.num_slots, version=version)
-        self._ring_slots = self.ring._ring
         self._view_cache.clear()
         self._leaf_cache.clear()
         self._stable_storages = {self.ring.buffer.untyped_storage().data_ptr()} | (

@@ -34,27 +34,37 @@ void AbortState::raise_if_aborted() const {
 }
 
 template <class Ready, class Describe>
-Status AbortState::wait(std::unique_lock<std::mutex>& lock, double timeout, Ready ready, Describe describe) {
+Status AbortState::wait(std::unique_lock<std::mutex>& lock, int64_t topic, double timeout, Ready ready,
+                        Describe describe) {
   auto done = [&] { return aborted_ || ready(); };
+  std::condition_variable cv;
+  auto registered = waiters_.emplace(topic, &cv);
+  bool in_time = true;
   if (timeout < 0 || timeout > kForever) {
-    cv_.wait(lock, done);
-  } else if (!cv_.wait_for(lock, std::chrono::duration<double>(timeout), done)) {
-    return Status::timed_out(describe() + " (waited " + seconds(timeout) + ")");
+    cv.wait(lock, done);
+  } else {
+    in_time = cv.wait_for(lock, std::chrono::duration<double>(timeout), done);
   }
+  waiters_.erase(registered);  // under mu_ again: no wake() reaches cv once this wait returns
+  if (!in_time) return Status::timed_out(describe() + " (waited " + seconds(timeout) + ")");
   // Checked after the wait too: abort wins over a key or value that arrived at the same time.
   if (aborted_) return Status::aborted(reason_);
   return Status::ready();
 }
 
+void AbortState::wake(int64_t topic) {
+  // Notified with mu_ held: a waiter's condition variable lives only while it is registered.
+  auto [first, last] = waiters_.equal_range(topic);
+  for (auto it = first; it != last; ++it) it->second->notify_one();
+}
+
 void AbortState::abort_all(std::string reason) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!aborted_) {
-      aborted_ = true;
-      reason_ = std::move(reason);
-    }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!aborted_) {
+    aborted_ = true;
+    reason_ = std::move(reason);
   }
-  cv_.notify_all();
+  for (auto& waiter : waiters_) waiter.second->notify_one();
 }
 
 void AbortState::clear_abort() {
@@ -74,14 +84,12 @@ Mailbox::~Mailbox() {
 }
 
 void Mailbox::put(int64_t key, py::object value) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto [it, inserted] = items_.try_emplace(key, nullptr);
-    PIPECORE_CHECK(inserted, ErrorKind::kKey, "Mailbox.put: key ", key, " is already present");
-    // The map now owns this reference; take() hands it back with reinterpret_steal.
-    it->second = value.release().ptr();
-  }
-  cv_.notify_all();
+  std::lock_guard<std::mutex> lock(mu_);
+  auto [it, inserted] = items_.try_emplace(key, nullptr);
+  PIPECORE_CHECK(inserted, ErrorKind::kKey, "Mailbox.put: key ", key, " is already present");
+  // The map now owns this reference; take() hands it back with reinterpret_steal.
+  it->second = value.release().ptr();
+  wake(key);
 }
 
 py::object Mailbox::take(int64_t key, double timeout) {
@@ -104,7 +112,7 @@ py::object Mailbox::take(int64_t key, double timeout) {
     // mu_ is unlocked when this lambda returns, before without_gil takes the GIL back (rule 5).
     std::unique_lock<std::mutex> lock(mu_);
     Status status = wait(
-        lock, timeout, [&] { return items_.count(key) != 0; },
+        lock, key, timeout, [&] { return items_.count(key) != 0; },
         [&] { return "Mailbox.take: key " + std::to_string(key) + " was not put"; });
     if (status.code == Status::Code::kReady) {
       auto it = items_.find(key);
@@ -160,11 +168,9 @@ size_t Progress::index(const char* op, int64_t i) const {
 
 void Progress::set(int64_t i, int64_t value) {
   size_t k = index("set", i);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    counters_[k] = value;
-  }
-  cv_.notify_all();
+  std::lock_guard<std::mutex> lock(mu_);
+  counters_[k] = value;
+  wake(i);
 }
 
 int64_t Progress::get(int64_t i) const {
@@ -184,7 +190,7 @@ void Progress::wait_at_least(int64_t i, int64_t value, double timeout) {
   without_gil([&] {
     std::unique_lock<std::mutex> lock(mu_);  // unlocked before the GIL is taken back: see Mailbox::take
     return wait(
-        lock, timeout, [&] { return counters_[k] >= value; },
+        lock, i, timeout, [&] { return counters_[k] >= value; },
         [&] {
           return "Progress.wait_at_least: counter " + std::to_string(i) + " is " + std::to_string(counters_[k]) +
                  ", not yet >= " + std::to_string(value);

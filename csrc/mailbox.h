@@ -29,23 +29,29 @@ class AbortState {
  protected:
   // Requires mu_ held and the GIL held: raises Aborted if aborted.
   void raise_if_aborted() const;
-  // Requires mu_ held through `lock`; the GIL need not be held and nothing is raised. Waits until
-  // aborted (Status::aborted with the reason) or ready() (Status::ready); after `timeout` seconds
-  // (negative = forever) returns Status::timed_out with describe() (called with mu_ held) plus the
-  // seconds waited. Defined in mailbox.cpp, its only user.
+  // Requires mu_ held through `lock`; the GIL need not be held and nothing is raised. Waits, registered
+  // under `topic` (a mailbox key, a counter index), until aborted (Status::aborted with the reason) or
+  // ready() (Status::ready); after `timeout` seconds (negative = forever) returns Status::timed_out with
+  // describe() (called with mu_ held) plus the seconds waited. Defined in mailbox.cpp, its only user.
   template <class Ready, class Describe>
-  Status wait(std::unique_lock<std::mutex>& lock, double timeout, Ready ready, Describe describe);
+  Status wait(std::unique_lock<std::mutex>& lock, int64_t topic, double timeout, Ready ready, Describe describe);
+  // Requires mu_ held: wakes the waiters registered under `topic`, and only them. A wake-up for every
+  // change would wake each stage thread at every message, for other stages' keys: with more stage
+  // threads than cores those spurious wake-ups cost more than the messages themselves.
+  void wake(int64_t topic);
   // Lock mu_ themselves; abort_all also wakes every waiter.
   void abort_all(std::string reason);
   void clear_abort();
 
   mutable std::mutex mu_;
-  std::condition_variable cv_;
   bool aborted_ = false;
   std::string reason_;
+
+ private:
+  // Who waits for what: each waiter's own condition variable (a local of its wait), guarded by mu_.
+  std::multimap<int64_t, std::condition_variable*> waiters_;
 };
 
-// Thread-safe int64 -> Python object map whose take() blocks until the key is present.
 class Mailbox : AbortState {
  public:
   Mailbox() = default;

@@ -119,6 +119,41 @@ def test_blocked_take_receives_a_later_put():
     assert len(m) == 0
 
 
+def test_two_waiters_on_one_key_each_take_one_put():
+    # A put wakes the waiters of its key only; with two on one key, one takes it and the other waits on.
+    m = Mailbox()
+    first, second = Payload(1), Payload(2)
+    waiters = [run_thread(m.take, 7, JOIN_S) for _ in range(2)]
+    time.sleep(0.05)
+    m.put(7, first)
+    time.sleep(0.05)
+    assert sum(t.is_alive() for t, _ in waiters) == 1
+    m.put(7, second)
+    for t, _ in waiters:
+        finish(t)
+    assert sorted(out["value"].tag for _, out in waiters) == [1, 2]
+    assert len(m) == 0
+
+
+def test_waiters_on_other_keys_keep_waiting_and_timed_out_ones_leave_no_trace():
+    m = Mailbox()
+    others = [run_thread(m.take, k, JOIN_S) for k in (1, 2, 3)]
+    for _ in range(50):  # waits that time out unregister themselves: later puts must not reach them
+        with pytest.raises(TimeoutError):
+            m.take(9, timeout=0.0001)
+    time.sleep(0.05)
+    m.put(9, Payload(9))
+    m.put(2, Payload(2))
+    finish(others[1][0])
+    assert others[1][1]["value"].tag == 2
+    assert all(t.is_alive() for t, _ in (others[0], others[2]))
+    assert m.keys() == [9]
+    m.abort("done")  # wakes every waiter, whatever its key
+    for t, out in (others[0], others[2]):
+        finish(t)
+        assert isinstance(out["error"], Aborted)
+
+
 def test_put_from_another_thread_wakes_the_main_thread():
     m = Mailbox()
     obj = Payload()

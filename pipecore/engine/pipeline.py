@@ -333,8 +333,9 @@ class Pipeline:
             )
         self.overlap_steps = overlap_steps
         rank_streams: dict[tuple[int, torch.device], Any] = {}
-        # Every stage on the CPU of this process: a message's payload needs no copy and no event.
-        plain = self.rank is None and all(torch.device(d).type == "cpu" for d in self.devices)
+        # Every stage of this process on the CPU: a message's payload needs no copy and no event (one received
+        # from another rank is in a CPU buffer too: the transport's device is this rank's).
+        plain = all(st.device.type == "cpu" for st in self.stages.values())
         for s, st in self.stages.items():
             st.plain_messages(plain)
             st.use_stream(self._threads is not None)  # a stream of its own only where it runs on its own thread

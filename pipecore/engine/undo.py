@@ -107,9 +107,14 @@ def _copy(source: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
     return source.clone()
 
 
+_IMMUTABLE = (int, float, bool, str, bytes)
+
+
 def _copy_state(source: Any, into: Any) -> Any:
     """A copy of an optimizer's state (nested dicts and lists of tensors and plain values), into ``into``'s
     tensors where they match."""
+    if source is None or type(source) in _IMMUTABLE:  # a step count, a flag: nothing to copy (once per update)
+        return source
     if isinstance(source, torch.Tensor):
         return _copy(source, into if isinstance(into, torch.Tensor) else None)
     if isinstance(source, dict):

@@ -3,6 +3,8 @@ small list-scheduling timer (each rank runs its list in order, every action cost
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from pipecore.schedule import (
@@ -125,13 +127,48 @@ def test_validates_and_is_complete(family):
     assert count > 10
 
 
-def test_interleaved_with_one_stage_per_rank_is_one_f_one_b():
+def test_interleaved_with_one_stage_per_rank_and_no_slack_is_one_f_one_b():
     for P in range(1, 9):
         for m in range(1, 10):
             for n in (1, 2, 3):
-                ours, theirs = interleaved_one_f_one_b(P, m, n), one_f_one_b(P, m, n)
+                ours, theirs = interleaved_one_f_one_b(P, m, n, slack=0), one_f_one_b(P, m, n)
                 assert ours.stages == theirs.stages, ours.diff(theirs)
                 assert tuple(ours.rank_rows) == tuple(theirs.rank_rows)
+
+
+def test_interleaved_warms_up_like_megatron_two_forwards_per_rank_downstream():
+    # 4 ranks, 2 chunks each, 8 micro-batches: rank 0 warms up with (v-1)*R + 2*(R-1) = 10 forwards (Megatron-LM's
+    # and torch's ScheduleInterleaved1F1B's count), then alternates F and B; slack=0 warms up with (v-1)*R + R-1 = 7.
+    s = interleaved_one_f_one_b(8, 8, stages_per_rank=2)
+    assert " ".join(map(str, s.ranks[0])) == (
+        "0F0 0F1 0F2 0F3 4F0 4F1 4F2 4F3 0F4 0F5 "
+        "0F6 4B0 0F7 4B1 4F4 4B2 4F5 4B3 4F6 0B0 4F7 0B1 "
+        "0B2 0B3 4B4 4B5 4B6 4B7 0B4 0B5 0B6 0B7"
+    )
+    lean = interleaved_one_f_one_b(8, 8, stages_per_rank=2, slack=0)
+    assert [a.kind for a in lean.ranks[0][:9]] == [F] * 8 + [B]
+    assert [str(a) for a in lean.ranks[3][:6]] == ["3F0", "3F1", "3F2", "3F3", "7F0", "7B0"]  # the last rank: no hop
+
+
+@pytest.mark.parametrize("R", [2, 3, 4, 8])
+@pytest.mark.parametrize("v", [1, 2, 3, 4])
+def test_interleaved_is_torchs_interleaved_1f1b_order(R, v):
+    # torch.distributed.pipelining's own per-rank action lists (its list builder, called without process groups).
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+    for m in (R, 2 * R, 3 * R, 4 * R):
+        shape = SimpleNamespace(n_local_stages=v, pp_group_size=R, microbatches_per_round=m // max(1, m // R),
+                                _n_microbatches=m)
+        ours = interleaved_one_f_one_b(v * R, m, stages_per_rank=v)
+        for r in range(R):
+            theirs = [str(a) for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(shape, r)
+                      if a is not None]
+            assert [str(a) for a in ours.rank_rows[r]] == theirs, (R, v, m, r)
+
+
+def test_interleaved_refuses_a_bad_slack():
+    for slack in (-1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match=r"slack must be an integer >= 0"):
+            interleaved_one_f_one_b(4, 4, stages_per_rank=2, slack=slack)
 
 
 def test_interleaved_is_depth_first_in_groups_of_ranks():
@@ -266,10 +303,14 @@ def test_zero_bubble_h1_quality(R, m):
 @pytest.mark.parametrize("v", [2, 4])
 def test_interleaved_quality(R, m, v):
     b = one_f_one_b_bubble(R, m)
-    _, bubble, peaks = timed(interleaved_one_f_one_b(v * R, m, stages_per_rank=v))
+    makespan, bubble, peaks = timed(interleaved_one_f_one_b(v * R, m, stages_per_rank=v))
     assert bubble == pytest.approx((R - 1) / (v * m + R - 1))  # Megatron's (p-1)/v bubble time
     assert bubble <= 1.5 * b / v  # (1 + (v-1)(p-1)/(v*m+p-1)) x b/v: close to b/v for m >> p
-    assert max(peaks) <= R
+    # Megatron's warm-up holds (R-1)/v more micro-batches' worth on rank 0 than 1F1B; without the slack, none.
+    assert max(peaks) <= R + (R - 1) / v
+    lean_makespan, lean_bubble, lean_peaks = timed(interleaved_one_f_one_b(v * R, m, stages_per_rank=v, slack=0))
+    assert (lean_makespan, lean_bubble) == (makespan, bubble)  # with no send time the slack costs nothing
+    assert max(lean_peaks) <= R
 
 
 @pytest.mark.parametrize("R,m", QUALITY_SIZES)

@@ -76,14 +76,14 @@ def _assemble(one: Callable[[int], list[Action]], ranks: int, num_stages: int, m
 # --------------------------------------------------------------------------- interleaved 1F1B and ZB1P
 
 
-def _looped_rank(rank: int, ranks: int, per_rank: int, m: int, zero_bubble: bool) -> list[Action]:
+def _looped_rank(rank: int, ranks: int, per_rank: int, m: int, zero_bubble: bool, slack: int = 0) -> list[Action]:
     """One rank's list of interleaved 1F1B (depth first), or of ZB1P when ``zero_bubble``.
 
     Forward op ``k`` (0 .. v*m-1) runs local chunk ``(k // g) % v`` on micro-batch ``(k // (g*v)) * g + k % g``
     with ``g`` micro-batches per round (``R`` when v > 1); backward op ``k`` does the same with the chunks
-    visited last to first. Warm-up ``(v-1)*g + R-1-r`` forwards, then forward op / backward op pairs, then the
-    remaining backwards. ZB1P splits the backwards and, from its ``r``-th backward on, follows each ``B``
-    with the oldest pending ``W``; the rest of the ``W``s close the list.
+    visited last to first. Warm-up ``(v-1)*g + (1+slack)*(R-1-r)`` forwards, then forward op / backward op
+    pairs, then the remaining backwards. ZB1P splits the backwards and, from its ``r``-th backward on, follows
+    each ``B`` with the oldest pending ``W``; the rest of the ``W``s close the list.
     """
     v = per_rank
     total = v * m
@@ -95,7 +95,7 @@ def _looped_rank(rank: int, ranks: int, per_rank: int, m: int, zero_bubble: bool
             chunk = v - 1 - chunk
         return chunk * ranks + rank, (k // (group * v)) * group + k % group
 
-    warmup = min((v - 1) * group + ranks - 1 - rank, total)
+    warmup = min((v - 1) * group + (1 + slack) * (ranks - 1 - rank), total)
     out: list[Action] = []
     pending: deque[tuple[int, int]] = deque()
 
@@ -125,7 +125,7 @@ def _looped_rank(rank: int, ranks: int, per_rank: int, m: int, zero_bubble: bool
 
 
 def interleaved_one_f_one_b(num_stages: int, n_microbatches: int, n_minibatches: int = 1,
-                            stages_per_rank: int = 1) -> Schedule:
+                            stages_per_rank: int = 1, slack: int = 1) -> Schedule:
     """Interleaved (virtual-pipeline) 1F1B, depth first: Megatron-LM's ``forward_backward_pipelining_with_
     interleaving`` (Narayanan et al., SC'21, "Efficient Large-Scale Language Model Training on GPU Clusters
     Using Megatron-LM"); torch's ``ScheduleInterleaved1F1B``.
@@ -133,11 +133,16 @@ def interleaved_one_f_one_b(num_stages: int, n_microbatches: int, n_minibatches:
     Shape: ``R = num_stages // stages_per_rank`` ranks, looped placement (rank ``r`` holds stages ``r, r+R,
     ...``; ``v = stages_per_rank`` chunks each). Micro-batches go round the loop in groups of ``R``: a rank
     forwards ``R`` micro-batches through its first chunk, the same ``R`` through its second, ..., then the next
-    group. Rank ``r`` warms up with ``(v-1)*R + R-1-r`` forwards, then alternates one forward and one backward
-    (backwards visit the chunks last to first, in the same groups), then drains. The bubble is about ``1/v`` of
-    1F1B's. With ``stages_per_rank=1`` this is exactly :func:`~pipecore.schedule.generators.one_f_one_b`
-    (Megatron warms up interleaved schedules with twice as many forwards per hop, for its paired send/receive;
-    without a send in the schedule one per hop suffices and keeps the activations held as low as 1F1B's).
+    group. Rank ``r`` warms up with ``(v-1)*R + (1+slack)*(R-1-r)`` forwards, then alternates one forward and one
+    backward (backwards visit the chunks last to first, in the same groups), then drains. The bubble is about
+    ``1/v`` of 1F1B's.
+
+    ``slack`` (default 1): extra warm-up forwards per rank downstream. Megatron and torch warm up with two
+    forwards per hop (``slack=1``, this order exactly): when a message takes time to arrive, the first
+    backward reaches an early rank later than the forwards ahead of it, and the extra forwards fill that wait
+    (with F = B = 1 and no latency the makespan is the same either way). ``slack=0`` holds as few activations
+    as 1F1B (rank ``r``'s ``R-r`` micro-batches' worth), and with ``stages_per_rank=1`` it is exactly
+    :func:`~pipecore.schedule.generators.one_f_one_b`.
 
     Requires ``num_stages % stages_per_rank == 0`` and, when ``stages_per_rank > 1``,
     ``n_microbatches % R == 0``.
@@ -145,7 +150,10 @@ def interleaved_one_f_one_b(num_stages: int, n_microbatches: int, n_minibatches:
     name = "interleaved_one_f_one_b"
     ranks = _check_sizes(name, num_stages, n_microbatches, n_minibatches, stages_per_rank)
     _check_rounds(name, n_microbatches, ranks, stages_per_rank)
-    return _assemble(lambda r: _looped_rank(r, ranks, stages_per_rank, n_microbatches, False),
+    if not _is_int(slack) or slack < 0:
+        raise ValueError(f"{name}: slack must be an integer >= 0 (extra warm-up forwards per rank downstream), "
+                         f"got {slack!r}")
+    return _assemble(lambda r: _looped_rank(r, ranks, stages_per_rank, n_microbatches, False, slack),
                      ranks, num_stages, n_microbatches, n_minibatches)
 
 

@@ -78,6 +78,7 @@ class Config:
     pipe: pipecore.Pipeline | None = None
     cpu: list[float] = field(default_factory=list)
     wall: list[float] = field(default_factory=list)
+    switches: list[float] = field(default_factory=list)  # the process's context switches per step
 
     def settle(self) -> None:
         if self.pipe is not None:
@@ -156,12 +157,21 @@ def time_rounds(configs: list[Config], batches: list[tuple[torch.Tensor, torch.T
         c.settle()
     for r in range(rounds):
         for c in configs[r % len(configs):] + configs[:r % len(configs)]:
+            switches = _context_switches()
             wall, cpu = time.perf_counter(), time.process_time()
             for x, y in batches:
                 c.step(x, y)
             c.settle()
             c.cpu.append((time.process_time() - cpu) / len(batches))
             c.wall.append((time.perf_counter() - wall) / len(batches))
+            c.switches.append((_context_switches() - switches) / len(batches))
+
+
+def _context_switches() -> int:
+    """The process's context switches so far, voluntary (a thread waits: a message, the GIL) and involuntary
+    (the OS takes its core away)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_nvcsw + usage.ru_nivcsw
 
 
 def per_round(a: list[float], b: list[float]) -> dict[str, object]:
@@ -177,6 +187,7 @@ def summarize(configs: list[Config], actions: int) -> dict[str, object]:
         rows = {}
         for name, s in series.items():
             row: dict[str, object] = {"ms_per_step": round(1e3 * statistics.median(s), 3),
+                                      "context_switches_per_step": round(statistics.median(by[name].switches), 1),
                                       "us_per_action_over_plain": round(1e6 * (statistics.median(s) - plain)
                                                                         / actions, 1)}
             if name != "hand":
@@ -193,12 +204,12 @@ def summarize(configs: list[Config], actions: int) -> dict[str, object]:
 def print_width(width: int, summary: dict[str, object]) -> None:
     print(f"width {width} (process CPU time; ratios: medians of per-round ratios)")
     print(f"  {'configuration':<34} {'ms/step':>8} {'us/act>plain':>12} {'/hand':>7} {'/LoopedBFS':>10} "
-          f"{'def/lean':>8} {'wall ms':>8}")
+          f"{'def/lean':>8} {'wall ms':>8} {'switches':>8}")
     for name, row in summary["cpu"].items():
         cell = lambda key: f"{row[key]['median']:.3f}" if key in row else "-"  # noqa: E731
         print(f"  {name:<34} {row['ms_per_step']:>8.2f} {row['us_per_action_over_plain']:>12.1f} "
               f"{cell('over_hand'):>7} {cell('over_torch_LoopedBFS'):>10} {cell('defaults_over_lean'):>8} "
-              f"{summary['wall'][name]['ms_per_step']:>8.2f}")
+              f"{summary['wall'][name]['ms_per_step']:>8.2f} {row['context_switches_per_step']:>8.0f}")
 
 
 class CallCounter:
@@ -354,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
                               "threads_per_stage (default max(1, cores // stages))"},
         "statistic": "ms_per_step: median over rounds of a window's time per step; over_* and defaults_over_lean: "
                      "median and range of per-round ratios of step times; us_per_action_over_plain: (median step "
-                     "- plain's median step) / actions_per_step",
+                     "- plain's median step) / actions_per_step; context_switches_per_step: median over rounds of "
+                     "the process's voluntary and involuntary context switches (getrusage) per step",
         "env": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
         "results": results,
     }

@@ -123,6 +123,9 @@ def test_the_benchmark_writes_its_table(overhead, tmp_path):
     defaults = rows["pipecore/1f1b/turn/defaults"]
     assert defaults["ms_per_step"] > 0 and len(defaults["over_hand"]["range"]) == 2
     assert "defaults_over_lean" in defaults and "wall" in result
+    # Stage threads hand messages to each other: a waiting thread sleeps and wakes (the in-turn loop never waits).
+    threaded = rows["pipecore/1f1b/threads/defaults"]["context_switches_per_step"]
+    assert threaded > defaults["context_switches_per_step"]
 
 
 def test_the_profile_counts_calls_per_action(overhead, capsys):

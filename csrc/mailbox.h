@@ -52,6 +52,7 @@ class AbortState {
   std::multimap<int64_t, std::condition_variable*> waiters_;
 };
 
+// Thread-safe int64 -> Python object map whose take() blocks until the key is present.
 class Mailbox : AbortState {
  public:
   Mailbox() = default;

@@ -31,7 +31,7 @@ def accumulate_backward(tensors: Sequence[torch.Tensor], grads: Sequence[torch.T
     of each of ``inputs``. ``every_leaf``: the caller knows that ``inputs`` are all the leaves the graph reaches
     (:func:`leaves_reached`), so the engine is not given them: it then accumulates into the same tensors without
     first walking the graph to mark which of its nodes lead to them."""
-    if _fast(tensors, grads, () if every_leaf else inputs, inputs):
+    if _fast(tensors, grads, inputs):
         if grads is None:
             grads = [torch.ones_like(t, memory_format=torch.preserve_format) for t in tensors]
         _engine_run_backward(tuple(tensors), tuple(grads), False, False, () if every_leaf else tuple(inputs),
@@ -59,12 +59,11 @@ def leaves_reached(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _fast(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None,
-          inputs: Sequence[torch.Tensor], some_input: Any) -> bool:
+          inputs: Sequence[torch.Tensor]) -> bool:
     """Whether the call is one that ``torch.autograd.backward`` would pass to the engine unchanged: plain
     tensors (no ``__torch_function__`` to dispatch to), gradients of the outputs' shapes (or scalar outputs),
-    no functorch transform active, and at least one input (``some_input`` true). ``inputs`` are those handed
-    to the engine (none when it accumulates into every leaf it reaches)."""
-    if _engine_run_backward is None or not some_input or (_functorch_active is not None and _functorch_active()):
+    no functorch transform active, and at least one input."""
+    if _engine_run_backward is None or not inputs or (_functorch_active is not None and _functorch_active()):
         return False
     for t in tensors:
         if type(t) is not _Tensor:

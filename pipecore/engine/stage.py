@@ -343,18 +343,11 @@ class TensorStage(StageWorker):
     def _stage_inputs(self, payload: Any) -> tuple[Any, ...]:
         """The received values as the module's arguments; those that may carry a gradient (floating tensors
         computed from parameters upstream) become leaves that require grad."""
+        values = from_payload(payload, len(self.boundary.inputs))
         if self.stage == 0:
-            return from_payload(payload, len(self.boundary.inputs))
-        grad_inputs = self.boundary.grad_inputs
-        if len(grad_inputs) == 1 and type(payload) is torch.Tensor:  # one tensor, the usual case: once per forward
-            if grad_inputs[0] and payload.is_floating_point():
-                if payload.dtype is not self.layout.dtype:
-                    self._check_input(payload)
-                return (payload.detach().requires_grad_(True),)
-            return (payload,)
-        values = from_payload(payload, len(grad_inputs))
+            return values
         out = []
-        for value, wants_grad in zip(values, grad_inputs):
+        for value, wants_grad in zip(values, self.boundary.grad_inputs):
             if isinstance(value, torch.Tensor):
                 if wants_grad and value.is_floating_point():
                     if value.dtype is not self.layout.dtype:  # the stage's own dtype needs no check

@@ -28,7 +28,6 @@ from .ir import Action, Kind, U
 from .schedule import Schedule
 
 _Key = tuple[Kind, int]
-_new_action, _set_field = object.__new__, object.__setattr__
 _BLOCKS_KEPT = 8  # shifted copies of the body a row keeps (see PeriodicRow.__getitem__): a step's worth, not a run's
 
 
@@ -43,14 +42,7 @@ class Shift:
         if times == 0:
             return action
         step = self.updates if action.kind is U else self.microbatches
-        # Action's fields, set without its checks: a valid action moved forward stays valid (a row builds a
-        # period's worth of these per step).
-        shifted = _new_action(Action)
-        _set_field(shifted, "stage", action.stage)
-        _set_field(shifted, "kind", action.kind)
-        _set_field(shifted, "index", action.index + times * step)
-        _set_field(shifted, "count", action.count)
-        return shifted
+        return Action(action.stage, action.kind, action.index + times * step, action.count)
 
 
 def microbatch_positions(row: Sequence[Action]) -> dict[_Key, int]:

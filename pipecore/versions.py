@@ -122,6 +122,11 @@ class VersionBook:
         """Drop the held versions no future read names (older than the oldest needed) and no in-flight
         micro-batch pins; the live one stays."""
         live, held = self.live, self.held
+        if len(held) == 1 and live in held:
+            # Only the live version is held (the synchronous schedules, after every action): nothing to drop. What
+            # the rule below keeps (the oldest needed, the settled versions) is a cache it recomputes when stale.
+            self._unpinned.clear()
+            return
         # Reads after a restart are counted from ``base``, so nothing older than it is named again.
         if self._oldest_is_live:
             needed = live

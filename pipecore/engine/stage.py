@@ -12,8 +12,9 @@ import math
 import statistics
 import time
 from array import array
-from collections import defaultdict
+from collections import defaultdict, deque
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from operator import getitem as _getitem, setitem as _setitem
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -36,6 +37,7 @@ from .data_parallel import GradientSum
 from .lr import LrSchedule
 from .optim import LrScales, StageOptimizer, uniform_scale
 from .split_backward import PendingWeightGradients, input_gradient, weight_gradients
+from .member_access import speed_up_member_access
 from .memory import MemoryAccount
 from .undo import StageSnapshot, UndoPoint, slot_for_update
 from .weight_change import ChangeAverage
@@ -64,6 +66,7 @@ class _RecentSeconds:
 
 _profiler_enabled = torch.autograd._profiler_enabled
 _NO_RANGE = nullcontext()  # reusable: it holds nothing
+_consume = deque(maxlen=0).extend  # runs an iterator to its end, keeping nothing
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -100,6 +103,7 @@ class TensorStage(StageWorker):
         super().__init__(algorithm, stage)
         module = graph.module
         self.module = module
+        speed_up_member_access(module)  # the generated forward reaches its submodules by attribute
         self.boundary = graph
         self.state_keys: list[str] = list(module.state_dict()) if state_keys is None else list(state_keys)
         self.layout = FlatLayout.of(module, stage)
@@ -153,10 +157,13 @@ class TensorStage(StageWorker):
         index = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
         named = dict(module.named_parameters())
         self._module_params = [named[name] for name in self.layout.names]  # in the flat layout's order
-        self._parameter_slots = [
-            (module.get_submodule(full.rpartition(".")[0]), full.rpartition(".")[2], index[id(p)])
-            for full, p in module.named_parameters(remove_duplicate=False)
-        ]
+        # Where each parameter sits (a submodule's _parameters dict and the name in it; a tied one in several) and
+        # which of the flat layout's tensors goes there: what _run_module swaps.
+        slots = [(module.get_submodule(full.rpartition(".")[0])._parameters, full.rpartition(".")[2], index[id(p)])
+                 for full, p in module.named_parameters(remove_duplicate=False)]
+        self._slot_dicts = [d for d, _, _ in slots]
+        self._slot_names = [name for _, name, _ in slots]
+        self._slot_order = None if [i for _, _, i in slots] == list(range(len(index))) else [i for _, _, i in slots]
         self.loss_fn = loss_fn
         self.target = target
         self.on_nonfinite = on_nonfinite
@@ -323,11 +330,11 @@ class TensorStage(StageWorker):
     def _run_module(self, params: Sequence[torch.Tensor], inputs: tuple[Any, ...]) -> Any:
         # Swap the given tensors in as the module's parameters for one call (what torch.func.functional_call
         # does, without re-resolving names on every call).
-        slots = self._parameter_slots
-        originals = [sub._parameters[name] for sub, name, _ in slots]
+        # map() over the slots, consumed by a zero-length deque: loops in C (this runs once per forward).
+        dicts, names, order = self._slot_dicts, self._slot_names, self._slot_order
+        originals = list(map(_getitem, dicts, names))
         try:
-            for sub, name, i in slots:
-                sub._parameters[name] = params[i]
+            _consume(map(_setitem, dicts, names, params if order is None else [params[i] for i in order]))
             module = self.module
             if _hooked(module):
                 return module(*inputs)
@@ -335,8 +342,7 @@ class TensorStage(StageWorker):
             # (GraphModule's wrapper, nn.Module's call and its dispatch) that would only find no hook.
             return module.forward(*inputs)
         finally:
-            for (sub, name, _), original in zip(slots, originals):
-                sub._parameters[name] = original
+            _consume(map(_setitem, dicts, names, originals))
 
     # -- boundary values -------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .. import _C
 from ..schedule.ir import Action, B, F, Kind, W
+from ..schedule.periodic import PeriodicRow
 from ..schedule.progress import positions, rank_cursor, runnable
 from ..schedule.schedule import Schedule, upstream
 from ..schedule.validate import ScheduleError, is_valid
@@ -169,8 +170,11 @@ class Executor:
         """
         for s, row in enumerate(schedule.stages):
             done = self.planned[s]  # what stage threads are running agrees as well
+            old = self.schedule.stages[s]
+            if isinstance(row, PeriodicRow) and row.shares_prefix(old, done):
+                continue  # one more copy of the same form (each step's extension): agrees by construction
             start = max(0, done - _RECHECKED)
-            if len(row) < done or tuple(row[start:done]) != tuple(self.schedule.stages[s][start:done]):
+            if len(row) < done or tuple(row[start:done]) != tuple(old[start:done]):
                 raise ValueError(f"stage {s}: the new schedule does not continue the executed prefix")
         self.schedule = schedule
         self._index = positions(schedule)

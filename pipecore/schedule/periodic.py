@@ -94,6 +94,13 @@ class PeriodicRow(Sequence[Action]):
     def __len__(self) -> int:
         return self._length
 
+    def shares_prefix(self, other: object, n: int) -> bool:
+        """Whether the first ``n`` actions are known to equal ``other``'s without comparing them: both rows are
+        copies of one form (the same head, body, tail and shift), and the first ``n`` lie before either's tail."""
+        return (isinstance(other, PeriodicRow) and other.body is self.body and other.head is self.head
+                and other.tail is self.tail and other.shift == self.shift
+                and n <= self._head_length + min(self.copies, other.copies) * self._body_length)
+
     @overload
     def __getitem__(self, i: int) -> Action: ...
 

@@ -20,6 +20,9 @@ almost nothing, so a step's time is what the host spends around the kernels. Con
 * ``pipecore/<alg>/<turn|threads>/<defaults|lean>``: ``pipecore.Pipeline(algorithm=<alg>,
   concurrent=False|True)`` with ``pipecore.SGD(momentum=0.9)``; ``lean`` is ``recover=False,
   track_memory=False``, ``defaults`` keeps both.
+* ``pipecore/<alg>/auto/defaults``: ``concurrent`` left at its default: with every stage on the CPU the
+  pipeline times its first steps on its stage threads and in turn and keeps the faster (the JSON row's
+  ``execution`` says which).
 * ``torch/Interleaved1F1B`` and ``torch/LoopedBFS``: ``torch.distributed.pipelining`` with one gloo rank
   holding all 4 stages (``PipelineStage`` per stage module, the schedule over the 4 stages), the same optimizer.
 
@@ -85,11 +88,15 @@ class Config:
             self.pipe.synchronize()
 
 
-def pipecore_config(name: str, model: nn.Sequential, stages: int, m: int, threads: bool, lean: bool) -> Config:
+_WAYS = {False: "turn", True: "threads", None: "auto"}  # concurrent= -> the label's part
+
+
+def pipecore_config(name: str, model: nn.Sequential, stages: int, m: int, threads: bool | None,
+                    lean: bool) -> Config:
     pipe = pipecore.Pipeline(model, stages, algorithm=name, n_microbatches=m, partition=cuts(model, stages),
                              optimizer=pipecore.SGD(lr=LR, momentum=0.9), loss_fn=nn.CrossEntropyLoss(),
                              concurrent=threads, **(LEAN if lean else {}))
-    label = f"pipecore/{name}/{'threads' if threads else 'turn'}/{'lean' if lean else 'defaults'}"
+    label = f"pipecore/{name}/{_WAYS[threads]}/{'lean' if lean else 'defaults'}"
     return Config(label, pipe.step, pipe)
 
 
@@ -124,17 +131,17 @@ def torch_config(schedule: str, model: nn.Sequential, stages: int, m: int) -> Co
 
 
 def build(width: int, layers: int, stages: int, m: int, algorithms: list[str], with_torch: bool,
-          only: set[str] | None = None) -> list[Config]:
+          only: set[str] | None = None, with_auto: bool = True) -> list[Config]:
     base = make_model(width, layers)
     configs = [Config("plain", sequential_trainer(copy.deepcopy(base), m))]
     configs.append(Config("hand", hand_written_trainer(copy.deepcopy(base), stages, m,
                                                        in_turn_order("1f1b", stages, m))))
     for name in algorithms:
-        for threads in (False, True):
-            for lean in (False, True):
-                label = f"pipecore/{name}/{'threads' if threads else 'turn'}/{'lean' if lean else 'defaults'}"
-                if only is None or label in only:
-                    configs.append(pipecore_config(name, copy.deepcopy(base), stages, m, threads, lean))
+        ways = [(False, False), (False, True), (True, False), (True, True)] + ([(None, False)] if with_auto else [])
+        for threads, lean in ways:
+            label = f"pipecore/{name}/{_WAYS[threads]}/{'lean' if lean else 'defaults'}"
+            if only is None or label in only:
+                configs.append(pipecore_config(name, copy.deepcopy(base), stages, m, threads, lean))
     if with_torch:
         for schedule in TORCH_SCHEDULES:
             configs.append(torch_config(schedule, copy.deepcopy(base), stages, m))
@@ -196,6 +203,8 @@ def summarize(configs: list[Config], actions: int) -> dict[str, object]:
                 row["over_torch_LoopedBFS"] = per_round(s, series["torch/LoopedBFS"])
             if name.endswith("/defaults") and name[:-len("defaults")] + "lean" in by:
                 row["defaults_over_lean"] = per_round(s, series[name[:-len("defaults")] + "lean"])
+            if by[name].pipe is not None:
+                row["execution"] = by[name].pipe.execution  # how its steps ran in the end (auto: the way kept)
             rows[name] = row
         out[clock] = rows
     return out
@@ -231,7 +240,9 @@ class CallCounter:
 def profile(args: argparse.Namespace, algorithms: list[str]) -> int:
     counter = CallCounter()
     threading.setprofile(counter)  # stage threads start on first use, after this
-    configs = build(args.width, args.layers, args.stages, args.microbatches, algorithms, not args.no_torch)
+    # Not the default's (auto) pipelines: which way their counted steps run depends on their timing.
+    configs = build(args.width, args.layers, args.stages, args.microbatches, algorithms, not args.no_torch,
+                    with_auto=False)
     batches = data(args.batch, args.width, args.steps)
     actions = args.stages * (2 * args.microbatches + 1)
     print(f"calls per action (width {args.width}, {args.steps} steps, {actions} actions per step): Python "

@@ -118,8 +118,11 @@ def test_the_benchmark_writes_its_table(overhead, tmp_path):
     assert report["benchmark"] == "overhead" and report["machine"]["cpu_count"]
     (result,) = report["results"]
     rows = result["cpu"]
-    assert set(rows) == {"plain", "hand"} | {f"pipecore/1f1b/{how}/{what}" for how in ("turn", "threads")
-                                             for what in ("defaults", "lean")}
+    assert set(rows) == {"plain", "hand", "pipecore/1f1b/auto/defaults"} | {
+        f"pipecore/1f1b/{how}/{what}" for how in ("turn", "threads") for what in ("defaults", "lean")}
+    assert rows["pipecore/1f1b/threads/lean"]["execution"] == "stage threads"
+    assert rows["pipecore/1f1b/turn/lean"]["execution"] == "in turn"
+    assert rows["pipecore/1f1b/auto/defaults"]["execution"] == "measuring"  # 3 steps: still in its warm-up
     defaults = rows["pipecore/1f1b/turn/defaults"]
     assert defaults["ms_per_step"] > 0 and len(defaults["over_hand"]["range"]) == 2
     assert "defaults_over_lean" in defaults and "wall" in result

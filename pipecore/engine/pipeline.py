@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import time
 import warnings
 from collections import OrderedDict
 from functools import partial
@@ -21,6 +22,7 @@ from torch import nn
 from ..algorithms import get_algorithm
 from ..planning.planner import Plan
 from ..runtime.distributed import PeerError
+from ..runtime.choice import IN_TURN, THREADS, ThreadsOrInTurn
 from ..runtime.executor import Costs, Event, Executor
 from ..runtime.ties import LocalTiedGradients, StagesAsRanks
 from ..runtime.threads import StageThreads
@@ -109,7 +111,10 @@ class Pipeline:
         concurrent: run each stage's actions on its own worker thread (and, on CUDA, its own stream), so
             that stages in one process compute at the same time; each stage keeps the schedule's order, so
             the results are bit-identical to ``concurrent=False`` (one thread running the stages in turn).
-            Default: True in one process with more than one stage.
+            Default None: stage threads in one process with more than one stage, except that with every
+            stage on the CPU (and no ``overlap_steps``) the pipeline times its first steps both ways and keeps
+            the faster (:attr:`execution` says which): on the CPU, threads pay only where ops are large enough
+            (each torch op hands the GIL to another stage thread and back).
         threads_per_stage: torch intra-op threads a stage computes with: set once on each stage thread when
             it starts (``concurrent``), and on the calling thread around the actions it runs in turn (then
             restored), so that results are the same bits either way. Default None: the process's share,
@@ -342,6 +347,10 @@ class Pipeline:
             # The stages of one rank on one device compute on one stream, in the rank's order.
             st.stream = rank_streams.setdefault((self.placement[s], st.device), st.stream)
             st.intra_op_threads = self.threads_per_stage
+        # The default with every stage on the CPU: stage threads or in turn, whichever the first steps time
+        # faster (see runtime/choice.py); an explicit concurrent=True, overlap_steps or a GPU keep the threads.
+        self._choice = (ThreadsOrInTurn() if concurrent is None and self._threads is not None and plain
+                        and not overlap_steps else None)
         self._staleness = {s: _Tally() for s in self.stages}
         self._delays = {s: _Tally() for s in self.stages}
         self._closed = False
@@ -590,13 +599,30 @@ class Pipeline:
         # not under a profiler, whose session must not end while stage threads still record into it.
         overlap = self.overlap_steps and not torch.autograd._profiler_enabled()
         until = (self.num_stages - 1, F, self._fed * m - 1) if overlap else None
-        self._guarded(lambda: self._executor.run(available=self._fed * m, until=until))
+        choice = self._choice
+        if choice is None:
+            self._guarded(lambda: self._executor.run(available=self._fed * m, until=until))
+        else:  # steps end settled here (no overlap_steps): the threads are idle, either way can run next
+            way = choice.next()
+            self._executor.threads = self._threads if way == THREADS else None
+            started = time.perf_counter()
+            self._guarded(lambda: self._executor.run(available=self._fed * m, until=until))
+            choice.record(way, time.perf_counter() - started)
         if not last_stage:
             return self._receive_loss(minibatch)
         loss = self._minibatch_loss.pop(minibatch)
         if until is not None and not math.isfinite(loss) and self.on_nonfinite == "raise":
             self.synchronize()  # the stage reading it raises NonFiniteLoss: from this step, as without overlap
         return loss
+
+    @property
+    def execution(self) -> str:
+        """How steps run in this process: ``"stage threads"`` (a thread per stage), ``"in turn"`` (the stages one
+        after the other on the calling thread), or ``"measuring"`` while the first steps of a pipeline with the
+        default ``concurrent`` and every stage on the CPU time both ways (it then keeps the faster)."""
+        if self._choice is not None:
+            return self._choice.state
+        return THREADS if self._threads is not None else IN_TURN
 
     @property
     def minibatches(self) -> int:

@@ -1,0 +1,99 @@
+"""The default ``concurrent`` with every stage on the CPU: the first steps run both on the stage threads and in
+turn, timed, and the faster way is kept (pipecore/runtime/choice.py). Either way gives the same bits."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import pipecore
+from _same import assert_same
+from pipecore.runtime.choice import IN_TURN, MEASURING, THREADS, ThreadsOrInTurn
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(8, 8), nn.Tanh())],
+                         nn.Linear(8, 3)).double()
+
+
+def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g))
+            for _ in range(steps)]
+
+
+def test_warmup_then_alternating_probes_then_the_faster_way():
+    choice = ThreadsOrInTurn(warmup=2, probes=3)
+    ways = []
+    times = {THREADS: iter([0.5, 0.1, 0.3]), IN_TURN: iter([0.2, 0.25, 9.0])}  # one slow outlier in turn
+    while choice.state == MEASURING:
+        way = choice.next()
+        ways.append(way)
+        choice.record(way, 100.0 if len(ways) <= 2 else next(times[way]))  # warm-up steps are not counted
+    assert ways == [THREADS, THREADS, IN_TURN, THREADS, IN_TURN, THREADS, IN_TURN, THREADS]
+    assert choice.seconds == {THREADS: [0.5, 0.1, 0.3], IN_TURN: [0.2, 0.25, 9.0]}
+    assert choice.chosen == IN_TURN and choice.next() == IN_TURN  # medians 0.25 < 0.3
+    choice.record(THREADS, 0.0)  # after the choice nothing changes it
+    assert choice.next() == IN_TURN and choice.seconds[THREADS] == [0.5, 0.1, 0.3]
+
+
+def test_threads_kept_when_faster():
+    choice = ThreadsOrInTurn(warmup=0, probes=1)
+    choice.record(choice.next(), 2.0)  # in turn
+    assert choice.state == MEASURING
+    choice.record(choice.next(), 1.0)  # threads
+    assert choice.state == THREADS
+
+
+@pytest.mark.parametrize("warmup, probes", [(-1, 2), (0, 0)])
+def test_bad_settings(warmup, probes):
+    with pytest.raises(ValueError, match="warmup must be >= 0 and probes >= 1"):
+        ThreadsOrInTurn(warmup=warmup, probes=probes)
+
+
+def _train(**options):
+    pipe = pipecore.Pipeline(mlp(), 4, "1f1b", n_microbatches=4, optimizer=pipecore.SGD(lr=0.05, momentum=0.9),
+                             loss_fn=nn.CrossEntropyLoss(), **options)
+    return pipe
+
+
+@pytest.mark.parametrize("kept", [THREADS, IN_TURN])
+def test_default_on_the_cpu_measures_then_keeps_one_way_with_the_same_bits(monkeypatch, kept):
+    # Step times made up so that `kept` wins: the real ones decide on this machine, but the test needs both.
+    real_record = ThreadsOrInTurn.record
+    monkeypatch.setattr(ThreadsOrInTurn, "record",
+                        lambda self, way, seconds: real_record(self, way, 1.0 if way == kept else 2.0))
+    pipe = _train()
+    threads_seen = []  # the threads the first Linear ran on, per step
+    first = pipe.stages[0].module.get_submodule("0")
+    first.register_forward_pre_hook(lambda module, args: threads_seen[-1].add(threading.current_thread()))
+    steps, states = data(14), []
+    losses = []
+    for x, y in steps:
+        threads_seen.append(set())
+        losses.append(pipe.step(x, y))
+        states.append(pipe.execution)
+    assert states[:10] == [MEASURING] * 10 and set(states[10:]) == {kept}  # 3 warm-up steps, 4 probes each
+    main = threading.current_thread()
+    on_main = [threads_seen[i] == {main} for i in range(14)]
+    assert on_main == [False] * 3 + [True, False] * 4 + [kept == IN_TURN] * 3
+    reference = _train(concurrent=False)
+    assert [reference.step(x, y) for x, y in steps] == losses
+    assert_same(pipe.state_dict(), reference.state_dict(), "1f1b")
+    pipe.close(), reference.close()
+
+
+def test_explicit_or_overlapping_threads_and_explicit_in_turn_are_kept():
+    for options, way in [({"concurrent": True}, THREADS), ({"overlap_steps": True}, THREADS),
+                         ({"concurrent": False}, IN_TURN)]:
+        pipe = _train(**options)
+        for x, y in data(12):
+            pipe.step(x, y)
+            assert pipe.execution == way, options
+        pipe.close()
+    single = pipecore.Pipeline(mlp(), 1, "1f1b", loss_fn=nn.CrossEntropyLoss())
+    assert single.execution == IN_TURN

@@ -29,16 +29,16 @@ def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def test_warmup_then_alternating_probes_then_the_faster_way():
     choice = ThreadsOrInTurn(warmup=2, probes=3)
     ways = []
-    times = {THREADS: iter([0.5, 0.1, 0.3]), IN_TURN: iter([0.2, 0.25, 9.0])}  # one slow outlier in turn
+    times = {THREADS: iter([0.5, 0.15, 0.3]), IN_TURN: iter([0.2, 0.12, 9.0])}  # in turn: one slow outlier
     while choice.state == MEASURING:
         way = choice.next()
         ways.append(way)
         choice.record(way, 100.0 if len(ways) <= 2 else next(times[way]))  # warm-up steps are not counted
     assert ways == [THREADS, THREADS, IN_TURN, THREADS, IN_TURN, THREADS, IN_TURN, THREADS]
-    assert choice.seconds == {THREADS: [0.5, 0.1, 0.3], IN_TURN: [0.2, 0.25, 9.0]}
-    assert choice.chosen == IN_TURN and choice.next() == IN_TURN  # medians 0.25 < 0.3
+    assert choice.seconds == {THREADS: [0.5, 0.15, 0.3], IN_TURN: [0.2, 0.12, 9.0]}
+    assert choice.chosen == IN_TURN and choice.next() == IN_TURN  # fastest probes: 0.12 < 0.15
     choice.record(THREADS, 0.0)  # after the choice nothing changes it
-    assert choice.next() == IN_TURN and choice.seconds[THREADS] == [0.5, 0.1, 0.3]
+    assert choice.next() == IN_TURN and choice.seconds[THREADS] == [0.5, 0.15, 0.3]
 
 
 def test_threads_kept_when_faster():
@@ -71,16 +71,16 @@ def test_default_on_the_cpu_measures_then_keeps_one_way_with_the_same_bits(monke
     threads_seen = []  # the threads the first Linear ran on, per step
     first = pipe.stages[0].module.get_submodule("0")
     first.register_forward_pre_hook(lambda module, args: threads_seen[-1].add(threading.current_thread()))
-    steps, states = data(14), []
+    steps, states = data(16), []
     losses = []
     for x, y in steps:
         threads_seen.append(set())
         losses.append(pipe.step(x, y))
         states.append(pipe.execution)
-    assert states[:10] == [MEASURING] * 10 and set(states[10:]) == {kept}  # 3 warm-up steps, 4 probes each
+    assert states[:12] == [MEASURING] * 12 and set(states[12:]) == {kept}  # 3 warm-up steps, 5 probes each
     main = threading.current_thread()
-    on_main = [threads_seen[i] == {main} for i in range(14)]
-    assert on_main == [False] * 3 + [True, False] * 4 + [kept == IN_TURN] * 3
+    on_main = [threads_seen[i] == {main} for i in range(16)]
+    assert on_main == [False] * 3 + [True, False] * 5 + [kept == IN_TURN] * 3
     reference = _train(concurrent=False)
     assert [reference.step(x, y) for x, y in steps] == losses
     assert_same(pipe.state_dict(), reference.state_dict(), "1f1b")

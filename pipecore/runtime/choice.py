@@ -7,11 +7,13 @@ wake-up) cost more than the compute they let overlap, while with large ops the s
 cores at once. Which one wins depends on the model, the batch and the machine, so a pipeline whose stages are
 all on the CPU measures it: after a few warm-up steps it runs steps alternately on its stage threads and in
 turn on the calling thread, then keeps the faster way. Both give the same bits (each stage keeps its order).
+
+Each way is judged by its fastest probe, not a mean or median: on a machine shared with other work the
+slowdowns come in bursts that can cover several consecutive steps, while the fastest of a few alternating
+probes is the one least disturbed by them (what ``timeit`` reports, for the same reason).
 """
 
 from __future__ import annotations
-
-import statistics
 
 THREADS = "stage threads"
 IN_TURN = "in turn"
@@ -22,11 +24,12 @@ class ThreadsOrInTurn:
     """Picks the way the next step runs, from the wall times of earlier steps.
 
     The first ``warmup`` steps run on the stage threads and are not timed (they pay one-time costs: schedule
-    generation, lazy imports, caches). The next ``2 * probes`` alternate, in turn first; then the way with the
-    lower median time is kept for good. A step that raised is not timed (:meth:`record` is not called for it).
+    generation, lazy imports, caches). The next ``2 * probes`` alternate, in turn first; then the way whose
+    fastest probe was faster is kept for good. A step that raised is not timed (:meth:`record` is not called
+    for it).
     """
 
-    def __init__(self, warmup: int = 3, probes: int = 4) -> None:
+    def __init__(self, warmup: int = 3, probes: int = 5) -> None:
         if warmup < 0 or probes < 1:
             raise ValueError(f"warmup must be >= 0 and probes >= 1, got warmup={warmup}, probes={probes}")
         self.warmup, self.probes = warmup, probes
@@ -50,7 +53,7 @@ class ThreadsOrInTurn:
             self.seconds[way].append(seconds)
         self._seen += 1
         if all(len(times) >= self.probes for times in self.seconds.values()):
-            threads, in_turn = (statistics.median(self.seconds[w]) for w in (THREADS, IN_TURN))
+            threads, in_turn = (min(self.seconds[w]) for w in (THREADS, IN_TURN))
             self.chosen = THREADS if threads < in_turn else IN_TURN
 
     @property

@@ -41,12 +41,13 @@ def test_warmup_then_alternating_probes_then_the_faster_way():
     assert choice.next() == IN_TURN and choice.seconds[THREADS] == [0.5, 0.15, 0.3]
 
 
-def test_threads_kept_when_faster():
+@pytest.mark.parametrize("threads, kept", [(0.5, THREADS), (0.9, THREADS), (0.95, IN_TURN), (1.0, IN_TURN)])
+def test_threads_kept_only_when_clearly_faster(threads, kept):
     choice = ThreadsOrInTurn(warmup=0, probes=1)
-    choice.record(choice.next(), 2.0)  # in turn
+    choice.record(choice.next(), 1.0)  # in turn
     assert choice.state == MEASURING
-    choice.record(choice.next(), 1.0)  # threads
-    assert choice.state == THREADS
+    choice.record(choice.next(), threads)
+    assert choice.state == kept  # the threads must save THREADS_MARGIN (10%) of the step
 
 
 @pytest.mark.parametrize("warmup, probes", [(-1, 2), (0, 0)])

@@ -10,7 +10,9 @@ turn on the calling thread, then keeps the faster way. Both give the same bits (
 
 Each way is judged by its fastest probe, not a mean or median: on a machine shared with other work the
 slowdowns come in bursts that can cover several consecutive steps, while the fastest of a few alternating
-probes is the one least disturbed by them (what ``timeit`` reports, for the same reason).
+probes is the one least disturbed by them (what ``timeit`` reports, for the same reason). The threads must
+also win clearly, by :data:`THREADS_MARGIN` of a step's wall time: they always cost more CPU time (the
+hand-overs), so where the two ways take about as long the stages run in turn.
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ from __future__ import annotations
 THREADS = "stage threads"
 IN_TURN = "in turn"
 MEASURING = "measuring"
+THREADS_MARGIN = 0.1  # the share of a step's wall time the stage threads must save to be kept
 
 
 class ThreadsOrInTurn:
     """Picks the way the next step runs, from the wall times of earlier steps.
 
     The first ``warmup`` steps run on the stage threads and are not timed (they pay one-time costs: schedule
-    generation, lazy imports, caches). The next ``2 * probes`` alternate, in turn first; then the way whose
-    fastest probe was faster is kept for good. A step that raised is not timed (:meth:`record` is not called
+    generation, lazy imports, caches). The next ``2 * probes`` alternate, in turn first; then the stage
+    threads are kept for good if their fastest probe took at most ``1 - THREADS_MARGIN`` of the fastest in
+    turn, else the stages run in turn for good. A step that raised is not timed (:meth:`record` is not called
     for it).
     """
 
@@ -54,7 +58,7 @@ class ThreadsOrInTurn:
         self._seen += 1
         if all(len(times) >= self.probes for times in self.seconds.values()):
             threads, in_turn = (min(self.seconds[w]) for w in (THREADS, IN_TURN))
-            self.chosen = THREADS if threads < in_turn else IN_TURN
+            self.chosen = THREADS if threads <= (1 - THREADS_MARGIN) * in_turn else IN_TURN
 
     @property
     def state(self) -> str:

@@ -120,6 +120,22 @@ def test_row_indexing_slicing_and_positions_match_a_tuple():
         index[(0, B, 10**6)]
 
 
+@pytest.mark.parametrize("name", ["1f1b", "timeprest"])
+def test_a_longer_row_of_one_form_shares_the_prefix_it_is_known_to(name):
+    """What the executor skips comparing when a step extends the schedule: rows of one form agree up to the
+    shorter one's tail, and exactly that far is claimed."""
+    algorithm = get_algorithm(name, 3, 4)
+    short, long = algorithm.schedule(30), algorithm.schedule(31 + 7)
+    other = get_algorithm("2bw" if name == "1f1b" else "1f1b", 3, 4).schedule(30)
+    for s, (a, b) in enumerate(zip(short.stages, long.stages)):
+        assert isinstance(a, PeriodicRow) and isinstance(b, PeriodicRow)
+        known = len(a.head) + min(a.copies, b.copies) * len(a.body)
+        assert known < len(a) and b.shares_prefix(a, known) and a.shares_prefix(b, known)
+        assert tuple(b[:known]) == tuple(a[:known])  # what it claims holds
+        assert not b.shares_prefix(a, known + 1)  # into the shorter row's tail: compared instead
+        assert not b.shares_prefix(other.stages[s], 1) and not b.shares_prefix(tuple(a), 1)
+
+
 def test_a_billion_minibatches_cost_nothing():
     algorithm = get_algorithm("2bw", 4, 8)
     schedule = algorithm.schedule(10**9)  # generated in full, this would take hours and terabytes

@@ -21,6 +21,7 @@ except ImportError:  # pragma: no cover - older torch: every call takes the publ
     _engine_run_backward = None
 
 _Tensor = torch.Tensor
+_PLAIN = frozenset({_Tensor})  # ``_PLAIN.issuperset(map(type, ts))``: every one of ``ts`` is a plain tensor (in C)
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 
 
@@ -65,12 +66,8 @@ def _fast(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None,
     no functorch transform active, and at least one input."""
     if _engine_run_backward is None or not inputs or (_functorch_active is not None and _functorch_active()):
         return False
-    for t in tensors:
-        if type(t) is not _Tensor:
-            return False
-    for t in inputs:
-        if type(t) is not _Tensor:
-            return False
+    if not (_PLAIN.issuperset(map(type, tensors)) and _PLAIN.issuperset(map(type, inputs))):
+        return False
     if grads is None:
         for t in tensors:
             if t.numel() != 1:

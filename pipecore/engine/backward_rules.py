@@ -24,7 +24,7 @@ import threading
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Protocol, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 # (the saved state would not be the one the forward drew from), and the replay, which restores the state
 # afterwards, must not rewind another stage's draws.
 GLOBAL_RANDOM = threading.Lock()
+_new_tuple = tuple.__new__
 
 
 class RuleStage(Protocol):
@@ -93,11 +94,11 @@ class InFlight:
     outside_grad: bool = False
 
 
-@dataclass
-class BackwardGraph:
+class BackwardGraph(NamedTuple):
     """What one micro-batch's backward differentiates: the output (the loss, or the values sent), the leaves
     its weight gradients go to, the stage's inputs, and the weights its autograd passes read (see
-    :meth:`BackwardRule.reading`; None where the graph already holds them)."""
+    :meth:`BackwardRule.reading`; None where the graph already holds them). A named tuple: one per backward,
+    built by ``tuple.__new__`` where that is the hot path."""
 
     leaves: list[torch.Tensor]
     outputs: Any
@@ -148,7 +149,8 @@ class Stash(BackwardRule):
         return y, InFlight(inputs, leaves, y)
 
     def graph(self, stage, record, read):
-        return BackwardGraph(record.leaves, record.outputs, record.inputs)  # the read is the forward's
+        # The read is the forward's. (BackwardGraph without its Python-level __new__: once per backward.)
+        return _new_tuple(BackwardGraph, (record.leaves, record.outputs, record.inputs, None))
 
 
 class _WeightRef:

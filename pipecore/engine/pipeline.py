@@ -23,10 +23,11 @@ from ..algorithms import get_algorithm
 from ..planning.planner import Plan
 from ..runtime.distributed import PeerError
 from ..runtime.choice import IN_TURN, THREADS, ThreadsOrInTurn
-from ..runtime.executor import Costs, Event, Executor
+from ..runtime.executor import Costs, Executor
 from ..runtime.ties import LocalTiedGradients, StagesAsRanks
 from ..runtime.threads import StageThreads
 from ..runtime.transport import LocalTransport, Transport
+from ..runtime.worker import ActionRecord
 from ..schedule.ir import Action, B, F, Kind, U
 from ..schedule.validate import validate
 from ..simulate import simulate
@@ -351,8 +352,6 @@ class Pipeline:
         # faster (see runtime/choice.py); an explicit concurrent=True, overlap_steps or a GPU keep the threads.
         self._choice = (ThreadsOrInTurn() if concurrent is None and self._threads is not None and plain
                         and not overlap_steps else None)
-        self._staleness = {s: _Tally() for s in self.stages}
-        self._delays = {s: _Tally() for s in self.stages}
         self._closed = False
         self._broken: BaseException | None = None  # the error after which the pipeline could not be taken back
         self._kept = 0  # see minibatches
@@ -389,7 +388,8 @@ class Pipeline:
                 st.ties.restart(sync)
         self._executor = Executor(
             schedule, self.stages, Costs.uniform(self.num_stages), transport=self._transport,
-            source=self._inputs.pop, keep_events=False, on_event=self._observe,
+            source=self._inputs.pop, keep_events=False, on_record=self._observe,
+            recorded_stages=frozenset({self.num_stages - 1}),  # _observe looks at the last stage's forwards
             needs=self._needs(None if sync is None else sync.needs), threads=self._threads,
             calling_thread=partial(calling_thread_threads, self.threads_per_stage),
         )
@@ -476,10 +476,13 @@ class Pipeline:
             return ()
         return self.topology.grid, self.topology.replica
 
-    def _observe(self, event: Event) -> None:
-        rec, s = event.record, event.action.stage
-        action, m = event.action, self.n_microbatches
-        if s == self.num_stages - 1 and action.kind is F and (action.index + 1) % m == 0:
+    def _observe(self, action: Action, record: ActionRecord) -> None:
+        """After each action (the executor's ``on_record``): the last stage's forward of a mini-batch's last
+        micro-batch completes the mini-batch loss. (What the reads were, the stages tally themselves.)"""
+        if action.kind is not F or action.stage != self.num_stages - 1:
+            return
+        s, m = action.stage, self.n_microbatches
+        if (action.index + 1) % m == 0:
             # The last micro-batch of a mini-batch has its loss: the mini-batch loss is known now.
             j = action.index // m
             losses = [self.stages[s].losses.pop(j * m + u) for u in range(m)]
@@ -496,23 +499,6 @@ class Pipeline:
                                                        f"the loss of mini-batch {j}")[0]
             if self.rank is not None:
                 self._transport.publish_loss(j, self._minibatch_loss[j])
-        # _Tally.add, inline: this runs once per action.
-        live = rec.live
-        tally = self._staleness[s]
-        for read in rec.reads.values():
-            value = live - read.version
-            tally.count += 1
-            tally.total += value
-            if value > tally.max:
-                tally.max = value
-        if action.kind is B:
-            tally = self._delays[s]
-            for r in rec.forward_reads.values():
-                value = live - r.version
-                tally.count += 1
-                tally.total += value
-                if value > tally.max:
-                    tally.max = value
 
     def _owns(self, stage: int) -> bool:
         return stage in self.stages
@@ -1238,7 +1224,7 @@ class Pipeline:
         self.synchronize()
         out = []
         for s, st in self.stages.items():
-            stale, delay = self._staleness[s], self._delays[s]
+            stale, delay = st.staleness, st.delays
             itemsize = st.grad.element_size()
             out.append({
                 "stage": s,
@@ -1476,24 +1462,6 @@ def _samples(batch: Any) -> int:
     if isinstance(batch, (tuple, list)) and batch:
         return _samples(batch[0])
     raise TypeError(f"a batch is a tensor, or a tuple or dict of tensors, got {type(batch).__name__}")
-
-
-class _Tally:
-    """Running count, mean and maximum of integer observations."""
-
-    __slots__ = ("count", "total", "max")
-
-    def __init__(self) -> None:
-        self.count, self.total, self.max = 0, 0, 0
-
-    def add(self, value: int) -> None:
-        self.count += 1
-        self.total += value
-        self.max = max(self.max, value)
-
-    @property
-    def mean(self) -> float:
-        return self.total / self.count if self.count else 0.0
 
 
 def _clone(state: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import math
 import statistics
 import time
 from array import array
-from collections import defaultdict, deque
+from collections import deque
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from operator import getitem as _getitem, setitem as _setitem
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -43,27 +43,22 @@ from .undo import StageSnapshot, UndoPoint, slot_for_update
 from .weight_change import ChangeAverage
 
 
-class _RecentSeconds:
-    """The durations of the last 1,024 actions of one kind, in a buffer allocated once (a long run's
-    statistics take no more memory than a short one's)."""
+class _ActionTimes:
+    """The durations of one kind of action: their total, and the last ``_KEPT`` in a ring allocated once (a long
+    run's statistics take no more memory than a short one's)."""
 
-    __slots__ = ("values", "count")
+    __slots__ = ("values", "count", "total")
 
-    def __init__(self, size: int = 1024):
-        self.values = array("d", bytes(8 * size))
+    def __init__(self) -> None:
+        self.values = array("d", bytes(8 * _KEPT))
         self.count = 0
-
-    def add(self, seconds: float) -> None:
-        self.values[self.count % len(self.values)] = seconds
-        self.count += 1
-
-    def add_to_last(self, seconds: float) -> None:
-        self.values[(self.count - 1) % len(self.values)] += seconds
+        self.total = 0.0
 
     def median(self) -> float:
-        return statistics.median(self.values[: min(self.count, len(self.values))])
+        return statistics.median(self.values[:min(self.count, _KEPT)])
 
 
+_KEPT = 1024
 _profiler_enabled = torch.autograd._profiler_enabled
 _NO_RANGE = nullcontext()  # reusable: it holds nothing
 _consume = deque(maxlen=0).extend  # runs an iterator to its end, keeping nothing
@@ -105,6 +100,8 @@ class TensorStage(StageWorker):
         self.module = module
         speed_up_member_access(module)  # the generated forward reaches its submodules by attribute
         self.boundary = graph
+        # One input that may carry a gradient, past the first stage: _stage_inputs' usual case.
+        self._one_grad_input = stage > 0 and tuple(graph.grad_inputs) == (True,)
         self.state_keys: list[str] = list(module.state_dict()) if state_keys is None else list(state_keys)
         self.layout = FlatLayout.of(module, stage)
         if device is None:
@@ -172,8 +169,9 @@ class TensorStage(StageWorker):
         self.losses: dict[int, float] = {}
         self._unread_losses: dict[int, torch.Tensor] = {}  # last stage: losses not read from the device yet
         self.pinned_versions: set[int] = set()
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.recent_seconds: dict[str, _RecentSeconds] = defaultdict(_RecentSeconds)
+        # How long each action's compute took, per kind (see seconds and seconds_per_action).
+        self._times = {"F": _ActionTimes(), "B": _ActionTimes(), "U": _ActionTimes()}
+        self._forward_times, self._backward_times, self._update_times = self._times.values()
         self.split_backward = split_backward  # see split_backward: the input gradient first
         # The schedule runs each backward's weight gradients as a W action of its own (zero-bubble schedules;
         # set by the pipeline): every backward leaves them, until its W.
@@ -349,6 +347,9 @@ class TensorStage(StageWorker):
     def _stage_inputs(self, payload: Any) -> tuple[Any, ...]:
         """The received values as the module's arguments; those that may carry a gradient (floating tensors
         computed from parameters upstream) become leaves that require grad."""
+        if self._one_grad_input and type(payload) is torch.Tensor and payload.dtype is self.layout.dtype:
+            # The usual case, without the loop below: one floating tensor of the stage's own dtype.
+            return (payload.detach().requires_grad_(True),)
         values = from_payload(payload, len(self.boundary.inputs))
         if self.stage == 0:
             return values
@@ -393,7 +394,7 @@ class TensorStage(StageWorker):
             record.outside_grad = True
         self.in_flight[k] = record
         self.sync_ring()
-        self._timed("F", t0)
+        self._timed(self._forward_times, t0)
         if self.is_last:
             return None
         return y[0].detach() if len(y) == 1 else tuple(t.detach() for t in y)  # as_payload of the detached outputs
@@ -498,7 +499,7 @@ class TensorStage(StageWorker):
                 else:
                     outs.append(tuple(x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None
                                       for x in inputs))
-        self._timed("B", t0)
+        self._timed(self._backward_times, t0)
         return outs
 
     def _committed(self, k: int) -> None:
@@ -508,7 +509,11 @@ class TensorStage(StageWorker):
         del self.in_flight[k]
         if self.memory.enabled:
             self.memory.backwarded(k)
-        self.grad_span = (k, k) if self.grad_span is None else (min(self.grad_span[0], k), max(self.grad_span[1], k))
+        span = self.grad_span
+        if span is None:
+            self.grad_span = (k, k)
+        elif not span[0] <= k <= span[1]:  # micro-batches usually come in order: the span grows at its end
+            self.grad_span = (min(span[0], k), max(span[1], k))
 
     def finish_backward(self) -> None:
         if self.weight_actions:  # the W actions complete the gradients
@@ -545,9 +550,10 @@ class TensorStage(StageWorker):
         t0 = time.perf_counter()
         with self.rule.reading(weights):
             self._accumulate(weight_gradients(pending, len(self._grad_views)))
-        seconds = time.perf_counter() - t0
-        self.seconds["B"] += seconds
-        self.recent_seconds["B"].add_to_last(seconds)  # the rest of the backward whose input gradient went first
+        # The rest of the backward whose input gradient went first: its time adds to that backward's.
+        times, seconds = self._backward_times, time.perf_counter() - t0
+        times.values[(times.count - 1) % _KEPT] += seconds
+        times.total += seconds
 
     def _accumulate(self, grads: Sequence[torch.Tensor | None]) -> None:
         pairs = [(acc, g) for acc, g in zip(self._grad_views, grads) if g is not None]
@@ -620,7 +626,7 @@ class TensorStage(StageWorker):
         self.grad_span = None
         self.sync_ring()
         self._bind_module_to_live()
-        self._timed("U", t0)
+        self._timed(self._update_times, t0)
 
     def next_lr(self) -> float:
         """The learning rate of this stage's next update (before any per-stage scaling)."""
@@ -676,15 +682,19 @@ class TensorStage(StageWorker):
         """Median seconds of the recent actions of each kind. A median, because a few actions also pay
         one-time costs: torch imports sympy the first time a backward is given output gradients (many times
         an action's usual time), and the garbage collector then walks the new objects once."""
-        return {kind: recent.median() for kind, recent in self.recent_seconds.items()}
+        return {kind: times.median() for kind, times in self._times.items() if times.count}
 
-    def _timed(self, kind: str, t0: float) -> None:
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Total seconds of the actions of each kind so far (the kinds that ran)."""
+        return {kind: times.total for kind, times in self._times.items() if times.count}
+
+    @staticmethod
+    def _timed(times: _ActionTimes, t0: float) -> None:
         seconds = time.perf_counter() - t0
-        self.seconds[kind] += seconds
-        recent = self.recent_seconds[kind]  # _RecentSeconds.add, inline: this runs once per action
-        values = recent.values
-        values[recent.count % len(values)] = seconds
-        recent.count += 1
+        times.values[times.count % _KEPT] = seconds
+        times.count += 1
+        times.total += seconds
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.is_floating_point() and x.dtype not in (self.layout.dtype, self.autocast) and self.layout.numel:

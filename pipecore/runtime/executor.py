@@ -41,6 +41,7 @@ from .worker import ActionRecord, Message, StageWorker
 _RECHECKED = 64
 _KEY_SHIFT = _STAGE_BITS + 1  # LocalTransport's mailbox key: (micro-batch << _KEY_SHIFT) | (stage << 1) | (kind is B)
 _POLL = 0.05  # seconds between the caller's checks for Ctrl-C while it waits for a stage thread
+_NO_GRADIENT = Message()  # what the last stage's backward receives (no gradient travels to it); never changed
 
 
 def _mailbox_of(transport: Transport) -> Any:
@@ -115,8 +116,14 @@ class Executor:
     costs: Costs
     transport: Transport = field(default_factory=LocalTransport)
     source: Callable[[int], Any] = lambda microbatch: None
+    #: Place every action on the simulated timeline and keep its :class:`Event` in ``events`` (the simulator);
+    #: False: no timeline at all (training reads the records only, and messages keep ``ready_at`` 0).
     keep_events: bool = True
-    on_event: Callable[[Event], None] | None = None
+    #: Called with each action of the ``recorded_stages`` and its worker's record once the action has run
+    #: (both fixed at construction).
+    on_record: Callable[[Action, ActionRecord], None] | None = None
+    #: The stages whose actions ``on_record`` is told of (None: every stage's).
+    recorded_stages: frozenset[int] | None = None
     #: Further work an action waits for besides its upstream message, as ``(stage, kind, micro-batch)``
     #: (the tied-weight owners' backwards before an update); checked here for stages this process runs.
     needs: Callable[[Action], Sequence[tuple[int, Kind, int]]] | None = None
@@ -137,6 +144,9 @@ class Executor:
             raise ValueError(f"workers given for stages {bad}; the schedule has stages 0..{P - 1}")
         self.cursor = [0] * P
         self._layout(self.schedule)
+        # Per stage: whether on_record hears of its actions (one list lookup per action).
+        self._recorded = [self.on_record is not None and (self.recorded_stages is None or s in self.recorded_stages)
+                          for s in range(P)]
         # The ranks this process runs: those whose every stage has a worker here.
         self.lanes = [r for r in range(self.schedule.num_ranks)
                       if all(s in self.workers for s in self.schedule.stages_of(r))]
@@ -186,6 +196,7 @@ class Executor:
         if hasattr(self, "_rank") and tuple(self._rank) != placement:
             raise ValueError(f"the new schedule places the stages on ranks {placement}, not {tuple(self._rank)}")
         self._rank = list(placement)
+        self._last = schedule.num_stages - 1
         self._split = [schedule.splits_backward(s) for s in range(schedule.num_stages)]
         self._rank_rows = schedule.rank_rows
 
@@ -423,46 +434,46 @@ class Executor:
         self.failed_actions.clear()
 
     def _execute(self, action: Action) -> None:
-        """Run one action on its stage's worker and hand its messages on. An action that raises is noted in
-        ``failed_actions``, with whether it left no trace. (One method: this runs once per action.)"""
+        """Run one action on its stage's worker and hand its messages on; with ``keep_events``, place it on the
+        simulated timeline. An action that raises is noted in ``failed_actions``, with whether it left no
+        trace. (One method: this runs once per action.)"""
         s = action.stage
         worker = self.workers[s]
         try:
-            last = self.schedule.num_stages - 1
             kind = action.kind
-            transport = self.transport
-            rank = self._rank[s]
-            costs = self.costs
+            timeline = self.keep_events
             if kind is F:
-                incoming = transport.receive(s, F, action.index) if s > 0 else Message(self.source(action.index))
-                start = max(self.rank_free[rank], incoming.ready_at)
+                k = action.index
+                incoming = self.transport.receive(s, F, k) if s > 0 else Message(self.source(k))
                 try:
                     out, record = worker.forward(action, incoming)
                 except BaseException:
                     if worker.failed_cleanly and s > 0:
-                        transport.give_back(s, F, action.index, incoming)  # the action can run again: give its input back
+                        self.transport.give_back(s, F, k, incoming)  # the action can run again: give its input back
                     raise
-                end = start + costs.forward[s]
-                self.rank_free[rank] = end
-                if s < last:
-                    out.ready_at = end + (costs.send if self._rank[s + 1] != rank else 0.0)
+                if timeline:
+                    start, end = self._clock(s, (incoming,), self.costs.forward[s])
+                if s < self._last:
+                    if timeline:
+                        out.ready_at = self._arrival(s, s + 1, end)
                     if self._mailbox is None:
-                        transport.send(s + 1, F, action.index, out)
+                        self.transport.send(s + 1, F, k, out)
                     else:
-                        self._mailbox.put(action.index << _KEY_SHIFT | (s + 1) << 1, out)
+                        self._mailbox.put(k << _KEY_SHIFT | (s + 1) << 1, out)
             elif kind is B:
+                last = self._last
                 if action.count == 1:  # one micro-batch: its gradient, without the lists of several
                     k = action.index
-                    incoming = [transport.receive(s, B, k) if s < last else Message()]
-                    start = max(self.rank_free[rank], incoming[0].ready_at)
+                    incoming = [self.transport.receive(s, B, k) if s < last else _NO_GRADIENT]
                 else:
                     microbatches = action.microbatches  # a property that builds a range: once per action
-                    incoming = self._receive_gradients(s, microbatches) if s < last else [Message() for _ in microbatches]
-                    start = max([self.rank_free[rank]] + [m.ready_at for m in incoming])
-                if self._split[s]:
+                    incoming = self._receive_gradients(s, microbatches) if s < last else \
+                        [_NO_GRADIENT] * len(microbatches)
+                split = self._split[s]
+                if split:
                     # Whether this B's own W comes next on the rank (see StageWorker.weights_at_once).
-                    row = self._rank_rows[rank]
-                    i = self.lane_cursor[rank] + 1
+                    row = self._rank_rows[self._rank[s]]
+                    i = self.lane_cursor[self._rank[s]] + 1
                     following = row[i] if i < len(row) else None
                     worker.weights_at_once = (following is not None and following.kind is W
                                               and following.stage == s and following.index == action.index)
@@ -471,37 +482,52 @@ class Executor:
                 except BaseException:
                     if worker.failed_cleanly and s < last:
                         for k, m in zip(action.microbatches, incoming):
-                            transport.give_back(s, B, k, m)
+                            self.transport.give_back(s, B, k, m)
                     raise
-                split = self._split[s]
-                end = start + (costs.backward[s] + (0.0 if split else costs.weight[s])) * action.count
-                self.rank_free[rank] = end
+                if timeline:
+                    costs = self.costs
+                    start, end = self._clock(s, incoming, (costs.backward[s] + (0.0 if split else costs.weight[s]))
+                                             * action.count)
                 if s > 0:
-                    ready_at = end + (costs.send if self._rank[s - 1] != rank else 0.0)
+                    if timeline:
+                        ready_at = self._arrival(s, s - 1, end)
+                    mailbox = self._mailbox
                     for k, m in zip(action.microbatches if action.count > 1 else (action.index,), outs):
-                        m.ready_at = ready_at
-                        if self._mailbox is None:
-                            transport.send(s - 1, B, k, m)
+                        if timeline:
+                            m.ready_at = ready_at
+                        if mailbox is None:
+                            self.transport.send(s - 1, B, k, m)
                         else:
-                            self._mailbox.put(k << _KEY_SHIFT | (s - 1) << 1 | 1, m)
+                            mailbox.put(k << _KEY_SHIFT | (s - 1) << 1 | 1, m)
                 if not split:
                     worker.finish_backward()  # after the send: the upstream stage waits only for the input gradient
             elif kind is W:
-                start = self.rank_free[rank]
                 record = worker.weight(action)
-                end = self.rank_free[rank] = start + costs.weight[s]
+                if timeline:
+                    start, end = self._clock(s, (), self.costs.weight[s])
             else:
-                start = self.rank_free[rank]
                 record = worker.update(action)
-                end = self.rank_free[rank] = start + costs.update[s]
-            event = Event(action, start, end, record)
-            if self.keep_events:
-                self.events.append(event)
-            if self.on_event is not None:
-                self.on_event(event)
+                if timeline:
+                    start, end = self._clock(s, (), self.costs.update[s])
+            if timeline:
+                self.events.append(Event(action, start, end, record))
+            if self._recorded[s]:
+                self.on_record(action, record)
         except BaseException:
             self.failed_actions.append((action, worker.failed_cleanly if worker.last_action == action else True))
             raise
+
+    def _clock(self, stage: int, incoming: Sequence[Message], duration: float) -> tuple[float, float]:
+        """The simulated start and end of an action of ``stage`` that takes ``duration``: it starts once its
+        rank is free and its ``incoming`` messages have arrived, and keeps the rank busy until it ends."""
+        rank = self._rank[stage]
+        start = max([self.rank_free[rank]] + [m.ready_at for m in incoming])
+        end = self.rank_free[rank] = start + duration
+        return start, end
+
+    def _arrival(self, stage: int, to: int, end: float) -> float:
+        """When a message ``stage`` sends at ``end`` reaches stage ``to``: a send costs time between ranks only."""
+        return end + (self.costs.send if self._rank[to] != self._rank[stage] else 0.0)
 
     def _receive_gradients(self, stage: int, microbatches: Sequence[int]) -> list[Message]:
         """The gradients a backward of several micro-batches takes. If one receive fails (the run was aborted

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from ..algorithms.base import Algorithm, WeightRead
 from ..schedule.ir import Action
@@ -28,12 +29,36 @@ class Message:
     event: Any = None  # on a CUDA stream: the event the payload is ready at (None: ready now)
 
 
-@dataclass
-class ActionRecord:
-    """What one action did: the reads per micro-batch, the live version then, and update info."""
+class Tally:
+    """Running count, mean and maximum of integer observations (here: how stale the weights an action read
+    were)."""
 
-    reads: dict[int, WeightRead] = field(default_factory=dict)
-    forward_reads: dict[int, WeightRead] = field(default_factory=dict)
+    __slots__ = ("count", "total", "max")
+
+    def __init__(self) -> None:
+        self.count, self.total, self.max = 0, 0, 0
+
+    def add(self, value: int) -> None:
+        self.count += 1
+        self.total += value
+        if value > self.max:
+            self.max = value
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+
+_NO_READS: Mapping[int, WeightRead] = MappingProxyType({})
+_new_tuple = tuple.__new__
+
+
+class ActionRecord(NamedTuple):
+    """What one action did: the reads per micro-batch, the live version then, and update info. A named tuple:
+    one is made per action, built by ``tuple.__new__`` on the hot path (no Python call)."""
+
+    reads: Mapping[int, WeightRead] = _NO_READS
+    forward_reads: Mapping[int, WeightRead] = _NO_READS
     live: int = 0
     update: UpdateInfo | None = None
 
@@ -72,6 +97,10 @@ class StageWorker:
         # then skip the hooks while ``_profiling()`` is false, one call in place of three.
         self._plain: bool = False
         self._profiling: Any = None
+        #: What the completed actions read: ``staleness``, the live version minus the version read (every read);
+        #: ``delays``, the live version at a backward minus the version its forward read.
+        self.staleness = Tally()
+        self.delays = Tally()
 
     def plain_messages(self, plain: bool) -> None:
         """Whether this stage's messages need nothing done to them: ``accept`` would return the payload as it
@@ -141,8 +170,16 @@ class StageWorker:
         except BaseException:
             self._failed(mark)
             raise
+        # Tally.add, inline (this runs once per action); a live read (every synchronous schedule's) adds 0.
+        tally = self.staleness
+        tally.count += 1
+        value = live - read.version
+        if value:
+            tally.total += value
+            if value > tally.max:
+                tally.max = value
         out = Message(payload, tag)
-        return out if self._bare or self._plain else self.stamp(out), ActionRecord({k: read}, {}, live)
+        return out if self._bare or self._plain else self.stamp(out), _new_tuple(ActionRecord, ({k: read}, _NO_READS, live, None))
 
     def backward(self, action: Action, messages: Sequence[Message]) -> tuple[list[Message], ActionRecord]:
         book = self.book
@@ -159,7 +196,7 @@ class StageWorker:
             try:
                 read, forward_read = book.backward(k)
                 reads, forward_reads = [read], [forward_read]
-                record = ActionRecord({k: read}, {k: forward_read}, live)
+                record = _new_tuple(ActionRecord, ({k: read}, {k: forward_read}, live, None))
                 if self._bare or (self._plain and not self._profiling()):
                     payloads = self.compute_backward(action, reads, forward_reads, [messages[0].payload])
                 else:
@@ -173,6 +210,21 @@ class StageWorker:
                 self._failed(mark)
                 raise
             book.release_backward()
+            # Tally.add for both reads, inline (this runs once per action).
+            tally = self.staleness
+            tally.count += 1
+            value = live - read.version
+            if value:
+                tally.total += value
+                if value > tally.max:
+                    tally.max = value
+            tally = self.delays
+            tally.count += 1
+            value = live - forward_read.version
+            if value:
+                tally.total += value
+                if value > tally.max:
+                    tally.max = value
             if not payloads:
                 return [], record
             out = Message(payloads[0], poisoned=k // every in poisoned)
@@ -195,6 +247,9 @@ class StageWorker:
             self._failed(mark)
             raise
         book.release_backward()
+        for read, forward_read in zip(reads, forward_reads):
+            self.staleness.add(live - read.version)
+            self.delays.add(live - forward_read.version)
         stamp = self.stamp
         outs = [stamp(Message(p, poisoned=k // every in poisoned)) for k, p in zip(microbatches, payloads)]
         return outs, record

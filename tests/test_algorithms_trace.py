@@ -909,3 +909,46 @@ def test_running_ahead_then_flushing_equals_a_plain_run(name):
                     want = [(e.action, e.record.reads) for e in plain.events if e.action.stage == s]
                     assert got == want, (name, P, m, n, s)
                     assert workers[s].book.peak_versions == plain.weight_versions(s)
+
+
+@pytest.mark.parametrize("name", algorithm_names())
+def test_a_workers_tallies_are_the_staleness_and_delay_of_its_records(name):
+    """A worker tallies what its actions read as they complete (what ``Pipeline.stats()`` reports): the same
+    count, total and maximum as the records' reads give, staleness over every read and delay over the backwards'
+    forward reads (live version at the action minus the version read)."""
+    P, m, n = 4, 4, 3
+    algorithm = get_algorithm(name, P, m)
+    workers = [StageWorker(algorithm, s) for s in range(P)]
+    executor = Executor(algorithm.schedule(n), workers, Costs.uniform(P))
+    executor.run()
+    for s, worker in enumerate(workers):
+        events = [e for e in executor.events if e.action.stage == s]
+        staleness = [e.record.live - r.version for e in events for r in e.record.reads.values()]
+        delays = [e.record.live - r.version for e in events for r in e.record.forward_reads.values()]
+        assert len(staleness) == m * n * 2 and len(delays) == m * n  # a read per F and B; a forward read per B
+        for tally, values in ((worker.staleness, staleness), (worker.delays, delays)):
+            assert (tally.count, tally.total, tally.max) == (len(values), sum(values), max(values)), (name, s)
+            assert tally.mean == sum(values) / len(values)
+
+
+def test_without_events_the_executor_keeps_no_timeline_and_reports_the_recorded_stages_only():
+    """``keep_events=False`` (training): no events, no simulated times on the messages, the same actions and
+    reads as with them; ``on_record`` hears of the ``recorded_stages``' actions only, each once, in order."""
+    P, m = 3, 4
+    algorithm = get_algorithm("pipedream", P, m)
+    timed = Executor(algorithm.schedule(2), [StageWorker(algorithm, s) for s in range(P)], Costs.uniform(P))
+    timed.run()
+    heard = []
+    workers = [StageWorker(algorithm, s) for s in range(P)]
+    executor = Executor(algorithm.schedule(2), workers, Costs.uniform(P), keep_events=False,
+                        on_record=lambda action, record: heard.append((action, record.reads)),
+                        recorded_stages=frozenset({0, 2}))
+    sent = []
+    send = executor.transport.send
+    executor.transport.send = lambda *args: (sent.append(args[-1].ready_at), send(*args))[1]
+    executor.run()
+    assert executor.events == [] and executor.rank_free == [0.0] * P
+    assert sent and set(sent) == {0.0}
+    assert heard == [(e.action, e.record.reads) for e in timed.events if e.action.stage in (0, 2)]
+    assert [e.action for e in timed.events if e.action.stage in (0, 2)] == [a for a, _ in heard]
+    assert timed.rank_free != [0.0] * P  # the timeline is there when events are kept

@@ -114,8 +114,9 @@ class Pipeline:
             the results are bit-identical to ``concurrent=False`` (one thread running the stages in turn).
             Default None: stage threads in one process with more than one stage, except that with every
             stage on the CPU (and no ``overlap_steps``) the pipeline times its first steps both ways and keeps
-            the faster (:attr:`execution` says which): on the CPU, threads pay only where ops are large enough
-            (each torch op hands the GIL to another stage thread and back).
+            the stage threads only if they save at least 10% of a step's wall time, else runs the stages in
+            turn (:attr:`execution` says which; see ``pipecore/runtime/choice.py``): on the CPU, threads pay
+            only where ops are large enough (each torch op hands the GIL to another stage thread and back).
         threads_per_stage: torch intra-op threads a stage computes with: set once on each stage thread when
             it starts (``concurrent``), and on the calling thread around the actions it runs in turn (then
             restored), so that results are the same bits either way. Default None: the process's share,
@@ -348,8 +349,9 @@ class Pipeline:
             # The stages of one rank on one device compute on one stream, in the rank's order.
             st.stream = rank_streams.setdefault((self.placement[s], st.device), st.stream)
             st.intra_op_threads = self.threads_per_stage
-        # The default with every stage on the CPU: stage threads or in turn, whichever the first steps time
-        # faster (see runtime/choice.py); an explicit concurrent=True, overlap_steps or a GPU keep the threads.
+            st.records = False  # nothing here reads the actions' records (the stages tally their reads)
+        # The default with every stage on the CPU: stage threads if the first steps time them clearly faster, else
+        # in turn (see runtime/choice.py); an explicit concurrent=True, overlap_steps or a GPU keep the threads.
         self._choice = (ThreadsOrInTurn() if concurrent is None and self._threads is not None and plain
                         and not overlap_steps else None)
         self._closed = False
@@ -605,7 +607,8 @@ class Pipeline:
     def execution(self) -> str:
         """How steps run in this process: ``"stage threads"`` (a thread per stage), ``"in turn"`` (the stages one
         after the other on the calling thread), or ``"measuring"`` while the first steps of a pipeline with the
-        default ``concurrent`` and every stage on the CPU time both ways (it then keeps the faster)."""
+        default ``concurrent`` and every stage on the CPU time both ways (it then keeps the stage threads only if
+        they save at least 10% of a step's wall time)."""
         if self._choice is not None:
             return self._choice.state
         return THREADS if self._threads is not None else IN_TURN

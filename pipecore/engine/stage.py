@@ -424,7 +424,8 @@ class TensorStage(StageWorker):
     def compute_backward(self, action: Action, reads: Sequence[WeightRead], forward_reads: Sequence[WeightRead],
                          payloads: Sequence[Any]) -> list[Any]:
         t0 = time.perf_counter()
-        microbatches = action.microbatches  # a property that builds a range: once per action
+        # The property builds a range; one micro-batch (the usual case) needs no call.
+        microbatches = action.microbatches if action.count > 1 else (action.index,)
         self._last_backward_count = len(microbatches)
         rule = self.rule
         outs = []
@@ -512,8 +513,10 @@ class TensorStage(StageWorker):
         span = self.grad_span
         if span is None:
             self.grad_span = (k, k)
-        elif not span[0] <= k <= span[1]:  # micro-batches usually come in order: the span grows at its end
-            self.grad_span = (min(span[0], k), max(span[1], k))
+        elif k > span[1]:  # micro-batches usually come in order: the span grows at its end
+            self.grad_span = (span[0], k)
+        elif k < span[0]:
+            self.grad_span = (k, span[1])
 
     def finish_backward(self) -> None:
         if self.weight_actions:  # the W actions complete the gradients

@@ -119,8 +119,8 @@ class Executor:
     #: Place every action on the simulated timeline and keep its :class:`Event` in ``events`` (the simulator);
     #: False: no timeline at all (training reads the records only, and messages keep ``ready_at`` 0).
     keep_events: bool = True
-    #: Called with each action of the ``recorded_stages`` and its worker's record once the action has run
-    #: (both fixed at construction).
+    #: Called with each action of the ``recorded_stages`` and its worker's record (empty where the worker keeps
+    #: no records, see ``StageWorker.records``) once the action has run (both fixed at construction).
     on_record: Callable[[Action, ActionRecord], None] | None = None
     #: The stages whose actions ``on_record`` is told of (None: every stage's).
     recorded_stages: frozenset[int] | None = None

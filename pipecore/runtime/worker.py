@@ -63,6 +63,9 @@ class ActionRecord(NamedTuple):
     update: UpdateInfo | None = None
 
 
+_NO_RECORD = ActionRecord()  # what a forward or backward returns when its worker keeps no records
+
+
 class StageWorker:
     """Runs one stage's actions. Subclasses override the ``compute_*`` hooks to do real work.
 
@@ -101,6 +104,9 @@ class StageWorker:
         #: ``delays``, the live version at a backward minus the version its forward read.
         self.staleness = Tally()
         self.delays = Tally()
+        #: Whether forwards and backwards report their reads in the :class:`ActionRecord` they return (the
+        #: simulator's trace is made of them); False: an empty record (a training pipeline reads none).
+        self.records = True
 
     def plain_messages(self, plain: bool) -> None:
         """Whether this stage's messages need nothing done to them: ``accept`` would return the payload as it
@@ -179,7 +185,8 @@ class StageWorker:
             if value > tally.max:
                 tally.max = value
         out = Message(payload, tag)
-        return out if self._bare or self._plain else self.stamp(out), _new_tuple(ActionRecord, ({k: read}, _NO_READS, live, None))
+        record = _new_tuple(ActionRecord, ({k: read}, _NO_READS, live, None)) if self.records else _NO_RECORD
+        return out if self._bare or self._plain else self.stamp(out), record
 
     def backward(self, action: Action, messages: Sequence[Message]) -> tuple[list[Message], ActionRecord]:
         book = self.book
@@ -196,11 +203,12 @@ class StageWorker:
             try:
                 read, forward_read = book.backward(k)
                 reads, forward_reads = [read], [forward_read]
-                record = _new_tuple(ActionRecord, ({k: read}, {k: forward_read}, live, None))
+                record = (_new_tuple(ActionRecord, ({k: read}, {k: forward_read}, live, None)) if self.records
+                          else _NO_RECORD)
                 if self._bare or (self._plain and not self._profiling()):
                     payloads = self.compute_backward(action, reads, forward_reads, [messages[0].payload])
                 else:
-                    around = self.action_range(action, record.reads)
+                    around = self.action_range(action, {k: read})
                     if around is None:
                         payloads = self.compute_backward(action, reads, forward_reads, [self.accept(messages[0])])
                     else:

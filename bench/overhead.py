@@ -35,7 +35,9 @@ and a backward of every micro-batch on every stage, an update per stage).
 
 ``--profile``: calls per action of each configuration (``sys.setprofile``/``threading.setprofile`` counting
 ``call`` events, Python functions, and ``call`` + ``c_call`` events, every call as cProfile counts them,
-over ``--steps`` steps, divided by 68 x steps);
+over ``--steps`` steps, divided by 68 x steps), and the Python bytecode instructions executed per action
+(``sys.settrace``/``threading.settrace`` with ``frame.f_trace_opcodes``: ``opcode`` events, every frame's,
+the model's and torch's Python too, over the same steps run again);
 ``--cprofile CONFIG`` also prints that configuration's cProfile listing (top 40 by own time).
 
 ``--example``: ``python examples/train_mlp.py`` as a new user runs it (a process, the defaults) against the same
@@ -237,6 +239,24 @@ class CallCounter:
                 self.c += 1
 
 
+class OpcodeCounter:
+    """Counts the Python bytecode instructions executed on every thread while enabled (``opcode`` trace
+    events: a tracer that asks each frame it sees for them)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.enabled = False
+
+    def __call__(self, frame, event, arg):  # noqa: ANN001 - sys.settrace's signature
+        if not self.enabled:
+            return None
+        if event == "opcode":
+            self.count += 1
+        else:
+            frame.f_trace_opcodes = True
+        return self
+
+
 def profile(args: argparse.Namespace, algorithms: list[str]) -> int:
     counter = CallCounter()
     threading.setprofile(counter)  # stage threads start on first use, after this
@@ -245,8 +265,11 @@ def profile(args: argparse.Namespace, algorithms: list[str]) -> int:
                     with_auto=False)
     batches = data(args.batch, args.width, args.steps)
     actions = args.stages * (2 * args.microbatches + 1)
-    print(f"calls per action (width {args.width}, {args.steps} steps, {actions} actions per step): Python "
-          "functions, and all (with builtins and torch's C functions, as cProfile counts)")
+    print(f"per action (width {args.width}, {args.steps} steps, {actions} actions per step): Python function "
+          "calls, all calls (with builtins and torch's C functions, as cProfile counts), Python bytecode "
+          "instructions")
+    opcodes = OpcodeCounter()
+    threading.settrace(opcodes)
     result = {}
     for c in configs:
         for x, y in batches[:2]:
@@ -259,10 +282,18 @@ def profile(args: argparse.Namespace, algorithms: list[str]) -> int:
         c.settle()
         sys.setprofile(None)
         counter.enabled = False
+        opcodes.count, opcodes.enabled = 0, True
+        sys.settrace(opcodes)
+        for x, y in batches:
+            c.step(x, y)
+        c.settle()
+        sys.settrace(None)
+        opcodes.enabled = False
         n = actions * len(batches)
-        result[c.name] = (counter.python / n, (counter.python + counter.c) / n)
-        print(f"  {c.name:<34} {result[c.name][0]:8.1f} {result[c.name][1]:8.1f}")
+        result[c.name] = (counter.python / n, (counter.python + counter.c) / n, opcodes.count / n)
+        print(f"  {c.name:<34} {result[c.name][0]:8.1f} {result[c.name][1]:8.1f} {result[c.name][2]:9.0f}")
     threading.setprofile(None)
+    threading.settrace(None)
     if args.cprofile:
         config = next(c for c in configs if c.name == args.cprofile)
         profiler = cProfile.Profile()

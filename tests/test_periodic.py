@@ -255,3 +255,39 @@ def test_an_unhashable_schedule_option_is_found_uncached():
     assert algorithm._periodic_form is not None
     n = algorithm.warmup_minibatches + 2
     assert _rows(algorithm.schedule(n)) == _rows(reordered(2, 3, n).with_updates(3))
+
+
+def test_a_shifted_period_equals_its_actions_shifted_one_by_one():
+    """``Shift.apply_all`` builds a period's copy without Action's checks: the same actions (equal, equal
+    hashes, the same type) as ``Shift.apply`` of each, and the unshifted period itself for 0 periods."""
+    from pipecore.schedule.ir import Action
+    from pipecore.schedule.periodic import Shift
+
+    for name in ("1f1b", "pipedream", "2bw", "gpipe", "zb-h1"):
+        row = pipecore.get_algorithm(name, 3, 4).schedule(3).stages[1]
+        shift = Shift(microbatches=4, updates=1)
+        for times in (0, 1, 5):
+            got = shift.apply_all(row, times)
+            want = tuple(shift.apply(a, times) for a in row)
+            assert got == want and hash(got) == hash(want)
+            assert all(type(a) is Action for a in got)
+            assert [a.index for a in got] == [a.index + times * (1 if a.kind is U else 4) for a in row]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "pipedream", "2bw", "timeprest"])
+def test_a_rows_blocks_cover_it_in_order_with_its_actions(name):
+    """``PeriodicRow.block(i)``: the head, a body copy or the tail holding position ``i``, whose actions are
+    the row's from its start; consecutive blocks tile the row; past the end it raises like indexing."""
+    row = get_algorithm(name, 3, 4).schedule(40).stages[1]
+    assert isinstance(row, PeriodicRow)
+    i, blocks = 0, 0
+    while i < len(row):
+        start, actions = row.block(i)
+        assert start == i and actions  # each block starts where the previous one ended
+        assert tuple(actions) == tuple(row[j] for j in range(i, i + len(actions)))
+        for j in (i, i + len(actions) // 2, i + len(actions) - 1):
+            assert row.block(j) == (start, actions)
+        i, blocks = i + len(actions), blocks + 1
+    assert i == len(row) and blocks == 2 + row.copies - (0 if row.head else 1) - (0 if row.tail else 1)
+    with pytest.raises(IndexError):
+        row.block(len(row))

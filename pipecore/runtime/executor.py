@@ -41,7 +41,14 @@ from .worker import ActionRecord, Message, StageWorker
 _RECHECKED = 64
 _KEY_SHIFT = _STAGE_BITS + 1  # LocalTransport's mailbox key: (micro-batch << _KEY_SHIFT) | (stage << 1) | (kind is B)
 _POLL = 0.05  # seconds between the caller's checks for Ctrl-C while it waits for a stage thread
+_NO_WINDOW: tuple[int, int, Sequence[Action]] = (0, 0, ())  # no block of a row read yet (see _block_of)
 _NO_GRADIENT = Message()  # what the last stage's backward receives (no gradient travels to it); never changed
+
+
+def _block_of(row: Sequence[Action], i: int) -> tuple[int, Sequence[Action]]:
+    """The run of ``row``'s actions that holds position ``i``, as ``(start, actions)``: a periodic row's
+    head, body copy or tail (indexing one action of it is a Python call), any other row whole."""
+    return row.block(i) if type(row) is PeriodicRow else (0, row)
 
 
 def _mailbox_of(transport: Transport) -> Any:
@@ -298,6 +305,7 @@ class Executor:
         ready, needs, cursor, lane_cursor, workers, execute = self.transport.ready, self.needs, self.cursor, \
             self.lane_cursor, self.workers, self._execute
         contains = None if self._mailbox is None else self._mailbox.contains
+        windows: dict[int, tuple[int, int, Sequence[Action]]] = {}  # rank -> the block of its row being run
         progressed = True
         while progressed:
             progressed = False
@@ -305,8 +313,13 @@ class Executor:
                 row = rows[r]
                 end = len(row)
                 c = lane_cursor[r]
+                start, stop, block = windows.get(r, _NO_WINDOW)
                 while c < end:
-                    action = row[c]
+                    if c >= stop:  # (a rank's cursor only moves on within a run)
+                        start, block = _block_of(row, c)
+                        stop = start + len(block)
+                        windows[r] = (start, stop, block)
+                    action = block[c - start]
                     s, kind = action.stage, action.kind
                     if target is not None and cursor[s] >= target[s]:
                         break
@@ -356,8 +369,13 @@ class Executor:
                 for s in self.schedule.stages_of(r):
                     running.enter_context(self.workers[s].running())
                 row = self.schedule.rank_rows[r]
+                start, stop, block = _NO_WINDOW
                 while lane_cursor[r] < len(row) and not failures:
-                    action = row[lane_cursor[r]]
+                    c = lane_cursor[r]
+                    if c >= stop:  # (the rank's cursor only moves on within a job)
+                        start, block = _block_of(row, c)
+                        stop = start + len(block)
+                    action = block[c - start]
                     s = action.stage
                     if cursor[s] >= ends[s]:
                         break

@@ -28,6 +28,8 @@ from .ir import Action, Kind, U
 from .schedule import Schedule
 
 _Key = tuple[Kind, int]
+_new_action = object.__new__
+_set_field = object.__setattr__  # what Action's frozen dataclass __init__ calls for each field
 _BLOCKS_KEPT = 8  # shifted copies of the body a row keeps (see PeriodicRow.__getitem__): a step's worth, not a run's
 
 
@@ -43,6 +45,23 @@ class Shift:
             return action
         step = self.updates if action.kind is U else self.microbatches
         return Action(action.stage, action.kind, action.index + times * step, action.count)
+
+    def apply_all(self, actions: Sequence[Action], times: int) -> tuple[Action, ...]:
+        """:meth:`apply` to each of ``actions``: a shifted copy of a period, built once per period of a run.
+        A valid action moved forward is valid, so each copy is made without ``Action``'s checks (its frozen
+        dataclass ``__init__`` and ``__post_init__``, most of the cost)."""
+        if times == 0:
+            return tuple(actions)
+        moved, updates = times * self.microbatches, times * self.updates
+        out = []
+        for a in actions:
+            b = _new_action(Action)
+            _set_field(b, "stage", a.stage)
+            _set_field(b, "kind", a.kind)
+            _set_field(b, "index", a.index + (updates if a.kind is U else moved))
+            _set_field(b, "count", a.count)
+            out.append(b)
+        return tuple(out)
 
 
 def microbatch_positions(row: Sequence[Action]) -> dict[_Key, int]:
@@ -126,15 +145,29 @@ class PeriodicRow(Sequence[Action]):
             return block[r]
         tail = self._tail_block
         if tail is None:
-            tail = self._tail_block = tuple(self.shift.apply(a, self.copies - 1) for a in self.tail)
+            tail = self._tail_block = self.shift.apply_all(self.tail, self.copies - 1)
         return tail[i - self.copies * self._body_length]
+
+    def block(self, i: int) -> tuple[int, tuple[Action, ...]]:
+        """The run of actions that holds position ``i`` (``0 <= i < len(self)``), as ``(start, actions)``: the
+        head, one shifted copy of the body, or the tail. An executor walking the row reads it a block at a
+        time: one call per period, not one per action."""
+        h = self._head_length
+        if i < h:
+            return 0, self.head
+        copy = (i - h) // self._body_length
+        if copy < self.copies:
+            block = self._blocks.get(copy)
+            return h + copy * self._body_length, self._shifted(copy) if block is None else block
+        self[i]  # builds the shifted tail, or raises IndexError past the end
+        return h + self.copies * self._body_length, self._tail_block  # type: ignore[return-value]
 
     def _shifted(self, copy: int) -> tuple[Action, ...]:
         """Copy ``copy`` of the body, kept among the recent ones."""
         blocks = self._blocks
         if len(blocks) >= _BLOCKS_KEPT:
             blocks.clear()
-        block = blocks[copy] = tuple(self.shift.apply(a, copy) for a in self.body)
+        block = blocks[copy] = self.shift.apply_all(self.body, copy)
         return block
 
     def __iter__(self) -> Iterator[Action]:

@@ -21,8 +21,8 @@ almost nothing, so a step's time is what the host spends around the kernels. Con
   concurrent=False|True)`` with ``pipecore.SGD(momentum=0.9)``; ``lean`` is ``recover=False,
   track_memory=False``, ``defaults`` keeps both.
 * ``pipecore/<alg>/auto/defaults``: ``concurrent`` left at its default: with every stage on the CPU the
-  pipeline times its first steps on its stage threads and in turn and keeps the faster (the JSON row's
-  ``execution`` says which).
+  pipeline times its first steps on its stage threads and in turn and keeps the threads only if they are
+  clearly faster, probing again after 100 steps (the JSON row's ``execution`` says which way it ran last).
 * ``torch/Interleaved1F1B`` and ``torch/LoopedBFS``: ``torch.distributed.pipelining`` with one gloo rank
   holding all 4 stages (``PipelineStage`` per stage module, the schedule over the 4 stages), the same optimizer.
 

@@ -1,5 +1,6 @@
 """The default ``concurrent`` with every stage on the CPU: the first steps run both on the stage threads and in
-turn, timed, and the faster way is kept (pipecore/runtime/choice.py). Either way gives the same bits."""
+turn, timed, and the faster way is kept, probed again after 100 steps, then 200, ... (pipecore/runtime/choice.py).
+Either way gives the same bits."""
 
 from __future__ import annotations
 
@@ -50,10 +51,54 @@ def test_threads_kept_only_when_clearly_faster(threads, kept):
     assert choice.state == kept  # the threads must save THREADS_MARGIN (10%) of the step
 
 
-@pytest.mark.parametrize("warmup, probes", [(-1, 2), (0, 0)])
-def test_bad_settings(warmup, probes):
-    with pytest.raises(ValueError, match="warmup must be >= 0 and probes >= 1"):
-        ThreadsOrInTurn(warmup=warmup, probes=probes)
+@pytest.mark.parametrize("warmup, probes, recheck", [(-1, 2, 10), (0, 0, 10), (0, 2, -1)])
+def test_bad_settings(warmup, probes, recheck):
+    with pytest.raises(ValueError, match="warmup and recheck must be >= 0 and probes >= 1"):
+        ThreadsOrInTurn(warmup=warmup, probes=probes, recheck=recheck)
+
+
+def test_the_ways_are_probed_again_after_recheck_then_twice_as_many_steps():
+    """A choice stands for ``recheck`` steps, then the ways are probed again and chosen afresh from the new
+    probes only (a burst of load that decided the first choice does not decide the next); the gap doubles."""
+    choice = ThreadsOrInTurn(warmup=0, probes=2, recheck=3)
+    ways, states = [], []
+    threads_seconds = [2.0]  # a step's wall time on the threads (in turn: 1.0); changed between rounds
+
+    def step():
+        way = choice.next()
+        ways.append(way)
+        choice.record(way, threads_seconds[0] if way == THREADS else 1.0)
+        states.append(choice.state)
+
+    for _ in range(4):  # the first round
+        step()
+    assert choice.chosen == IN_TURN and choice.seconds == {THREADS: [2.0, 2.0], IN_TURN: [1.0, 1.0]}
+    for _ in range(3):  # the choice stands for `recheck` steps
+        step()
+    assert ways[4:] == [IN_TURN] * 3 and states[4:] == [IN_TURN, IN_TURN, MEASURING]
+    threads_seconds[0] = 0.5
+    for _ in range(4):  # probed again: the threads are faster now, by the new probes alone
+        step()
+    assert ways[7:] == [IN_TURN, THREADS, IN_TURN, THREADS] and choice.chosen == THREADS
+    assert choice.seconds == {THREADS: [0.5, 0.5], IN_TURN: [1.0, 1.0]}
+    for _ in range(6):  # then twice as many steps before the next round
+        step()
+    assert ways[11:] == [THREADS] * 6 and states[-1] == MEASURING
+    threads_seconds[0] = 2.0
+    for _ in range(4):
+        step()
+    assert ways[17:] == [IN_TURN, THREADS, IN_TURN, THREADS] and choice.chosen == IN_TURN and states[-1] == IN_TURN
+
+
+def test_no_recheck_keeps_the_first_choice():
+    choice = ThreadsOrInTurn(warmup=0, probes=1, recheck=0)
+    for seconds in (1.0, 0.5):
+        choice.record(choice.next(), seconds)
+    assert choice.chosen == THREADS
+    for _ in range(1000):
+        assert choice.next() == THREADS and choice.state == THREADS
+        choice.record(THREADS, 9.0)
+    assert choice.chosen == THREADS
 
 
 def _train(**options):

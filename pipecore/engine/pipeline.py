@@ -115,7 +115,8 @@ class Pipeline:
             Default None: stage threads in one process with more than one stage, except that with every
             stage on the CPU (and no ``overlap_steps``) the pipeline times its first steps both ways and keeps
             the stage threads only if they save at least 10% of a step's wall time, else runs the stages in
-            turn (:attr:`execution` says which; see ``pipecore/runtime/choice.py``): on the CPU, threads pay
+            turn, and times both again after 100 steps, 200 more, and so on (:attr:`execution` says which;
+            see ``pipecore/runtime/choice.py``): on the CPU, threads pay
             only where ops are large enough (each torch op hands the GIL to another stage thread and back).
         threads_per_stage: torch intra-op threads a stage computes with: set once on each stage thread when
             it starts (``concurrent``), and on the calling thread around the actions it runs in turn (then
@@ -606,9 +607,10 @@ class Pipeline:
     @property
     def execution(self) -> str:
         """How steps run in this process: ``"stage threads"`` (a thread per stage), ``"in turn"`` (the stages one
-        after the other on the calling thread), or ``"measuring"`` while the first steps of a pipeline with the
-        default ``concurrent`` and every stage on the CPU time both ways (it then keeps the stage threads only if
-        they save at least 10% of a step's wall time)."""
+        after the other on the calling thread), or ``"measuring"`` while a pipeline with the default
+        ``concurrent`` and every stage on the CPU times steps both ways: over its first steps (it then keeps the
+        stage threads only if they save at least 10% of a step's wall time), and again after 100 steps, 200
+        more, and so on (see ``pipecore/runtime/choice.py``)."""
         if self._choice is not None:
             return self._choice.state
         return THREADS if self._threads is not None else IN_TURN

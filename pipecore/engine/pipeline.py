@@ -116,8 +116,8 @@ class Pipeline:
             stage on the CPU (and no ``overlap_steps``) the pipeline times its first steps both ways and keeps
             the stage threads only if they save at least 10% of a step's wall time, else runs the stages in
             turn, and times both again after 100 steps, 200 more, and so on (:attr:`execution` says which;
-            see ``pipecore/runtime/choice.py``): on the CPU, threads pay
-            only where ops are large enough (each torch op hands the GIL to another stage thread and back).
+            see ``pipecore/runtime/choice.py``): on the CPU, threads pay only where ops are large enough (each
+            torch op hands the GIL to another stage thread and back).
         threads_per_stage: torch intra-op threads a stage computes with: set once on each stage thread when
             it starts (``concurrent``), and on the calling thread around the actions it runs in turn (then
             restored), so that results are the same bits either way. Default None: the process's share,
@@ -352,7 +352,8 @@ class Pipeline:
             st.intra_op_threads = self.threads_per_stage
             st.records = False  # nothing here reads the actions' records (the stages tally their reads)
         # The default with every stage on the CPU: stage threads if the first steps time them clearly faster, else
-        # in turn (see runtime/choice.py); an explicit concurrent=True, overlap_steps or a GPU keep the threads.
+        # in turn, probed again later (see runtime/choice.py); concurrent=True, overlap_steps or a GPU keep the
+        # threads.
         self._choice = (ThreadsOrInTurn() if concurrent is None and self._threads is not None and plain
                         and not overlap_steps else None)
         self._closed = False

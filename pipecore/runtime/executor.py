@@ -2,8 +2,8 @@
 
 It first works out how far every stage can get (the dependency closure of the schedule), then runs
 each owned stage's actions up to there, handing each to that stage's worker and the produced messages to
-the transport, and computes when the action would start and end under the given costs (the stage is
-free and the input has arrived, plus a send time). Numerics do not depend on the global order, only on
+the transport, and (keeping events, as the simulator does) computes when the action would start and end
+under the given costs (the stage is free and the input has arrived, plus a send time). Numerics do not depend on the global order, only on
 each stage's own order, which the schedule fixes.
 
 The executor can stop before the end: ``run(available=n)`` executes every action it can without a
@@ -124,7 +124,7 @@ class Executor:
     transport: Transport = field(default_factory=LocalTransport)
     source: Callable[[int], Any] = lambda microbatch: None
     #: Place every action on the simulated timeline and keep its :class:`Event` in ``events`` (the simulator);
-    #: False: no timeline at all (training reads the records only, and messages keep ``ready_at`` 0).
+    #: False: no timeline at all (a training pipeline reads no simulated times; messages keep ``ready_at`` 0).
     keep_events: bool = True
     #: Called with each action of the ``recorded_stages`` and its worker's record (empty where the worker keeps
     #: no records, see ``StageWorker.records``) once the action has run (both fixed at construction).

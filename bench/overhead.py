@@ -257,6 +257,19 @@ class OpcodeCounter:
         return self
 
 
+def run_counted(config: Config, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                install: Callable[[object], None], counter: CallCounter | OpcodeCounter) -> None:
+    """Train ``config`` on ``batches`` with ``counter`` enabled and installed on this thread by ``install``
+    (``sys.setprofile`` or ``sys.settrace``; stage threads have it from ``threading``'s)."""
+    counter.enabled = True
+    install(counter)
+    for x, y in batches:
+        config.step(x, y)
+    config.settle()
+    install(None)
+    counter.enabled = False
+
+
 def profile(args: argparse.Namespace, algorithms: list[str]) -> int:
     counter = CallCounter()
     threading.setprofile(counter)  # stage threads start on first use, after this
@@ -275,20 +288,9 @@ def profile(args: argparse.Namespace, algorithms: list[str]) -> int:
         for x, y in batches[:2]:
             c.step(x, y)
         c.settle()
-        counter.python, counter.c, counter.enabled = 0, 0, True
-        sys.setprofile(counter)
-        for x, y in batches:
-            c.step(x, y)
-        c.settle()
-        sys.setprofile(None)
-        counter.enabled = False
-        opcodes.count, opcodes.enabled = 0, True
-        sys.settrace(opcodes)
-        for x, y in batches:
-            c.step(x, y)
-        c.settle()
-        sys.settrace(None)
-        opcodes.enabled = False
+        counter.python = counter.c = opcodes.count = 0
+        run_counted(c, batches, sys.setprofile, counter)
+        run_counted(c, batches, sys.settrace, opcodes)
         n = actions * len(batches)
         result[c.name] = (counter.python / n, (counter.python + counter.c) / n, opcodes.count / n)
         print(f"  {c.name:<34} {result[c.name][0]:8.1f} {result[c.name][1]:8.1f} {result[c.name][2]:9.0f}")

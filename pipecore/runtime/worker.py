@@ -176,14 +176,7 @@ class StageWorker:
         except BaseException:
             self._failed(mark)
             raise
-        # Tally.add, inline (this runs once per action); a live read (every synchronous schedule's) adds 0.
-        tally = self.staleness
-        tally.count += 1
-        value = live - read.version
-        if value:
-            tally.total += value
-            if value > tally.max:
-                tally.max = value
+        self.staleness.add(live - read.version)
         out = Message(payload, tag)
         record = _new_tuple(ActionRecord, ({k: read}, _NO_READS, live, None)) if self.records else _NO_RECORD
         return out if self._bare or self._plain else self.stamp(out), record
@@ -218,21 +211,8 @@ class StageWorker:
                 self._failed(mark)
                 raise
             book.release_backward()
-            # Tally.add for both reads, inline (this runs once per action).
-            tally = self.staleness
-            tally.count += 1
-            value = live - read.version
-            if value:
-                tally.total += value
-                if value > tally.max:
-                    tally.max = value
-            tally = self.delays
-            tally.count += 1
-            value = live - forward_read.version
-            if value:
-                tally.total += value
-                if value > tally.max:
-                    tally.max = value
+            self.staleness.add(live - read.version)
+            self.delays.add(live - forward_read.version)
             if not payloads:
                 return [], record
             out = Message(payloads[0], poisoned=k // every in poisoned)

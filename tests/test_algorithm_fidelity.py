@@ -19,7 +19,7 @@ from torch import nn
 from pipecore import SGD, AdamW, Pipeline
 from pipecore.engine.flat import FlatLayout
 from pipecore.engine.optim import SGD as SGDConfig, build_optimizer, uniform_scale
-from pipecore.engine.weight_change import ChangeAverage
+from pipecore.algorithms.state import ChangeAverage
 
 
 class Shift(nn.Module):
@@ -126,14 +126,15 @@ def test_sgd_direction_is_the_next_step_of_torch_sgd_with_the_last_gradient_agai
     grads = [torch.randn(7, dtype=torch.float64) for _ in range(3)]
     layout = FlatLayout.of(nn.Linear(7, 1, bias=False).double(), 0)
     ours = config.build(layout, torch.device("cpu"))
-    ours.track_direction()
+    ours.check_next_step_direction()
     w = w0.clone()
     p = nn.Parameter(w0.clone())
     ref = torch.optim.SGD([p], lr=config.lr, momentum=config.momentum, dampening=config.dampening,
                           weight_decay=config.weight_decay, nesterov=config.nesterov)
-    assert torch.equal(ours.direction(w), torch.zeros(7, dtype=torch.float64))  # nothing known yet
+    direction = torch.empty(7, dtype=torch.float64)
     for g in grads:
         ours.step(w, g, w, uniform_scale(7, 1.0))
+        ours.next_step_direction(g, w, out=direction)  # what SpecTrain's buffer update runs after each update
         p.grad = g.clone()
         ref.step()
     torch.testing.assert_close(w, p.detach(), rtol=0, atol=1e-14)
@@ -143,9 +144,9 @@ def test_sgd_direction_is_the_next_step_of_torch_sgd_with_the_last_gradient_agai
     p.grad = grads[-1].clone()
     ref.step()
     expected = (before - p.detach()) / config.lr
-    torch.testing.assert_close(ours.direction(w), expected, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(direction, expected, rtol=1e-12, atol=1e-14)
     if config.momentum and not (config.dampening or config.nesterov or config.weight_decay):
-        torch.testing.assert_close(ours.direction(w), official, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(direction, official, rtol=1e-12, atol=1e-14)
 
 
 def test_torch_optimizers_cannot_predict_and_say_so_at_construction():
@@ -245,7 +246,7 @@ def test_pipemare_velocity_is_the_moving_average_of_weight_changes(optimizer):
 
         def with_velocity(action, info, st=st, update=update):
             update(action, info)
-            velocities[st.stage][info.new_version] = st.velocity.clone()
+            velocities[st.stage][info.new_version] = st.buffer("velocity").clone()
 
         st.compute_update = with_velocity
     for _ in range(n):
@@ -282,26 +283,26 @@ def test_a_step_averaging_the_change_makes_the_plain_step_and_adds_its_change(co
     plain, averaging = (build_optimizer(config, layout, torch.device("cpu")) for _ in range(2))
     w = torch.randn(6, dtype=torch.float64)
     w_plain, w_avg = w.clone(), w.clone()
-    change = ChangeAverage(torch.randn(6, dtype=torch.float64), decay=0.3)
-    expected = change.buffer.clone()
+    average = torch.randn(6, dtype=torch.float64)
+    expected = average.clone()
     for _ in range(3):
         g = torch.randn(6, dtype=torch.float64)
         old = w_plain.clone()
         out_plain = w_plain if in_place else torch.empty_like(w_plain)
         plain.step(w_plain, g, out_plain, uniform_scale(6, 1.0))
         out_avg = w_avg if in_place else torch.empty_like(w_avg)
-        averaging.step_averaging_change(w_avg, g, out_avg, uniform_scale(6, 1.0), change)
+        averaging.step_averaging_change(w_avg, g, out_avg, uniform_scale(6, 1.0), average, 0.3)
         if not in_place:
             torch.testing.assert_close(w_avg, old, rtol=0, atol=0)  # the old weights are left as they were
         w_plain, w_avg = out_plain, out_avg
         expected = 0.3 * expected + 0.7 * (w_plain - old)
         torch.testing.assert_close(w_avg, w_plain, rtol=0, atol=0)
-        torch.testing.assert_close(change.buffer, expected, rtol=0, atol=1e-15)
+        torch.testing.assert_close(average, expected, rtol=0, atol=1e-15)
 
 
 def test_the_change_average_refuses_a_decay_outside_zero_to_one():
     with pytest.raises(ValueError, match=r"0 <= decay < 1, got 1.0"):
-        ChangeAverage(torch.zeros(2), decay=1.0)
+        ChangeAverage(decay=1.0)
 
 
 @pytest.mark.parametrize("correction", [True, False])
@@ -311,8 +312,9 @@ def test_pipemare_velocity_memory_is_reported_and_t2_off_keeps_none(correction):
                     discrepancy_correction=correction)
     for stats in pipe.stats():
         st = pipe.stages[stats["stage"]]
-        assert stats["velocity_bytes"] == (3 * 8 if correction else 0)  # 3 float64 biases, or nothing
-        assert (st.velocity is None) != correction
+        assert stats["buffers"] == ({"velocity": 3 * 8} if correction else {})  # 3 float64 biases, or nothing
+        assert stats["buffer_bytes"] == (3 * 8 if correction else 0)
+        assert ("velocity" in st.state.buffers) == correction
         # The scratch buffer holds corrected weights; without T2 the reads are plain and none is needed.
         assert (stats["scratch_bytes"] > 0) == (correction and stats["stage"] < P - 1)
     x, y = constant_gradient_batches(1, 4)[0]

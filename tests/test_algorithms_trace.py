@@ -19,7 +19,8 @@ import pytest
 from pipecore import algorithm_names, get_algorithm, simulate
 from pipecore.algorithms import ALIASES, get_spec
 from pipecore.algorithms.base import WeightRead, timeprest_version_difference
-from pipecore.algorithms.pipemare import stage_delay
+from pipecore.algorithms.pipemare import stage_delay, velocity_decay
+from pipecore.algorithms.state import ChangeAverage
 from pipecore.runtime import Costs, Executor, StageWorker
 from pipecore.schedule import B, F, U
 
@@ -357,7 +358,9 @@ def test_pipemare_corrects_by_the_stage_delay_in_steady_state():
                 assert t.read(s, k, B) == (WeightRead(k) if w == 0 else WeightRead(k, "correct", coef=w))
         for s in range(P):
             w = P - 1 - s
-            assert algorithm.velocity_decay(s) == pytest.approx(0.1 ** (1 / max(w, 1)), rel=1e-12)
+            assert velocity_decay(s, algorithm) == pytest.approx(0.1 ** (1 / max(w, 1)), rel=1e-12)
+            # The stage keeps that average as its declared buffer, and nothing else.
+            assert algorithm.buffer_updates(s) == {"velocity": ChangeAverage(velocity_decay(s, algorithm))}
             assert t.stage_summary(s).derived_weights == (w > 0 and m * n > 1)
 
 
@@ -373,7 +376,8 @@ def test_pipemare_without_discrepancy_correction_reads_the_live_weights():
             assert t.read(s, k, B) == WeightRead(k)
             assert t.delay(s, k) == expected_async_delay(P, s, k, 1)
         for s in range(P):
-            assert algorithm.velocity_decay(s) is None
+            assert velocity_decay(s, algorithm) is None
+            assert algorithm.buffer_updates(s) == {}
             assert t.weight_versions(s) == 1
             assert t.stage_summary(s).derived_weights is False
         # T1 is independent of T2: the learning rate still starts divided by the stage delay.
@@ -390,7 +394,7 @@ def test_pipemare_without_lr_rescheduling_keeps_the_base_learning_rate():
             for s in range(P):
                 assert [off.lr_scale(s, i) for i in (0, 1, 5, 10, 50)] == [1.0] * 5
                 assert on.lr_scale(s, 0) == pytest.approx(1 / max(P - 1 - s, 1), rel=1e-12)
-                assert off.velocity_decay(s) == on.velocity_decay(s) == pytest.approx(0.1 ** (1 / max(P - 1 - s, 1)))
+                assert velocity_decay(s, off) == velocity_decay(s, on) == pytest.approx(0.1 ** (1 / max(P - 1 - s, 1)))
             for n in (1, 3):
                 plain, ablated = trace("pipemare", P, m, n), trace("pipemare", P, m, n, lr_rescheduling=False)
                 for s, k in reads(P, m * n):
@@ -410,15 +414,15 @@ def test_pipemare_lr_warmup(m):
     assert a.lr_scale(3, 0) == 1.0  # the last stage has no delay
     linear = get_algorithm("pipemare", 4, m, warmup_steps=10, lr_warmup="linear")
     assert linear.lr_scale(0, 5) == pytest.approx(1 / 3 + (2 / 3) * 0.5)
-    assert a.velocity_decay(0) == pytest.approx(0.1 ** (1 / 3))
-    assert get_algorithm("pipemare", 4, m, delta_decay=0.5).velocity_decay(0) == 0.5
+    assert velocity_decay(0, a) == pytest.approx(0.1 ** (1 / 3))
+    assert velocity_decay(0, get_algorithm("pipemare", 4, m, delta_decay=0.5)) == 0.5
 
 
 def test_pipemare_lr_warmup_with_one_update_per_minibatch():
     # update_every=m=4 >= P-1: every delay is 1 and T1 leaves the learning rate alone.
     a = get_algorithm("pipemare", 4, 4, warmup_steps=10, update_every=4)
     assert [a.lr_scale(s, 0) for s in range(4)] == [1.0] * 4
-    assert [a.velocity_decay(s) for s in range(4)] == [pytest.approx(0.1)] * 4
+    assert [velocity_decay(s, a) for s in range(4)] == [pytest.approx(0.1)] * 4
     # update_every=2 at P=4: stage 0 has delay ceil(3/2) = 2, stage 1 ceil(2/2) = 1.
     b = get_algorithm("pipemare", 4, 4, warmup_steps=10, update_every=2)
     assert [b.lr_scale(s, 0) for s in range(4)] == [pytest.approx(0.5), 1.0, 1.0, 1.0]

@@ -7,6 +7,10 @@ every step's loss and the bits of every tensor of the flushed ``state_dict`` (mo
 pipeline's own state, such as optimizer moments and an algorithm's buffers, as a sorted list of tensor digests,
 so that renaming an entry of the checkpoint's metadata does not count as a change of behaviour).
 
+One change of kept state is intended: SpecTrain under AdamW keeps its update direction as a buffer estimated
+after each update (as under SGD) instead of computing it from the moments at every predicted read, which reads
+the same moments and weights, so its reads and results are unchanged (``KEPT_SINCE``).
+
 Float64 results are compared bit for bit on a machine with the recording's CPU capability (the vector
 instruction set torch dispatches to, which decides how a matmul rounds); elsewhere to 1e-12, relative.
 """
@@ -56,6 +60,8 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], str, int, int]] = {
     "zb-v": ("zb-v", {}, "adamw", 4, 4),
     "dualpipe-v": ("dualpipe-v", {}, "sgd", 4, 4),
 }
+#: Configurations that keep more tensors than when the file was recorded: how many more, per stage in all.
+KEPT_SINCE = {"spectrain-adamw": 4}  # the direction buffer of each of the 4 stages
 STEPS = 5
 WIDTH = 6
 LAYERS = 8
@@ -133,7 +139,10 @@ def test_the_algorithm_traces_and_trains_as_recorded(name, golden):
     if exact:
         assert got["losses"] == recorded["losses"]
         assert got["weights"] == recorded["weights"]
-        assert got["pipecore_state"] == recorded["pipecore_state"]
+        extra = list(got["pipecore_state"])
+        for digest in recorded["pipecore_state"]:
+            extra.remove(digest)  # every tensor kept then is kept now, bit for bit
+        assert len(extra) == KEPT_SINCE.get(name, 0)
     else:  # another vector instruction set rounds matmuls otherwise: equal to round-off
         assert [float.fromhex(v) for v in got["losses"]] == pytest.approx(
             [float.fromhex(v) for v in recorded["losses"]], rel=1e-12)
@@ -141,7 +150,7 @@ def test_the_algorithm_traces_and_trains_as_recorded(name, golden):
         for key, bits in recorded["weights"].items():
             assert [float.fromhex(v) for v in got["weights"][key]] == pytest.approx(
                 [float.fromhex(v) for v in bits], rel=1e-12, abs=1e-14), key
-        assert len(got["pipecore_state"]) == len(recorded["pipecore_state"])
+        assert len(got["pipecore_state"]) == len(recorded["pipecore_state"]) + KEPT_SINCE.get(name, 0)
 
 
 if __name__ == "__main__":

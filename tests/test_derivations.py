@@ -1,61 +1,69 @@
-"""Derived weights (pipecore.algorithms.derivations) against their formulas, in float64."""
+"""Derived weights (each algorithm's ``derivations``) against their formulas, in float64."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pipecore.algorithms import get_algorithm
 from pipecore.algorithms.base import WeightRead
-from pipecore.algorithms.derivations import DERIVATIONS, derive
+from pipecore.algorithms.i_timeprest import interpolate
+from pipecore.algorithms.pipemare import correct
+from pipecore.algorithms.spectrain import predict
 
 
 class Source:
-    """A stage's weight versions and state, as a derivation reads them."""
+    """A stage's weight versions and declared buffers, as a derivation reads them."""
 
-    def __init__(self, velocity: bool = True, scratch: bool = True):
+    def __init__(self):
         g = torch.Generator().manual_seed(0)
         self.slots = {v: torch.randn(37, generator=g, dtype=torch.float64) for v in (3, 4)}
-        self.direction = torch.randn(37, generator=g, dtype=torch.float64)
-        self.velocity = torch.randn(37, generator=g, dtype=torch.float64) if velocity else None
-        self.scratch = torch.empty(37, dtype=torch.float64) if scratch else None
+        self.buffers = {"direction": torch.randn(37, generator=g, dtype=torch.float64),
+                        "velocity": torch.randn(37, generator=g, dtype=torch.float64)}
+        self.optimizer = None
         self.lr = 0.05
-        self.directions_asked: list[torch.Tensor] = []
 
     def slot_of(self, version: int) -> torch.Tensor:
         return self.slots[version]
 
-    def update_direction(self, weights: torch.Tensor) -> torch.Tensor:
-        self.directions_asked.append(weights)
-        return self.direction
+    def buffer(self, name: str) -> torch.Tensor:
+        if name not in self.buffers:
+            raise ValueError(f"stage 0 keeps no buffer {name!r}")
+        return self.buffers[name]
 
     def next_lr(self) -> float:
         return self.lr
 
 
-def test_every_derivation_computes_its_formula_into_the_scratch_buffer():
+@pytest.mark.parametrize("algorithm,derive,read,formula", [
+    ("i-timeprest", interpolate, WeightRead(3, "interpolate", other=4, coef=0.25),
+     lambda s: s.slots[3] + 0.25 * (s.slots[4] - s.slots[3])),
+    ("spectrain", predict, WeightRead(3, "predict", coef=2.0),
+     lambda s: s.slots[3] - 2.0 * s.lr * s.buffers["direction"]),
+    ("pipemare", correct, WeightRead(3, "correct", coef=1.5),
+     lambda s: s.slots[3] - 1.5 * s.buffers["velocity"]),
+], ids=["interpolate", "predict", "correct"])
+def test_each_derivation_computes_its_formula_into_the_given_buffer(algorithm, derive, read, formula):
     source = Source()
-    w3, w4 = source.slots[3], source.slots[4]
-    expected = {
-        "interpolate": (WeightRead(3, "interpolate", other=4, coef=0.25), w3 + 0.25 * (w4 - w3)),
-        "predict": (WeightRead(3, "predict", coef=2.0), w3 - 2.0 * source.lr * source.direction),
-        "correct": (WeightRead(3, "correct", coef=1.5), w3 - 1.5 * source.velocity),
-    }
-    assert set(expected) == set(DERIVATIONS)
-    for name, (read, value) in expected.items():
-        out = derive(source, read)
-        assert out.data_ptr() == source.scratch.data_ptr(), name
-        torch.testing.assert_close(out, value, rtol=1e-15, atol=1e-15)
-    # The prediction extrapolates along the direction of the version it starts from.
-    assert len(source.directions_asked) == 1 and source.directions_asked[0] is w3
-    # The versions themselves are left alone.
-    assert torch.equal(source.slots[3], w3) and torch.equal(source.slots[4], w4)
+    before = {v: w.clone() for v, w in source.slots.items()}
+    assert get_algorithm(algorithm, 3, 2).derivation(read.derivation) is derive  # what the algorithm declares
+    out = torch.empty(37, dtype=torch.float64)
+    got = derive(source, read, source.slots[read.version], out)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(got, formula(source), rtol=1e-15, atol=1e-15)
+    for v, w in before.items():  # the versions themselves are left alone
+        assert torch.equal(source.slots[v], w)
 
 
-@pytest.mark.parametrize("read,source,error", [
-    (WeightRead(3, "extrapolate", coef=1.0), Source(), "unknown weight derivation 'extrapolate'; known: interpolate"),
-    (WeightRead(3, "correct", coef=1.0), Source(velocity=False), "needs the weight velocity"),
-    (WeightRead(3, "predict", coef=1.0), Source(scratch=False), "need the scratch buffer"),
-])
-def test_derivation_errors(read, source, error):
-    with pytest.raises(ValueError, match=error):
-        derive(source, read)
+def test_a_derivation_the_algorithm_does_not_declare_is_refused_with_the_ones_it_does():
+    with pytest.raises(ValueError, match="derived by 'extrapolate', which it does not declare .*: correct"):
+        get_algorithm("pipemare", 3, 2).derivation("extrapolate")
+    with pytest.raises(ValueError, match="its derivations: none"):
+        get_algorithm("pipedream", 3, 2).derivation("correct")
+
+
+def test_a_derivation_reading_a_buffer_the_stage_does_not_keep_says_so():
+    source = Source()
+    del source.buffers["velocity"]
+    with pytest.raises(ValueError, match="keeps no buffer 'velocity'"):
+        correct(source, WeightRead(3, "correct", coef=1.0), source.slots[3], torch.empty(37, dtype=torch.float64))

@@ -218,9 +218,8 @@ class Recorder:
 
     def __init__(self, pipe: Pipeline):
         self.weights = [{0: st.ring.live.clone()} for st in pipe.stages.values()]
-        self.predicts = pipe.algorithm.needs_update_direction
-        self.direction = [{0: self._direction(st)} for st in pipe.stages.values()]
-        self.velocity = [{0: None if st.velocity is None else st.velocity.clone()} for st in pipe.stages.values()]
+        self.direction = [{0: self._buffer(st, "direction")} for st in pipe.stages.values()]
+        self.velocity = [{0: self._buffer(st, "velocity")} for st in pipe.stages.values()]
         self.applied_grads = [[] for _ in pipe.stages]
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -236,9 +235,9 @@ class Recorder:
         def compute_update(action, info):
             rec.applied_grads[s].append(st.grad.clone())
             update(action, info)
-            rec.direction[s][info.new_version] = rec._direction(st)
+            rec.direction[s][info.new_version] = rec._buffer(st, "direction")
             rec.weights[s][info.new_version] = st.ring.live.clone()
-            rec.velocity[s][info.new_version] = None if st.velocity is None else st.velocity.clone()
+            rec.velocity[s][info.new_version] = rec._buffer(st, "velocity")
 
         def compute_forward(action, read, payload):
             out = forward(action, read, payload)
@@ -254,8 +253,9 @@ class Recorder:
 
         st.compute_update, st.compute_forward, st.compute_backward = compute_update, compute_forward, compute_backward
 
-    def _direction(self, st: TensorStage) -> torch.Tensor | None:
-        return st.optimizer.direction(st.ring.live).clone() if self.predicts else None
+    @staticmethod
+    def _buffer(st: TensorStage, name: str) -> torch.Tensor | None:
+        return st.buffer(name).clone() if name in st.state.buffers else None
 
     def expected_weights(self, stage: int, read, lr: float) -> torch.Tensor:
         w = self.weights[stage][read.version]

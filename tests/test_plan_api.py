@@ -14,7 +14,6 @@ import pipecore
 from _same import assert_same
 from pipecore.cli import main
 from pipecore.engine.graph import CapturedModel
-from pipecore.engine.memory import static_bytes
 from pipecore.engine.partition import module_units
 from pipecore.models import GPT, ResNet
 from pipecore.planning import InfeasibleMemoryLimit, parse_bytes, plan_costs
@@ -211,7 +210,7 @@ def test_a_stage_accounts_its_micro_batches_in_flight(algorithm):
     trace = pipecore.simulate(pipe.algorithm, 3, m, n_minibatches=3)
     st = pipe.stages[1]
     assert st.memory.peak == trace.peak_activations(1) * per_microbatch
-    assert pipe.stats()[1]["peak_bytes"] == static_bytes(st) + st.memory.peak
+    assert pipe.stats()[1]["peak_bytes"] == st.static_bytes() + st.memory.peak
     pipe.flush()
     assert st.memory.live == 0 and not st.memory.in_flight
 

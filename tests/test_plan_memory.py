@@ -42,13 +42,13 @@ def test_sizing_reads_versions_and_in_flight_off_the_simulator(name, versions, i
     z = sizing(name)
     assert (z.algorithm, z.num_stages, z.n_microbatches) == (name, 2, 2)
     assert z.versions == versions and z.in_flight == in_flight
-    assert z.derived == (False, False) and z.velocity == (False, False) and not z.recompute_all
+    assert z.derived == (False, False) and z.buffers == (0, 0) and not z.recompute_all
 
 
-def test_sizing_of_pipemare_has_scratch_and_velocity():
+def test_sizing_of_pipemare_has_scratch_and_its_velocity_buffer():
     z = sizing("pipemare")
     assert z.versions == (1, 1) and z.in_flight == (2, 1)
-    assert z.derived == (True, False) and z.velocity == (True, True)
+    assert z.derived == (True, False) and z.buffers == (1, 1)
     assert sizing("pipemare", backward_rule="recompute").recompute_all
 
 
@@ -58,7 +58,7 @@ def test_sizing_of_pipemare_has_scratch_and_velocity():
     ("1f1b", (3000 + 3000 + 6000 + 2 * 600 + 2 * 40, 3000 + 3000 + 6000 + 400 + 35)),
     ("pipedream", (2 * 3000 + 3000 + 6000 + 2 * 600 + 2 * 40, 3000 + 3000 + 6000 + 400 + 35)),
     ("2bw", (2 * 3000 + 3000 + 6000 + 2 * 600 + 2 * 40, 2 * 3000 + 3000 + 6000 + 400 + 35)),
-    # PipeMare: + scratch (stage 0 only) + velocity
+    # PipeMare: + scratch (stage 0 only) + velocity buffer
     ("pipemare", (3000 + 3000 + 3000 + 3000 + 6000 + 2 * 600 + 2 * 40, 3000 + 3000 + 3000 + 6000 + 400 + 35)),
 ])
 def test_stage_memory_by_hand(name, expected):
@@ -71,10 +71,10 @@ def test_stage_memory_by_hand(name, expected):
 
 def test_stage_memory_terms_by_hand():
     m = stage_memory(COSTS, 0, 3, 0, sizing("pipemare"))
-    assert (m.weights, m.gradients, m.scratch, m.velocity, m.optimizer) == (3000, 3000, 3000, 3000, 6000)
+    assert (m.weights, m.gradients, m.scratch, m.buffers, m.optimizer) == (3000, 3000, 3000, 3000, 6000)
     assert (m.activations, m.recomputation, m.boundary) == (1200, 0, 80)
     last = stage_memory(COSTS, 3, 4, 1, sizing("pipedream"))
-    assert (last.weights, last.scratch, last.velocity, last.activations, last.boundary) == (3000, 0, 0, 400, 35)
+    assert (last.weights, last.scratch, last.buffers, last.activations, last.boundary) == (3000, 0, 0, 400, 35)
 
 
 @pytest.mark.parametrize("segments, activations, recomputation", [
@@ -224,6 +224,6 @@ def test_bad_stage_arguments(args, match):
 
 def test_bad_sizing():
     with pytest.raises(ValueError, match="versions has 1 entries for 2 stages"):
-        Sizing("x", 2, 2, (1,), (False, False), (False, False), (1, 1))
+        Sizing("x", 2, 2, (1,), (False, False), (0, 0), (1, 1))
     with pytest.raises(ValueError, match="needs num_stages and n_microbatches"):
         Sizing.of("gpipe")

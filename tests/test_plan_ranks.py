@@ -87,13 +87,13 @@ def test_sizing_records_the_schedules_placement(name, options, placement):
 
 
 def test_a_hand_made_sizing_has_one_stage_per_rank():
-    z = Sizing("x", 3, 2, (1, 1, 1), (False,) * 3, (False,) * 3, (2, 1, 1))
+    z = Sizing("x", 3, 2, (1, 1, 1), (False,) * 3, (0,) * 3, (2, 1, 1))
     assert z.placement == (0, 1, 2) and z.num_ranks == 3 and z.stages_of(1) == (1,)
-    assert Sizing("x", 2, 2, (1, 1), (False,) * 2, (False,) * 2, (2, 1), placement=[0, 0]).num_ranks == 1
+    assert Sizing("x", 2, 2, (1, 1), (False,) * 2, (0,) * 2, (2, 1), placement=[0, 0]).num_ranks == 1
     with pytest.raises(ValueError, match="Sizing.placement has 1 entries for 2 stages"):
-        Sizing("x", 2, 2, (1, 1), (False,) * 2, (False,) * 2, (2, 1), placement=(0,))
+        Sizing("x", 2, 2, (1, 1), (False,) * 2, (0,) * 2, (2, 1), placement=(0,))
     with pytest.raises(ValueError, match="every rank 0..R-1 at least one stage"):
-        Sizing("x", 2, 2, (1, 1), (False,) * 2, (False,) * 2, (2, 1), placement=(0, 2))
+        Sizing("x", 2, 2, (1, 1), (False,) * 2, (0,) * 2, (2, 1), placement=(0, 2))
     with pytest.raises(ValueError, match="rank must lie in 0..2"):
         z.stages_of(3)
 

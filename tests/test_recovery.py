@@ -193,36 +193,36 @@ def test_undo_snapshots_copy_the_weights_only_before_the_ring_loses_them(algorit
     four of i-timeprest's, whose last stage keeps one version). A step that fails after stage 0's
     update is undone exactly as with snapshots that copy at once: from the copies (1f1b), from the ring (2bw),
     or both (i-timeprest's last stage keeps one version)."""
-    import pipecore.engine.pipeline as pipeline_module
-    from pipecore.engine.undo import StageSnapshot
+    from pipecore.engine.stage import TensorStage
+    from pipecore.engine.state import StageState, StateSnapshot
 
     def run(copy_at_once: bool) -> tuple:
         taken, copied, undone_from = [], [], []
         with monkeypatch.context() as patch:
-            original_of, original_keep = StageSnapshot.of.__func__, StageSnapshot.keep_weights
+            original_snapshot, original_keep = StageState.snapshot, StateSnapshot.keep_weights
 
-            def of(cls, stage, *args, **kwargs):
-                snapshot = original_of(cls, stage, *args, **kwargs)
+            def snapshot(state, *args, **kwargs):
+                taken_now = original_snapshot(state, *args, **kwargs)
                 if copy_at_once:
-                    snapshot.keep_weights(stage.ring.live)
-                taken.append(snapshot)
-                return snapshot
+                    taken_now.keep_weights(state.ring.live)
+                taken.append(taken_now)
+                return taken_now
 
             def keep_weights(self, slot):
                 if self.weights is None:
                     copied.append(self)
                 original_keep(self, slot)
 
-            original_undo = pipeline_module.undo
+            original_undo = TensorStage.undo
 
             def undo(stage, point):
                 if point.snapshot is not None:  # whether the weights come back from a copy (or the ring)
                     undone_from.append(point.snapshot.weights is not None)
                 original_undo(stage, point)
 
-            patch.setattr(StageSnapshot, "of", classmethod(of))
-            patch.setattr(StageSnapshot, "keep_weights", keep_weights)
-            patch.setattr(pipeline_module, "undo", undo)
+            patch.setattr(StageState, "snapshot", snapshot)
+            patch.setattr(StateSnapshot, "keep_weights", keep_weights)
+            patch.setattr(TensorStage, "undo", undo)
             # In turn: with stage threads, when a snapshot is dropped against its stage's next update varies.
             losses, state, failed = train(algorithm, Fault(0, "U", when="end", target="first"), steps=6,
                                           concurrent=False)

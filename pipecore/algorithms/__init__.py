@@ -1,25 +1,54 @@
-"""The algorithms: each module declares a schedule family, a version policy and an update rule."""
+"""The algorithms: each module declares a schedule family, a version policy, an update rule and the state it keeps.
+
+Every algorithm is registered by :func:`register_algorithm`: the built-in ones when this package is imported (each
+module of this package that defines ``SPEC``, or ``SPECS`` for several, in the order of the docs), an algorithm
+defined outside the package when its author calls it (see docs/adding-an-algorithm.md).
+"""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Any
 
-from . import (dualpipe_v, gpipe, i_timeprest, interleaved, looped_bfs, one_f_one_b, pipedream, pipemare, spectrain,
-               timeprest, twobw, v_timeprest, zero_bubble)
 from .base import Algorithm, AlgorithmSpec, ReadContext, ReadRule, WeightRead
+from .state import BufferUpdate, ChangeAverage, StateBuffer
 
-SPECS: dict[str, AlgorithmSpec] = {
-    spec.name: spec
-    for spec in (gpipe.SPEC, one_f_one_b.SPEC, pipedream.SPEC, twobw.SPEC, pipemare.SPEC, spectrain.SPEC,
-                 timeprest.SPEC, v_timeprest.SPEC, i_timeprest.SPEC,
-                 # synchronous schedules with several stages per rank or a split backward
-                 interleaved.SPEC, looped_bfs.SPEC, zero_bubble.H1, zero_bubble.V, dualpipe_v.SPEC)
-}
-ALIASES: dict[str, str] = {alias: spec.name for spec in SPECS.values() for alias in spec.aliases}
+SPECS: dict[str, AlgorithmSpec] = {}
+ALIASES: dict[str, str] = {}
+
+
+def register_algorithm(spec: AlgorithmSpec, *, replace: bool = False) -> AlgorithmSpec:
+    """Make ``spec`` an algorithm that ``Pipeline``, :func:`pipecore.simulate`, planning and the CLI accept by its
+    name and aliases (case-insensitive), as the built-in ones are.
+
+    A name or alias already taken is refused unless ``replace`` is true and it belongs to an algorithm of the same
+    name (re-registering an edited definition in a notebook). Returns ``spec``:
+    ``SPEC = register_algorithm(AlgorithmSpec(...))``.
+    """
+    if not isinstance(spec, AlgorithmSpec):
+        raise TypeError(f"register_algorithm() takes a pipecore.algorithms.AlgorithmSpec, got a {type(spec).__name__}")
+    name = spec.name.lower()
+    if name != spec.name or not name:
+        raise ValueError(f"an algorithm's name must be non-empty and lower-case, got {spec.name!r}")
+    previous = SPECS.get(name)
+    if previous is not None and not replace:
+        raise ValueError(f"an algorithm named {name!r} is registered already; pass replace=True to replace it")
+    for key in (name, *(a.lower() for a in spec.aliases)):
+        owner = ALIASES.get(key, key if key in SPECS else None)
+        if owner is not None and owner != name:
+            raise ValueError(f"{key!r} already names the algorithm {owner!r}")
+    if previous is not None:
+        for alias in previous.aliases:
+            ALIASES.pop(alias.lower(), None)
+    SPECS[name] = spec
+    for alias in spec.aliases:
+        ALIASES[alias.lower()] = name
+    return spec
 
 
 def algorithm_names() -> list[str]:
-    """Canonical algorithm names, in the order of the docs."""
+    """Canonical algorithm names: the built-in ones in the order of the docs, then those registered since."""
     return list(SPECS)
 
 
@@ -38,7 +67,24 @@ def get_algorithm(name: str, num_stages: int, n_microbatches: int, **options: An
     return get_spec(name).configure(num_stages, n_microbatches, **options)
 
 
+# The built-in algorithms, in the order of the docs; a module of this package defining SPEC or SPECS that this list
+# does not name comes after them, in the order of module names.
+_DOCS_ORDER = ("gpipe", "one_f_one_b", "pipedream", "twobw", "pipemare", "spectrain", "timeprest", "v_timeprest",
+               "i_timeprest", "interleaved", "looped_bfs", "zero_bubble", "dualpipe_v")
+
+
+def _register_builtins() -> None:
+    found = sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+    for module_name in [m for m in _DOCS_ORDER if m in found] + [m for m in found if m not in _DOCS_ORDER]:
+        module = importlib.import_module(f".{module_name}", __name__)
+        declared = getattr(module, "SPECS", None) or ((module.SPEC,) if hasattr(module, "SPEC") else ())
+        for spec in declared:
+            register_algorithm(spec)
+
+
+_register_builtins()
+
 __all__ = [
-    "ALIASES", "Algorithm", "AlgorithmSpec", "ReadContext", "ReadRule", "SPECS", "WeightRead",
-    "algorithm_names", "get_algorithm", "get_spec",
+    "ALIASES", "Algorithm", "AlgorithmSpec", "BufferUpdate", "ChangeAverage", "ReadContext", "ReadRule", "SPECS",
+    "StateBuffer", "WeightRead", "algorithm_names", "get_algorithm", "get_spec", "register_algorithm",
 ]

@@ -20,6 +20,7 @@ from ..schedule.generators import ScheduleFamily
 from ..schedule.ir import B, F
 from ..schedule.periodic import PeriodicForm, periodic_form
 from ..schedule.schedule import Schedule
+from .state import BufferUpdate, StateBuffer, WeightSource
 
 Options = Mapping[str, Any]
 
@@ -34,10 +35,11 @@ _set = object.__setattr__
 class WeightRead:
     """The weights one F or B reads.
 
-    ``version`` is the version read, or the version a derived weight is computed from. Derived weights:
-    ``"interpolate"`` = ``W[version] + coef*(W[other] - W[version])`` (coef = alpha(d));
-    ``"predict"`` = ``W[version] - coef*lr*v`` (coef = horizon s, v = smoothed gradient);
-    ``"correct"`` = ``W[version] - coef*delta`` (coef = tau, delta = PipeMare's weight velocity).
+    ``version`` is the version read, or the version a derived weight is computed from; ``derivation`` names
+    how (one of the algorithm's ``derivations``, see :mod:`pipecore.algorithms.state`), with ``other`` and
+    ``coef`` as that derivation takes them. The built-in ones: ``"interpolate"`` (I-TiMePReSt),
+    ``W[version] + coef*(W[other] - W[version])``; ``"predict"`` (SpecTrain), ``W[version] - coef*lr*v``;
+    ``"correct"`` (PipeMare), ``W[version] - coef*delta``.
     """
 
     version: int
@@ -58,7 +60,11 @@ class WeightRead:
             return f"v{self.version}~interp(v{self.other},a={self.coef:.3g})"
         if self.derivation == "predict":
             return f"v{self.version}~pred(s={self.coef:g})"
-        return f"v{self.version}~corr(tau={self.coef:g})"
+        if self.derivation == "correct":
+            return f"v{self.version}~corr(tau={self.coef:g})"
+        other = "" if self.other is None else f"v{self.other},"
+        coef = "" if self.coef is None else f"{self.coef:g}"
+        return f"v{self.version}~{self.derivation}({other}{coef})"
 
 
 _PLAIN_READS: dict[int, WeightRead] = {}
@@ -97,13 +103,17 @@ class ReadContext:
                                 "forward_version": forward_version, "base": base})
 
 
+#: ``derive(source, read, base, out)``: the weights ``read`` names, computed from ``base`` (the flat weights of
+#: ``read.version``) and whatever else of ``source`` the derivation reads (another version, a declared buffer, the
+#: optimizer), written into ``out`` (the stage's scratch buffer) and returned.
+Derive = Callable[[WeightSource, WeightRead, "torch.Tensor", "torch.Tensor"], "torch.Tensor"]
+
+
 class ReadRule(ABC):
     """Base class of weight-read rules. Subclasses define :meth:`resolve` and may set the flags."""
 
     #: B rules that need the F's weights kept alive until the B (weight stashing) set this.
     pins_forward_weights: bool = False
-    #: Rules that extrapolate along the optimizer's next update direction (weight prediction) set this.
-    needs_update_direction: bool = False
 
     @abstractmethod
     def resolve(self, ctx: ReadContext, options: Options) -> WeightRead:
@@ -220,7 +230,6 @@ class Predicted(ReadRule):
     """
 
     horizon: Callable[[int, int], int]
-    needs_update_direction = True
 
     def resolve(self, ctx: ReadContext, options: Options) -> WeightRead:
         override = options.get("lookahead")
@@ -313,9 +322,9 @@ class AlgorithmSpec:
     ``constraints`` are ``(num_stages, n_microbatches, options) -> error message or None``, functions of those
     alone (their answers are kept: a check may build a schedule, and simulations configure algorithms often).
     ``lr_scale(stage, update_index, algorithm)`` scales the learning rate per stage (update_index from 0).
-    ``velocity_decay(stage, algorithm)``, when set and not None for the stage, makes the stage keep a
-    weight-velocity buffer ``delta = decay*delta + (1-decay)*(W_new - W_old)`` updated with every step
-    (PipeMare's T2).
+    ``buffers`` declares the weight-sized state the algorithm keeps per stage and how each buffer changes after
+    an update (PipeMare's velocity, SpecTrain's next-step direction); ``derivations`` says how the derived weights
+    its read rules name are computed (see :mod:`pipecore.algorithms.state`).
     ``schedule_options`` names the options that are passed on to the schedule family as keywords
     (e.g. ``slack`` of the asynchronous 1F1B family).
     """
@@ -329,9 +338,15 @@ class AlgorithmSpec:
     defaults: Mapping[str, Any] = field(default_factory=dict)
     constraints: tuple[Callable[[int, int, Options], str | None], ...] = ()
     lr_scale: Callable[[int, int, "Algorithm"], float] | None = None
-    velocity_decay: Callable[[int, "Algorithm"], float | None] | None = None
+    buffers: tuple[StateBuffer, ...] = ()
+    derivations: Mapping[str, Derive] = field(default_factory=dict)
     aliases: tuple[str, ...] = ()
     schedule_options: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [b.name for b in self.buffers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"algorithm {self.name!r} declares the state buffers {names}: each name once")
 
     @property
     def option_names(self) -> tuple[str, ...]:
@@ -578,17 +593,31 @@ class Algorithm:
         return self.options.get("backward_rule", "stash")
 
     @property
-    def needs_update_direction(self) -> bool:
-        """Whether a read extrapolates along the optimizer's next update direction (weight prediction)."""
-        return self.spec.forward.needs_update_direction or self.spec.backward.needs_update_direction
-
-    @property
     def pins_forward_weights(self) -> bool:
         """Whether each forward's weights must stay alive until its backward."""
         return self.spec.backward.pins_forward_weights or self.backward_rule == "stash"
 
-    def velocity_decay(self, stage: int) -> float | None:
-        return None if self.spec.velocity_decay is None else self.spec.velocity_decay(stage, self)
+    def buffer_updates(self, stage: int) -> dict[str, BufferUpdate]:
+        """The declared buffers ``stage`` keeps, by name, with how each changes after an update."""
+        kept = {}
+        for declared in self.spec.buffers:
+            update = declared.update(stage, self)
+            if update is not None:
+                kept[declared.name] = update
+        return kept
+
+    def buffer_label(self, name: str) -> str:
+        """How messages name declared buffer ``name``."""
+        return next((b.label for b in self.spec.buffers if b.name == name), repr(name))
+
+    def derivation(self, name: str) -> Derive:
+        """How the derived weights named ``name`` are computed."""
+        derive = self.spec.derivations.get(name)
+        if derive is None:
+            known = ", ".join(self.spec.derivations) or "none"
+            raise ValueError(f"algorithm {self.name!r} reads weights derived by {name!r}, which it does not declare "
+                             f"(its derivations: {known})")
+        return derive
 
     def lr_scale(self, stage: int, update_index: int) -> float:
         if self.spec.lr_scale is None:

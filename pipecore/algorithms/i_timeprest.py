@@ -11,8 +11,17 @@ this is the spec's proposal. The paper runs with ``N >= P-1``; pipecore does not
 read).
 """
 
+import torch
+
+from .. import ops
 from ..schedule import n_forward_one_backward
-from .base import DEGREES, AlgorithmSpec, Interpolated, Live, Options
+from .base import DEGREES, AlgorithmSpec, Interpolated, Live, Options, WeightRead
+from .state import WeightSource
+
+
+def interpolate(source: WeightSource, read: WeightRead, base: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``W[version] + coef * (W[other] - W[version])``: the live weights moved towards the stashed ones by alpha(d)."""
+    return ops.interpolate(base, source.slot_of(read.other), read.coef, out=out)
 
 
 def _check_interpolation(num_stages: int, n_microbatches: int, options: Options) -> str | None:
@@ -37,4 +46,5 @@ SPEC = AlgorithmSpec(
     backward=Interpolated(),
     defaults={"backward_rule": "swap", "alpha": "exp", "lam": 1.0, "degree": "versions"},
     constraints=(_check_interpolation,),
+    derivations={"interpolate": interpolate},
 )

@@ -24,9 +24,13 @@ from __future__ import annotations
 import math
 import numbers
 
+import torch
+
+from .. import ops
 from ..schedule import async_one_f_one_b
 from ._common import update_every_divides_minibatch, update_every_option
 from .base import Algorithm, AlgorithmSpec, Corrected, Live, Options, ReadContext, WeightRead
+from .state import ChangeAverage, StateBuffer, WeightSource
 
 
 def stage_delay(stage: int, algorithm: Algorithm) -> int:
@@ -45,13 +49,29 @@ def _lr_scale(stage: int, update_index: int, algorithm: Algorithm) -> float:
     return tau ** -(1.0 - progress)
 
 
-def _velocity_decay(stage: int, algorithm: Algorithm) -> float | None:
+def velocity_decay(stage: int, algorithm: Algorithm) -> float | None:
+    """The decay ``gamma_s`` of stage ``stage``'s velocity, or None where no correction reads it (T2 off)."""
     if not algorithm.options["discrepancy_correction"]:
         return None  # no correction reads the velocity: keep none
     fixed = algorithm.options["delta_decay"]
     if fixed is not None:
         return float(fixed)
     return algorithm.options["D"] ** (1.0 / stage_delay(stage, algorithm))
+
+
+def _velocity(stage: int, algorithm: Algorithm) -> ChangeAverage | None:
+    decay = velocity_decay(stage, algorithm)
+    return None if decay is None else ChangeAverage(decay)
+
+
+#: T2's weight velocity ``delta``: the running average of the updates' weight changes.
+VELOCITY = StateBuffer("velocity", "weight velocity", _velocity, saved_as=("velocity",))
+
+
+def correct(source: WeightSource, read: WeightRead, base: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """T2's read: ``W[version] - coef * delta`` (coef = tau, the updates since the micro-batch's forward)."""
+    velocity = source.buffer(VELOCITY.name)
+    return ops.predict(base, velocity.to(base.dtype), read.coef, out=out)
 
 
 def _check_options(num_stages: int, n_microbatches: int, options) -> str | None:
@@ -95,5 +115,6 @@ SPEC = AlgorithmSpec(
     },
     constraints=(update_every_divides_minibatch, _check_options),
     lr_scale=_lr_scale,
-    velocity_decay=_velocity_decay,
+    buffers=(VELOCITY,),
+    derivations={"correct": correct},
 )

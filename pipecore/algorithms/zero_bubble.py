@@ -36,3 +36,6 @@ V = AlgorithmSpec(
     schedule_options=("stages_per_rank",),
     constraints=(sizes_allowed_by(zero_bubble_v, "stages_per_rank"),),
 )
+
+#: Both, in the order of the docs.
+SPECS = (H1, V)

@@ -19,15 +19,29 @@ from __future__ import annotations
 import math
 import threading
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 
 from ..schedule.ir import Action, B, Kind, U, W
 from ..schedule.schedule import Schedule
+from .tied import StageTies
 
-if TYPE_CHECKING:
-    from .stage import TensorStage
+
+class ClippedStage(Protocol):
+    """What clipping reads of a stage (a :class:`~pipecore.engine.stage.TensorStage`)."""
+
+    @property
+    def stage(self) -> int:
+        """The stage's index."""
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """The stage's flat gradient buffer, complete for the update group (scaled in place)."""
+
+    @property
+    def ties(self) -> StageTies | None:
+        """The stage's share of tied weights, None when it shares none."""
 
 #: torch.nn.utils.clip_grad_norm_'s guard against division by zero.
 EPS = 1e-6
@@ -70,7 +84,7 @@ def flushes_every_minibatch(schedule: Schedule, n_microbatches: int, update_ever
 Piece = tuple[int, int, "str | None", tuple[int, ...]]
 
 
-def pieces(stage: "TensorStage") -> list[Piece]:
+def pieces(stage: ClippedStage) -> list[Piece]:
     """The spans covering a stage's flat gradient in order: its tied weights, and the ranges between them."""
     n = stage.grad.numel()
     if stage.ties is None:
@@ -91,7 +105,7 @@ def _squared(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
 
 
-def stage_squared_norm(stage: "TensorStage", tied_sum: Callable[[str], torch.Tensor]) -> float:
+def stage_squared_norm(stage: ClippedStage, tied_sum: Callable[[str], torch.Tensor]) -> float:
     """The stage's share of the global squared norm: its untied ranges, then the tied weights it is the
     first owner of (``tied_sum(name)``: the owners' summed gradient of that tied weight)."""
     total = 0.0
@@ -131,12 +145,12 @@ class ClipDependencies:
 class GlobalNorm(ABC):
     """The global gradient norm of each update group, for synchronous schedules."""
 
-    def before_ties(self, stage: "TensorStage", update: int) -> None:
+    def before_ties(self, stage: ClippedStage, update: int) -> None:
         """Called by every stage's update before it applies the tied gradients (its buffer still holds its
         own gradient). Nothing to do unless the norm is read from the stages' own gradients."""
 
     @abstractmethod
-    def after_ties(self, stage: "TensorStage", update: int) -> float:
+    def after_ties(self, stage: ClippedStage, update: int) -> float:
         """Called next, after the tied gradients are applied: the global norm of this update group."""
 
     def discard(self, first_update: int) -> None:
@@ -149,17 +163,17 @@ class LocalGlobalNorm(GlobalNorm):
     them are complete, by :class:`ClipDependencies`, and untouched: every update starts here) and keeps the
     norm for the others."""
 
-    def __init__(self, stages: Mapping[int, "TensorStage"]):
+    def __init__(self, stages: Mapping[int, ClippedStage]):
         self.stages = stages
         self._norms: dict[int, tuple[float, set[int]]] = {}
         self._lock = threading.Lock()
 
-    def before_ties(self, stage: "TensorStage", update: int) -> None:
+    def before_ties(self, stage: ClippedStage, update: int) -> None:
         with self._lock:
             if update not in self._norms:
                 self._norms[update] = (self._compute(), set())
 
-    def after_ties(self, stage: "TensorStage", update: int) -> float:
+    def after_ties(self, stage: ClippedStage, update: int) -> float:
         with self._lock:
             norm, seen = self._norms[update]
             seen.add(stage.stage)
@@ -181,7 +195,7 @@ class LocalGlobalNorm(GlobalNorm):
         for s in sorted(self.stages):
             st = self.stages[s]
 
-            def tied_sum(name: str, st: "TensorStage" = st) -> torch.Tensor:
+            def tied_sum(name: str, st: ClippedStage = st) -> torch.Tensor:
                 # The owners' own gradients of this tied weight, added in stage order as the exchange adds them.
                 parts = [self.stages[o].ties.views[name] for o in st.ties.owners[name]]
                 out = torch.add(parts[0], parts[1].to(parts[0].device))
@@ -228,7 +242,7 @@ class DistributedGlobalNorm(GlobalNorm):
         self._sends: dict[int, list[tuple[int, Any, torch.Tensor]]] = {peer: [] for peer in self._peers}
         self.failure_notified = False
 
-    def after_ties(self, stage: "TensorStage", update: int) -> float:
+    def after_ties(self, stage: ClippedStage, update: int) -> float:
         own = stage_squared_norm(stage, lambda name: stage.ties.views[name])  # tied views hold the sum now
         return self._exchange(own, update)
 
@@ -318,7 +332,7 @@ class RankGlobalNorm(DistributedGlobalNorm):
     other ranks as :class:`DistributedGlobalNorm` does. Needs every tied weight's owners on one rank (the
     tied weights' summed gradient is then read here)."""
 
-    def __init__(self, stages: Mapping[int, "TensorStage"], rank: int, num_ranks: int, timeout: float,
+    def __init__(self, stages: Mapping[int, ClippedStage], rank: int, num_ranks: int, timeout: float,
                  grid: Sequence[Sequence[int]] | None = None, replica: int = 0):
         crossing = sorted({name for st in stages.values() if st.ties is not None
                            for name, owners in st.ties.owners.items() if any(o not in stages for o in owners)})
@@ -331,12 +345,12 @@ class RankGlobalNorm(DistributedGlobalNorm):
         self._local = LocalGlobalNorm(stages)
         self._norms: dict[int, tuple[float, set[int]]] = {}
 
-    def before_ties(self, stage: "TensorStage", update: int) -> None:
+    def before_ties(self, stage: ClippedStage, update: int) -> None:
         if update in self._norms:
             return
         self._norms[update] = (self._exchange(self._local.squared(), update), set())
 
-    def after_ties(self, stage: "TensorStage", update: int) -> float:
+    def after_ties(self, stage: ClippedStage, update: int) -> float:
         norm, seen = self._norms[update]
         seen.add(stage.stage)
         if len(seen) == len(self._local.stages):
@@ -357,11 +371,11 @@ class GradClip:
         self.global_norm = global_norm
         self.last_norm: float | None = None
 
-    def before_ties(self, stage: "TensorStage", update: int) -> None:
+    def before_ties(self, stage: ClippedStage, update: int) -> None:
         if self.global_norm is not None:
             self.global_norm.before_ties(stage, update)
 
-    def apply(self, stage: "TensorStage", update: int) -> None:
+    def apply(self, stage: ClippedStage, update: int) -> None:
         """Scale the stage's gradient buffer (after the tied gradients are applied)."""
         grad = stage.grad
         if self.global_norm is not None:

@@ -2,8 +2,8 @@
 
 On a CUDA device the allocator knows: the peak is ``torch.cuda.max_memory_allocated`` of the stage's
 device (shared by the stages on that device). On the CPU nothing tracks allocations, so the stage keeps an
-account: what it allocates once (weight versions, gradient buffer, scratch, velocity, optimizer state, the
-copies that undo a failed step) plus, per micro-batch in flight, the tensors its forward keeps for the
+account: what it allocates once (weight versions, gradient buffer, scratch, optimizer state, the buffers its
+algorithm declares, the copies that undo a failed step) plus, per micro-batch in flight, the tensors its forward keeps for the
 backward (saved by autograd, kept as the stage's inputs and outputs, or kept by a recomputed segment as its
 inputs), each byte counted once (a tensor counts the bytes of its storage it spans: a micro-batch's input,
 a slice of the mini-batch, counts as the slice); and, during a backward that recomputes, what the
@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import weakref
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -33,9 +33,6 @@ from .saved import identity, saving
 
 # The account of the forward (``account``) or backward (``backward``) running on this thread, if counted.
 _COUNTING = threading.local()
-
-if TYPE_CHECKING:
-    from .stage import TensorStage
 
 
 class Kept:
@@ -257,16 +254,11 @@ class _CreatedStorages(TorchDispatchMode):
         return sum(nbytes for ref, nbytes in self.created.values() if ref() is not None)
 
 
-def static_bytes(stage: "TensorStage") -> int:
-    """What ``stage`` allocates once: its weight ring, gradient buffer, scratch and velocity buffers, optimizer
-    state, and the copies kept to undo a failed step."""
-    tensors = [stage.ring.buffer, stage.grad, stage.scratch, stage.velocity, stage.optimizer.state_dict()]
-    snapshots = {id(p.snapshot): p.snapshot for p in stage.undo_points if p.snapshot is not None}
-    snapshots.update((id(s), s) for s in stage.snapshot_pool)
-    for snap in snapshots.values():
-        tensors += [snap.weights, snap.spare_weights, snap.grad, snap.optimizer, snap.velocity]
+def storage_bytes(values: Any) -> int:
+    """The bytes of the storages of the tensors in ``values`` (nested lists, tuples and dicts; None skipped), each
+    storage counted once (views of one buffer share it)."""
     seen: dict[int, int] = {}
-    _collect(tensors, seen)
+    _collect(values, seen)
     return sum(seen.values())
 
 
@@ -282,11 +274,12 @@ def _collect(value: Any, seen: dict[int, int]) -> None:
             _collect(v, seen)
 
 
-def peak_bytes(stage: "TensorStage") -> int | None:
-    """The stage's peak: on CUDA, the allocator's peak of its device; elsewhere its account, or None where it
-    keeps none (``track_memory=False``, or a device that is neither)."""
-    if stage.device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(stage.device))
-    if not stage.memory.enabled:
+def peak_bytes(device: torch.device, account: MemoryAccount, static: Callable[[], int]) -> int | None:
+    """A stage's peak: on CUDA, the allocator's peak of its ``device``; elsewhere what it allocates once
+    (``static()``) plus the peak of its ``account``, or None where it keeps none (``track_memory=False``, or a
+    device that is neither)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    if not account.enabled:
         return None
-    return static_bytes(stage) + stage.memory.peak
+    return static() + account.peak

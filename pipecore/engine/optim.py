@@ -15,8 +15,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import ops
+from ..algorithms.state import add_change
 from .flat import FlatLayout
-from .weight_change import ChangeAverage
 
 
 @dataclass(frozen=True)
@@ -63,26 +63,27 @@ class StageOptimizer(ABC):
         rate of each range is multiplied by its scale (one range unless tied weights take a shared scale)."""
 
     def step_averaging_change(self, w: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, lr_scales: "LrScales",
-                              change: ChangeAverage) -> None:
-        """:meth:`step`, and add the change it makes to the weights to ``change``. The old weights are copied
-        only when the step overwrites them (``out`` is ``w``); an optimizer whose pass can fold the average in
-        overrides this."""
+                              average: torch.Tensor, decay: float) -> None:
+        """:meth:`step`, and add the change it makes to the weights to the running ``average`` (``average <- decay *
+        average + (1 - decay) * (new - old)``, :class:`~pipecore.algorithms.state.ChangeAverage`). The old weights
+        are copied only when the step overwrites them (``out`` is ``w``); an optimizer whose pass can fold the
+        average in overrides this."""
         old = w.clone() if out.data_ptr() == w.data_ptr() else w
         self.step(w, grad, out, lr_scales)
-        change.add(old, out)
+        add_change(average, decay, old, out)
 
-    def track_direction(self) -> None:
-        """Keep what :meth:`direction` needs from every step on. Stages whose reads predict weights call
-        it once, before the first step; optimizers that cannot predict raise here, at construction."""
+    def check_next_step_direction(self) -> None:
+        """Refuse, at construction, to estimate :meth:`next_step_direction` if this optimizer cannot."""
         raise TypeError(
             f"weight prediction needs the optimizer's update direction; {type(self).__name__} does not provide "
             "one (use pipecore.SGD or pipecore.AdamW)"
         )
 
-    def direction(self, w: torch.Tensor) -> torch.Tensor:
-        """The direction ``v`` of the next update, per unit of learning rate, estimated with the latest
-        gradient; weight prediction reads ``W - s*lr*v``. Needs :meth:`track_direction`, which optimizers
-        without a direction refuse, so only those that provide one override this."""
+    def next_step_direction(self, grad: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+        """Write into ``out`` the direction ``v`` of the next update per unit of learning rate, estimated after a
+        step that applied ``grad`` and produced weights ``w``: the step the next update would take if its
+        gradient equalled this one (weight prediction reads ``W - s*lr*v``). Only optimizers that pass
+        :meth:`check_next_step_direction` override it."""
         raise TypeError(f"{type(self).__name__} provides no update direction")
 
     @abstractmethod
@@ -118,44 +119,36 @@ class FusedSGD(StageOptimizer):
         self.config = config
         self.lr = config.lr
         self.momentum_buf = _state_tensor(layout, device) if config.momentum != 0.0 else None
-        self._layout, self._device = layout, device
-        # The next update's direction, estimated at every step; kept only for weight prediction.
-        self.next_direction: torch.Tensor | None = None
         self.steps = 0
 
-    def track_direction(self):
-        if self.next_direction is None:
-            self.next_direction = _state_tensor(self._layout, self._device)  # zero before the first step
-
     def step(self, w, grad, out, lr_scales):
-        self._step(w, grad, out, lr_scales, None)
+        self._step(w, grad, out, lr_scales, None, None)
 
-    def step_averaging_change(self, w, grad, out, lr_scales, change):
-        self._step(w, grad, out, lr_scales, change)  # the kernel adds the change in its own pass
+    def step_averaging_change(self, w, grad, out, lr_scales, average, decay):
+        self._step(w, grad, out, lr_scales, average, decay)  # the kernel adds the change in its own pass
 
     def _step(self, w: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, lr_scales: "LrScales",
-              change: ChangeAverage | None) -> None:
+              average: torch.Tensor | None, decay: float | None) -> None:
         c = self.config
-        delta = None if change is None else change.buffer
         for start, stop, scale in lr_scales:
             ops.sgd_step(
                 w[start:stop], grad[start:stop], _part(self.momentum_buf, start, stop), lr=self.lr * scale,
                 momentum=c.momentum, dampening=c.dampening, weight_decay=c.weight_decay, nesterov=c.nesterov,
-                first_step=self.steps == 0, out=out[start:stop], delta=_part(delta, start, stop),
-                delta_decay=None if change is None else change.decay,
+                first_step=self.steps == 0, out=out[start:stop], delta=_part(average, start, stop),
+                delta_decay=decay,
             )
-        if self.next_direction is not None:
-            self._estimate_next_direction(grad, out)
         self.steps += 1
 
-    def _estimate_next_direction(self, grad: torch.Tensor, w: torch.Tensor) -> None:
+    def check_next_step_direction(self) -> None:
+        pass  # from the gradient and the momentum buffer
+
+    def next_step_direction(self, grad: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
         """The step the next update would take if its gradient equalled this one: with
         ``g = grad + weight_decay*w`` (``w`` the new weights) and ``buf' = momentum*buf + (1-dampening)*g``,
         that is ``buf'`` (``g + momentum*buf'`` with Nesterov; ``g`` without momentum). Without dampening
-        and weight decay it is the official SpecTrain code's ``momentum*buf + grad``: one pass, at the step,
+        and weight decay it is the official SpecTrain code's ``momentum*buf + grad``: one pass, after the step,
         while the gradient is still there."""
-        c, target = self.config, self.next_direction
-        assert target is not None
+        c, target = self.config, out
         g = grad if c.weight_decay == 0.0 else grad + c.weight_decay * w
         if self.momentum_buf is None:
             target.copy_(g)
@@ -168,13 +161,8 @@ class FusedSGD(StageOptimizer):
             else:
                 target.copy_(buf)
 
-    def direction(self, w):
-        if self.next_direction is None:
-            raise RuntimeError("direction() needs track_direction() before the first step")
-        return self.next_direction
-
     def state_dict(self):
-        return {"steps": self.steps, "momentum_buf": self.momentum_buf, "next_direction": self.next_direction}
+        return {"steps": self.steps, "momentum_buf": self.momentum_buf}
 
     def load_state_dict(self, state):
         self.steps = int(state["steps"])
@@ -183,13 +171,6 @@ class FusedSGD(StageOptimizer):
             raise ValueError("optimizer state 'momentum_buf' does not match this optimizer's configuration")
         if mine is not None:
             mine.copy_(theirs)
-        # The direction matters only to weight prediction, whose stages track it from construction.
-        if self.next_direction is not None:
-            if state.get("next_direction") is None:
-                raise ValueError("the checkpoint holds no update direction, which weight prediction needs; it "
-                                 "was saved by a pipeline whose algorithm does not predict weights, or by an "
-                                 "older pipecore")
-            self.next_direction.copy_(state["next_direction"])
 
 
 class FusedAdamW(StageOptimizer):
@@ -210,17 +191,19 @@ class FusedAdamW(StageOptimizer):
                 weight_decay=c.weight_decay, out=out[start:stop],
             )
 
-    def track_direction(self):
+    def check_next_step_direction(self) -> None:
         pass  # the moments are all the direction needs
 
-    def direction(self, w):
-        # PipeOptim's AdamW direction: the bias-corrected Adam step plus decoupled weight decay.
+    def next_step_direction(self, grad: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+        """PipeOptim's AdamW direction: the bias-corrected Adam step of the moments now, plus decoupled weight
+        decay of the new weights ``w`` (the moments already hold ``grad``)."""
         c = self.config
         if self.steps == 0:
-            return torch.zeros_like(self.exp_avg)
+            out.zero_()
+            return
         m_hat = self.exp_avg / (1 - c.betas[0] ** self.steps)
         v_hat = self.exp_avg_sq / (1 - c.betas[1] ** self.steps)
-        return m_hat / (v_hat.sqrt() + c.eps) + c.weight_decay * w.to(m_hat.dtype)
+        out.copy_(m_hat / (v_hat.sqrt() + c.eps) + c.weight_decay * w.to(m_hat.dtype))
 
     def state_dict(self):
         return {"steps": self.steps, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}

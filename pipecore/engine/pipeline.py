@@ -40,18 +40,18 @@ from .clip import (ClipDependencies, DistributedGlobalNorm, GlobalNorm, GradClip
                    check_max_norm,
                    flushes_every_minibatch)
 from .lr import LrSchedule
-from .memory import peak_bytes
 from .optim import SGD, build_optimizer, check_optimizer
 from .partition import stage_starts
 from .offload import offload_segments
 from .recompute import recompute_segments
-from .reshard import canonical_names, has_parameter_names, parameter_states, stage_state
+from .reshard import canonical_names, has_parameter_names, parameter_states, stage_state, upgrade_format
 from .backward_rules import GLOBAL_RANDOM
 from .buffers import buffer_copies
 from .stage import TensorStage
 from .data_parallel import GradientSum, dp_groups, join as join_topology, shard, sum_over
 from .threads import calling_thread_threads, check_threads_per_stage, default_threads_per_stage, thread_setup
-from .undo import Unrecoverable, UndoPoint, minibatches_in_flight, release, undo
+from .state import Unrecoverable
+from .undo import minibatches_in_flight
 from .tied import StageTies
 
 _NONFINITE = ("raise", "skip")
@@ -59,8 +59,9 @@ _NONFINITE = ("raise", "skip")
 # steps too, so a schedule that sends m activations back to back (GPipe, looped BFS) gets at most this many.
 _MOST_RECEIVES_AHEAD = 8
 #: The format of :meth:`Pipeline.state_dict`'s ``"pipecore"`` entry: 2 names the parameters each stage's flat
-#: buffers hold (format 1, without the names, loads only into the same layout).
-STATE_FORMAT = 2
+#: buffers hold (format 1, without the names, loads only into the same layout); 3 keeps the buffers an algorithm
+#: declares under each stage's ``"buffers"`` (older formats are read through ``reshard.upgrade_format``).
+STATE_FORMAT = 3
 
 
 class CheckpointNote(UserWarning):
@@ -376,8 +377,7 @@ class Pipeline:
             st.restart()
             if st.gradient_sum is not None:
                 st.gradient_sum.restart()
-            release(st, st.undo_points)
-            st.undo_points = []
+            st.drop_undo_points()
         self._undo_steps = []
         self._fed = 0  # mini-batches given since the schedule started
         self._minibatch_loss: dict[int, float] = {}
@@ -682,9 +682,7 @@ class Pipeline:
         self._undo_steps.append((minibatch, random, epoch))
         kept = {j * m for j, _, _ in self._undo_steps}
         for st in self.stages.values():
-            points = [p for p in st.undo_points if p.first in kept]
-            release(st, [p for p in st.undo_points if p.first not in kept], points)
-            st.undo_points = points + [UndoPoint.at(st, minibatch * m)]
+            st.keep_undo_points(kept, minibatch * m)
 
     def _receive_loss(self, minibatch: int) -> float:
         """The loss the last rank published; a failure it reports instead is taken back like one of this rank."""
@@ -778,7 +776,7 @@ class Pipeline:
                 raise Unrecoverable(f"stage {st.stage} kept nothing to go back to before mini-batch {failed}")
             if point.snapshot is not None:
                 undone_from[st.stage] = point.snapshot.update
-            undo(st, point)
+            st.undo(point)
         return undone_from
 
     def _resync_exchanges(self, counts: dict[str, list[Any]], first: int) -> None:
@@ -1085,12 +1083,13 @@ class Pipeline:
         for s, st in self.stages.items():
             state.update(st.module_state())
             state.update({alias: state[own].clone() for alias, own in self._aliases[s].items()})
+            held = st.state.state_dict()
             meta[s] = {
-                "version": st.book.live,
-                "updates": st.book.updates,
-                "optimizer": _clone(st.optimizer.state_dict()),
-                "velocity": None if st.velocity is None else st.velocity.clone(),
-                "lr": st.optimizer.lr,
+                "version": held["version"],
+                "updates": held["updates"],
+                "optimizer": _clone(held["optimizer"]),
+                "buffers": _clone(held["buffers"]),
+                "lr": held["lr"],
                 "params": [[name, list(shape)] for name, shape in zip(st.layout.names, st.layout.shapes)],
             }
         state["pipecore"] = {
@@ -1100,6 +1099,7 @@ class Pipeline:
             "n_microbatches": self.n_microbatches,
             "stage_layers": self.stage_layers,
             "stages": meta,
+            "buffer_labels": {b.name: b.label for b in self.algorithm.spec.buffers},
         }
         return state
 
@@ -1120,9 +1120,9 @@ class Pipeline:
         partition, another number of micro-batches or another algorithm: weights, buffers and optimizer state
         (momentum, AdamW's moments, a torch optimizer's per-parameter state) are then mapped by parameter name
         (it must then hold every stage that holds a parameter of this process's stages, as a full state does).
-        A checkpoint holds the live weights only (flush semantics); state that the algorithm derives (PipeMare's
-        velocity, weight prediction's update direction) maps by name where both keep it, is dropped where this
-        pipeline does not keep it and starts at zero where the checkpoint does not hold it, each with a
+        A checkpoint holds the live weights only (flush semantics); the buffers an algorithm declares (PipeMare's
+        velocity, weight prediction's update direction) map by name where both keep them, are dropped where this
+        pipeline does not keep them and start at zero where the checkpoint does not hold them, each with a
         warning. See docs/training.md, "Universal checkpoints"."""
         self.synchronize()
         if "pipecore" not in state:
@@ -1137,6 +1137,8 @@ class Pipeline:
             raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {extra}")
         meta = state["pipecore"]
         version = meta.get("format", 1)
+        if version <= STATE_FORMAT:
+            meta = upgrade_format(meta)
         if version > STATE_FORMAT:
             raise ValueError(f"load_state_dict: the state is in pipecore state format {version}, newer than this "
                              f"pipecore reads ({STATE_FORMAT}); upgrade pipecore")
@@ -1151,7 +1153,7 @@ class Pipeline:
             for s, st in self.stages.items():
                 sm = meta["stages"][s]
                 st.load({n: state[n] for n in st.layout.names}, sm["version"], sm["updates"], sm["optimizer"],
-                        sm["velocity"])
+                        sm["buffers"])
                 if "lr" in sm and st.lr_schedule is None:  # a scheduler's rate follows from the update count
                     st.optimizer.set_lr(sm["lr"])
         else:
@@ -1191,11 +1193,12 @@ class Pipeline:
         loaded = {}
         for s, st in self.stages.items():
             sizes = [shape.numel() for shape in st.layout.shapes]
+            labels = {**meta.get("buffer_labels", {}), **{b.name: b.label for b in self.algorithm.spec.buffers}}
             loaded[s] = stage_state(s, st.layout.names, sizes, canonical, pieces, meta, st.optimizer.state_dict(),
-                                    st.velocity, st.layout.buffer_numel, notes)
+                                    st.state.buffers, labels, st.layout.buffer_numel, notes)
         for s, st in self.stages.items():  # every stage assembled before any changes: an error leaves all as they were
             got = loaded[s]
-            st.load({n: state[n] for n in st.layout.names}, got.version, got.updates, got.optimizer, got.velocity)
+            st.load({n: state[n] for n in st.layout.names}, got.version, got.updates, got.optimizer, got.buffers)
             if got.lr is not None and st.lr_schedule is None:
                 st.optimizer.set_lr(got.lr)
         if notes:
@@ -1218,7 +1221,8 @@ class Pipeline:
     def stats(self, all_stages: bool = False) -> list[dict[str, Any]]:
         """Per stage of this process (with ``all_stages``, of every stage, in stage order, on every process;
         collective with one process per stage): layers, versions held, bytes of weight versions (and of the
-        scratch buffer for derived weights and PipeMare's velocity, each one weight-sized), staleness
+        scratch buffer for derived weights, one weight-sized; ``buffers``: the bytes of each buffer the algorithm
+        declares, such as PipeMare's velocity, and ``buffer_bytes`` their sum), staleness
         seen (``staleness``: live minus read version; ``delay``: updates between a forward's read and its
         backward), the learning rate of the stage's next update (``lr``, before per-stage scaling), the peak
         memory measured while training (``peak_bytes``: on CUDA the allocator's peak of the stage's device, on
@@ -1240,11 +1244,12 @@ class Pipeline:
                 "versions_held": len(st.book.held),
                 "weight_version_bytes": st.ring.num_slots * st.layout.numel * itemsize,
                 "scratch_bytes": 0 if st.scratch is None else st.layout.numel * itemsize,
-                "velocity_bytes": 0 if st.velocity is None else st.layout.numel * st.velocity.element_size(),
+                "buffers": (buffers := {name: st.layout.numel * b.element_size() for name, b in st.state.buffers.items()}),
+                "buffer_bytes": sum(buffers.values()),
                 "live_version": st.book.live,
                 "lr": st.next_lr(),
                 "grad_norm": None if st.clip is None else st.clip.last_norm,
-                "peak_bytes": peak_bytes(st),
+                "peak_bytes": st.peak_bytes(),
                 "staleness_mean": stale.mean,
                 "staleness_max": stale.max,
                 "delay_mean": delay.mean,

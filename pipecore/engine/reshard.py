@@ -1,7 +1,8 @@
 """Universal checkpoints: what each stage's flat buffers hold, mapped back to the model's parameter names.
 
-A stage keeps its weights, its optimizer state (SGD's momentum, AdamW's ``exp_avg``/``exp_avg_sq``) and
-PipeMare's weight velocity as flat buffers in the order of its :class:`~pipecore.engine.flat.FlatLayout`.
+A stage keeps its weights, its optimizer state (SGD's momentum, AdamW's ``exp_avg``/``exp_avg_sq``) and the
+buffers its algorithm declares (:mod:`pipecore.algorithms.state`) as flat buffers in the order of its
+:class:`~pipecore.engine.flat.FlatLayout`.
 :meth:`Pipeline.state_dict` records that order per stage (``"params"``: names and shapes), so a checkpoint
 can be cut into per-parameter pieces (:func:`parameter_states`) and reassembled in the layout of any other
 pipeline of the same model (:func:`stage_state`): another number of stages, another partition, another
@@ -9,10 +10,10 @@ number of micro-batches or another algorithm. A tied parameter is one logical we
 (GPT's ``head.weight`` is ``tok_emb.weight``): pieces are keyed by the model's first name for it.
 
 A checkpoint holds one weight version per stage, the live one (``state_dict`` needs a flushed pipeline), so
-the older versions an asynchronous algorithm keeps in flight are never part of it. What an algorithm derives
-beyond the optimizer's own state (PipeMare's velocity, the update direction of weight prediction) maps by
-name where the target keeps it too; where the target does not keep it, it is dropped with a warning, and where
-the checkpoint does not hold it, the target starts it at zero (as a new pipeline does) with a warning.
+the older versions an asynchronous algorithm keeps in flight are never part of it. The buffers an algorithm
+declares map by name where the target keeps them too; where the target does not keep one, it is dropped with a
+warning, and where the checkpoint does not hold it, the target starts it at zero (as a new pipeline does) with a
+warning. Checkpoints of older formats are read through :func:`upgrade_format`.
 """
 
 from __future__ import annotations
@@ -24,23 +25,45 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-#: Optimizer state entries that a new pipeline starts at zero and derives while training (the update direction
-#: weight prediction reads): a checkpoint without them still loads, from zero, with a warning. Any other entry
-#: the target needs and the checkpoint lacks means another optimizer (or configuration) and is an error.
-_STARTS_AT_ZERO = frozenset({"next_direction"})
-#: How notes name the state they drop or start at zero.
-_LABELS = {"velocity": "weight velocity", "next_direction": "update direction (of weight prediction)"}
+from ..algorithms import SPECS
 
 
 @dataclass
 class ParameterState:
     """One parameter's share of a checkpoint: the stage that held it and its slices of that stage's flat
-    optimizer tensors (parameter-shaped), of a torch optimizer's per-parameter state, and of the velocity."""
+    optimizer tensors (parameter-shaped), of a torch optimizer's per-parameter state, and of the declared buffers."""
 
     stage: int
     optimizer: dict[str, torch.Tensor] = field(default_factory=dict)
     torch_state: dict[str, Any] | None = None
-    velocity: torch.Tensor | None = None
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def upgrade_format(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """A checkpoint's ``"pipecore"`` entry in the current format (3: each stage's declared buffers under
+    ``"buffers"``, their labels under ``"buffer_labels"``). Formats 1 and 2 kept the buffers where the checkpoint's
+    algorithm declares they were saved (``StateBuffer.saved_as``): a key of the stage's entry, or
+    ``"optimizer.<key>"`` inside its optimizer state. Tensors are shared, not copied."""
+    if meta.get("format", 1) >= 3:
+        return dict(meta)
+    spec = SPECS.get(meta["algorithm"])
+    declared = () if spec is None else spec.buffers
+    stages = {}
+    for s, sm in meta["stages"].items():
+        sm = dict(sm)
+        optimizer = dict(sm["optimizer"])
+        buffers = {}
+        for buffer in declared:
+            for path in buffer.saved_as:
+                table, key = (optimizer, path.partition(".")[2]) if path.startswith("optimizer.") else (sm, path)
+                value = table.pop(key, None)
+                if value is not None:
+                    buffers[buffer.name] = value
+        for path in {p for b in declared for p in b.saved_as}:  # None entries of buffers a stage did not keep
+            (optimizer if path.startswith("optimizer.") else sm).pop(path.partition(".")[2] or path, None)
+        sm["optimizer"], sm["buffers"] = optimizer, buffers
+        stages[s] = sm
+    return {**meta, "stages": stages, "buffer_labels": {b.name: b.label for b in declared}}
 
 
 def canonical_names(model: nn.Module) -> dict[str, str]:
@@ -70,7 +93,7 @@ def parameter_states(meta: Mapping[str, Any], canonical: Mapping[str, str]) -> d
         opt = sm["optimizer"]
         flat = {k: v for k, v in opt.items() if _is_flat(v, buffer_numel)}
         torch_state = opt["torch"]["state"] if "torch" in opt else None
-        velocity = sm.get("velocity")
+        buffers = sm["buffers"]
         offset = 0
         for i, (name, shape) in enumerate(zip(names, shapes)):
             n = math.prod(shape)
@@ -81,7 +104,7 @@ def parameter_states(meta: Mapping[str, Any], canonical: Mapping[str, str]) -> d
                     stage=s,
                     optimizer={k: piece(v) for k, v in flat.items()},
                     torch_state=None if torch_state is None else torch_state.get(i),
-                    velocity=None if velocity is None else piece(velocity),
+                    buffers={name: piece(b) for name, b in buffers.items()},
                 )
             offset += n
     return out
@@ -92,24 +115,26 @@ def _is_flat(value: Any, buffer_numel: int) -> bool:
 
 
 @dataclass
-class StageState:
+class LoadedStage:
     """What :meth:`TensorStage.load` takes, assembled for one stage of the target pipeline."""
 
     version: int
     updates: int
     optimizer: dict[str, Any]
-    velocity: torch.Tensor | None
+    buffers: dict[str, torch.Tensor]
     lr: float | None
 
 
 def stage_state(stage: int, names: Sequence[str], sizes: Sequence[int], canonical: Mapping[str, str],
                 pieces: Mapping[str, ParameterState], meta: Mapping[str, Any], template: Mapping[str, Any],
-                velocity: torch.Tensor | None, buffer_numel: int, notes: list[str]) -> StageState:
+                buffers: Mapping[str, torch.Tensor], labels: Mapping[str, str], buffer_numel: int,
+                notes: list[str]) -> LoadedStage:
     """The state of target stage ``stage`` whose flat buffers hold ``names`` (of ``sizes`` elements) in order:
-    its optimizer state in the format of ``template`` (the target optimizer's own ``state_dict()``), its
-    velocity where ``velocity`` (the target's buffer) is not None, the largest version and update count of the
-    checkpoint's stages that held its parameters (after a flush they agree) and the learning rate of the one
-    that held its first parameter. Lossy conversions are appended to ``notes``."""
+    its optimizer state in the format of ``template`` (the target optimizer's own ``state_dict()``), each of its
+    declared ``buffers`` (the target's, by name; ``labels`` name them and the checkpoint's in notes), the largest
+    version and update count of the checkpoint's stages that held its parameters (after a flush they agree) and
+    the learning rate of the one that held its first parameter. ``meta`` is in the current format
+    (:func:`upgrade_format`). Lossy conversions are appended to ``notes``."""
     missing = [n for n in names if canonical.get(n, n) not in pieces]
     if missing:
         raise KeyError(f"load_state_dict: the state holds no optimizer state or versions of stage(s) [{stage}]: "
@@ -132,8 +157,8 @@ def stage_state(stage: int, names: Sequence[str], sizes: Sequence[int], canonica
                                        notes)
         elif value is None:
             if any(p.optimizer.get(key) is not None for p in mine):
-                notes.append(f"stage {stage}: the checkpoint's {_LABELS.get(key, f'optimizer state {key!r}')} is "
-                             "dropped (this pipeline does not keep it)")
+                notes.append(f"stage {stage}: the checkpoint's optimizer state {key!r} is dropped (this pipeline "
+                             "does not keep it)")
             optimizer[key] = None
         else:  # per-stage scalars such as the step count: the largest of the source stages
             found = [sm["optimizer"][key] for sm in source_meta if key in sm["optimizer"]]
@@ -144,28 +169,27 @@ def stage_state(stage: int, names: Sequence[str], sizes: Sequence[int], canonica
                 notes.append(f"stage {stage}: optimizer {key!r} differs between checkpoint stages {sources} "
                              f"({sorted(set(found))}); it continues from the largest")
             optimizer[key] = max(found)
-    own_velocity = None
-    if velocity is not None:
-        own_velocity = _assemble("velocity", [p.velocity for p in mine], velocity, names, sizes, stage, notes,
-                                 zero_ok=True)
-    elif any(p.velocity is not None for p in mine):
-        notes.append(f"stage {stage}: the checkpoint's weight velocity is dropped (this pipeline's algorithm "
-                     "keeps none)")
+    own = {name: _assemble(name, [p.buffers.get(name) for p in mine], like, names, sizes, stage, notes,
+                           label=labels.get(name, repr(name)))
+           for name, like in buffers.items()}
+    for name in sorted({n for p in mine for n in p.buffers} - set(buffers)):
+        notes.append(f"stage {stage}: the checkpoint's {labels.get(name, repr(name))} is dropped (this pipeline's "
+                     "algorithm keeps none)")
     versions = [sm["version"] for sm in source_meta]
-    return StageState(version=max(versions), updates=max(updates), optimizer=optimizer, velocity=own_velocity,
-                      lr=first.get("lr"))
+    return LoadedStage(version=max(versions), updates=max(updates), optimizer=optimizer, buffers=own,
+                       lr=first.get("lr"))
 
 
 def _assemble(key: str, parts: Sequence[torch.Tensor | None], like: torch.Tensor, names: Sequence[str],
-              sizes: Sequence[int], stage: int, notes: list[str], zero_ok: bool = False) -> torch.Tensor:
-    """One flat tensor like ``like`` from per-parameter ``parts`` (of ``sizes`` elements) in layout order; an
-    absent part stays zero where that is how a new pipeline starts, else it is an error."""
+              sizes: Sequence[int], stage: int, notes: list[str], label: str | None = None) -> torch.Tensor:
+    """One flat tensor like ``like`` from per-parameter ``parts`` (of ``sizes`` elements) in layout order. An
+    absent part of a declared buffer (``label`` given) stays zero, as a new pipeline starts it; of optimizer state
+    it is an error."""
     absent = [n for n, p in zip(names, parts) if p is None]
     if absent:
-        if not (zero_ok or key in _STARTS_AT_ZERO):
+        if label is None:
             raise KeyError(f"load_state_dict: the checkpoint's optimizer state has no {key!r} for {_few(absent)} "
                            f"(stage {stage}); it was saved with another optimizer or optimizer configuration")
-        label = _LABELS.get(key, repr(key))
         which = "" if len(absent) == len(names) else f" for {_few(absent)}"
         notes.append(f"stage {stage}: the checkpoint holds no {label}{which}; it starts at zero")
     out = torch.zeros_like(like)

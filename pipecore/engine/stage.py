@@ -21,7 +21,6 @@ import torch
 import torch.nn.modules.module as _module_hooks
 
 from ..algorithms.base import Algorithm, WeightRead
-from ..algorithms.derivations import derive
 from ..ring import WeightRing
 from ..runtime.worker import ActionRecord, Message, StageWorker
 from ..schedule.ir import Action, traced
@@ -38,9 +37,9 @@ from .lr import LrSchedule
 from .optim import LrScales, StageOptimizer, uniform_scale
 from .split_backward import PendingWeightGradients, input_gradient, weight_gradients
 from .member_access import speed_up_member_access
-from .memory import MemoryAccount
-from .undo import StageSnapshot, UndoPoint, slot_for_update
-from .weight_change import ChangeAverage
+from .memory import MemoryAccount, peak_bytes, storage_bytes
+from .state import StageState, StateSnapshot, Unrecoverable
+from .undo import UndoPoint, release, slot_for_update
 
 
 class _ActionTimes:
@@ -120,7 +119,9 @@ class TensorStage(StageWorker):
         self._profiling = _profiler_enabled
         flat = torch.zeros(self.layout.buffer_numel, dtype=self.layout.dtype, device=device)
         self.layout.gather(module, flat)
-        self.ring = WeightRing.from_flat(flat, num_slots, version=0)
+        # What the stage holds between actions: weight versions, gradients, optimizer state, declared buffers.
+        self.state = StageState(stage, self.layout, flat, num_slots, derived, optimizer, self.book,
+                                algorithm.buffer_updates(stage))
         # Whether a backward's graph reaches no leaf but the stage's weight leaves and inputs, so that the engine
         # need not be told which leaves to accumulate into (autograd_call.accumulate_backward's every_leaf):
         # checked on the first backward (None until then) for a module whose graph is the same every call, that
@@ -129,26 +130,15 @@ class TensorStage(StageWorker):
         # names its leaves whatever this says (InFlight.outside_grad).
         self._every_leaf: bool | None = (
             None if all(type(m).__module__.startswith("torch.") for m in module.modules()) else False)
-        self.scratch = torch.empty_like(flat) if derived else None
-        # PipeMare's weight velocity, where the algorithm keeps one: the average of the updates' weight changes.
-        decay = algorithm.velocity_decay(stage)
-        self._weight_change = None if decay is None else ChangeAverage(
-            torch.zeros(self.layout.buffer_numel, dtype=_state_dtype(flat.dtype), device=device), decay)
-        self.optimizer = optimizer
         self.lr_schedule = lr_schedule
         self._scheduled_lr = 0.0  # the rate of the update being applied, when lr_schedule is set
         self.clip: GradClip | None = None  # Pipeline's clip_grad_norm
         self.autocast = autocast
         self.rule: BackwardRule = RULES[self.backward_rule]()  # how its backwards read their weights
-        if algorithm.needs_update_direction:
-            optimizer.track_direction()
-        self.grad = torch.zeros_like(flat)
-        self._grad_views = list(self.layout.views(self.grad).values())
+        self._grad_views = list(self.layout.views(self.state.grad).values())
         self._view_cache: dict[int, list[torch.Tensor]] = {}
         self._leaf_cache: dict[int, list[torch.Tensor]] = {}
-        self._stable_storages = {self.ring.buffer.untyped_storage().data_ptr()}
-        if self.scratch is not None:
-            self._stable_storages.add(self.scratch.untyped_storage().data_ptr())
+        self._stable_storages = self.state.storages()
         # The weights' storages count once. On CUDA the allocator measures, so the account keeps nothing.
         self.memory = MemoryAccount(self._stable_storages, module, enabled=track_memory and device.type == "cpu")
         index = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
@@ -168,7 +158,6 @@ class TensorStage(StageWorker):
         self.in_flight: dict[int, InFlight] = {}
         self.losses: dict[int, float] = {}
         self._unread_losses: dict[int, torch.Tensor] = {}  # last stage: losses not read from the device yet
-        self.pinned_versions: set[int] = set()
         # How long each action's compute took, per kind (see seconds and seconds_per_action).
         self._times = {"F": _ActionTimes(), "B": _ActionTimes(), "U": _ActionTimes()}
         self._forward_times, self._backward_times, self._update_times = self._times.values()
@@ -184,12 +173,10 @@ class TensorStage(StageWorker):
         # With data_parallel: the sum of this stage's gradients over its replicas (set by the pipeline).
         self.gradient_sum: GradientSum | None = None
         self._last_backward_count = 0
-        # The first and last micro-batch whose gradients the buffer holds (None: it is zero).
-        self.grad_span: tuple[int, int] | None = None
         # Where the pipeline can take this stage back to, one per mini-batch not yet complete (see engine.undo);
         # the pipeline replaces the list (stage threads read it), oldest first.
         self.undo_points: list[UndoPoint] = []
-        self.snapshot_pool: list[StageSnapshot] = []  # snapshots no point needs any more, reused (engine.undo)
+        self.snapshot_pool: list[StateSnapshot] = []  # snapshots no point needs any more, reused (engine.undo)
         self._bind_module_to_live()
 
     # -- where and how the compute runs ----------------------------------------------------------
@@ -244,41 +231,54 @@ class TensorStage(StageWorker):
 
     # -- weights -------------------------------------------------------------------------------
 
-    def slot_of(self, version: int) -> torch.Tensor:
-        ring = self.ring._ring  # the extension's ring itself, without the wrapper's checks: versions are ints here
-        i = ring.find(version)
-        if i is None:
-            raise RuntimeError(f"stage {self.stage}: weight version {version} is not in the ring ({self.ring!r})")
-        return ring.slot(i)
-
-    def materialize(self, read: WeightRead) -> torch.Tensor:
-        """The flat weights a read names; derived weights are written into the scratch buffer."""
-        if read.derivation is None:
-            return self.slot_of(read.version)
-        return derive(self, read)
+    # What the stage's state holds, by the names the stage's collaborators (clipping, ties, backward rules, the
+    # pipeline) read them under.
+    @property
+    def ring(self) -> WeightRing:
+        """The weight versions (:attr:`state`'s ring)."""
+        return self.state.ring
 
     @property
-    def velocity(self) -> torch.Tensor | None:
-        """PipeMare's weight velocity (the average of the updates' weight changes), where the algorithm keeps
-        one."""
-        return None if self._weight_change is None else self._weight_change.buffer
+    def grad(self) -> torch.Tensor:
+        """The flat gradient buffer (:attr:`state`'s)."""
+        return self.state.grad
 
-    def update_direction(self, weights: torch.Tensor) -> torch.Tensor:
-        """The optimizer's next update direction for ``weights`` (what a predicted read extrapolates along)."""
-        return self.optimizer.direction(weights)
+    @property
+    def scratch(self) -> torch.Tensor | None:
+        """Where derived weights are written (None when no read derives)."""
+        return self.state.scratch
+
+    @property
+    def optimizer(self) -> Any:
+        """The stage's optimizer (a :class:`~pipecore.engine.optim.StageOptimizer`)."""
+        return self.state.optimizer
+
+    @property
+    def grad_span(self) -> tuple[int, int] | None:
+        """The first and last micro-batch whose gradients the buffer holds (None: it is zero)."""
+        return self.state.grad_span
+
+    def slot_of(self, version: int) -> torch.Tensor:
+        """The flat weights of ``version``."""
+        return self.state.slot_of(version)
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """The algorithm's declared buffer ``name`` (see :mod:`pipecore.algorithms.state`)."""
+        return self.state.buffer(name)
+
+    def materialize(self, read: WeightRead) -> torch.Tensor:
+        """The flat weights a read names; derived weights are written into the scratch buffer by the algorithm's
+        derivation."""
+        if read.derivation is None:
+            return self.state.slot_of(read.version)
+        derive = self.algorithm.derivation(read.derivation)
+        if self.state.scratch is None:
+            raise ValueError(f"{read}: derived weights need the scratch buffer the simulation sizes")
+        return derive(self, read, self.state.slot_of(read.version), self.state.scratch)
 
     def sync_ring(self) -> None:
         """Pin exactly the non-live versions the version book still holds; the rest become reusable."""
-        book = self.book
-        held = book.held
-        if not self.pinned_versions and len(held) == 1 and book.live in held:
-            return  # only the live version is held, as before (the synchronous schedules, every action)
-        wanted = held - {book.live}
-        for v in wanted - self.pinned_versions:
-            self.ring.pin(self.ring.find(v))
-        for v in self.pinned_versions - wanted:
-            self.ring.unpin(self.ring.find(v))
-        self.pinned_versions = wanted
+        self.state.sync_ring()
 
     def _bind_module_to_live(self) -> None:
         # The user's modules see the latest weights (e.g. for evaluation), without a copy.
@@ -510,13 +510,14 @@ class TensorStage(StageWorker):
         del self.in_flight[k]
         if self.memory.enabled:
             self.memory.backwarded(k)
-        span = self.grad_span
+        state = self.state
+        span = state.grad_span
         if span is None:
-            self.grad_span = (k, k)
+            state.grad_span = (k, k)
         elif k > span[1]:  # micro-batches usually come in order: the span grows at its end
-            self.grad_span = (span[0], k)
+            state.grad_span = (span[0], k)
         elif k < span[0]:
-            self.grad_span = (k, span[1])
+            state.grad_span = (k, span[1])
 
     def finish_backward(self) -> None:
         if self.weight_actions:  # the W actions complete the gradients
@@ -574,7 +575,10 @@ class TensorStage(StageWorker):
         snapshot = None
         for point in self.undo_points:
             if point.snapshot is None and first + ahead >= point.first:
-                snapshot = point.snapshot = snapshot or StageSnapshot.of(self, action.index, with_grad=first < point.first)
+                snapshot = point.snapshot = snapshot or self.state.snapshot(
+                    action.index, with_grad=first < point.first,
+                    spare=self.snapshot_pool.pop() if self.snapshot_pool else None,
+                    ties=None if self.ties is None else self.ties.counts())
         # The scheduled rate first: a schedule that raises leaves the version book untouched.
         if self.lr_schedule is not None:
             self._scheduled_lr = self.lr_schedule.lr(self.book.updates)
@@ -595,11 +599,14 @@ class TensorStage(StageWorker):
         self.mutated = True
         if self.gradient_sum is not None:
             self.gradient_sum.finish(self.grad)  # the replicas' sum, started when the group's backwards ended
-        self.sync_ring()
-        live_slot = self.ring.live_slot
-        w = self.ring.slot(live_slot)
-        target_slot = slot_for_update(self, in_place=not info.keeps_previous)  # undo snapshots copy what it held
-        out = self.ring.slot(target_slot)
+        state = self.state
+        ring = state.ring
+        state.sync_ring()
+        live_slot = ring.live_slot
+        w = ring.slot(live_slot)
+        # Undo snapshots copy what the slot held before it is written.
+        target_slot = slot_for_update(state, self.undo_points, in_place=not info.keeps_previous)
+        out = ring.slot(target_slot)
         group = action.index - 1
         if self.clip is not None:
             self.clip.before_ties(self, info.index)
@@ -616,18 +623,14 @@ class TensorStage(StageWorker):
                 out.copy_(w)  # skipped update: the new version carries the old weights unchanged
         else:
             if self.lr_schedule is not None:
-                self.optimizer.set_lr(self._scheduled_lr)
-            if self._weight_change is None:
-                self.optimizer.step(w, self.grad, out, self._lr_scales(info))
-            else:
-                self.optimizer.step_averaging_change(w, self.grad, out, self._lr_scales(info), self._weight_change)
+                state.optimizer.set_lr(self._scheduled_lr)
+            state.step(w, out, self._lr_scales(info))
         if target_slot == live_slot:
-            self.ring.advance(info.new_version)
+            ring.advance(info.new_version)
         else:
-            self.ring.publish(target_slot, info.new_version)
-        self.grad.zero_()
-        self.grad_span = None
-        self.sync_ring()
+            ring.publish(target_slot, info.new_version)
+        state.clear_gradients()
+        state.sync_ring()
         self._bind_module_to_live()
         self._timed(self._update_times, t0)
 
@@ -768,29 +771,85 @@ class TensorStage(StageWorker):
     def live_parameters(self) -> dict[str, torch.Tensor]:
         return {name: v.detach().clone() for name, v in self.layout.views(self.ring.live).items()}
 
-    def load(self, params: dict[str, torch.Tensor], version: int, updates: int, optimizer_state: dict,
-             velocity: torch.Tensor | None) -> None:
-        flat = torch.empty_like(self.grad)
+    def load(self, params: Mapping[str, torch.Tensor], version: int, updates: int,
+             optimizer_state: Mapping[str, Any], buffers: Mapping[str, torch.Tensor]) -> None:
+        """Start again from a checkpoint: the parameters ``params`` (by name) as weight version ``version`` after
+        ``updates`` updates, the optimizer's state and the algorithm's declared buffers (see
+        :meth:`StageState.load`)."""
+        flat = torch.empty_like(self.state.grad)
         for name, view in self.layout.views(flat).items():
             view.copy_(params[name])
-        self.ring = WeightRing.from_flat(flat, self.ring.num_slots, version=version)
+        self.state.load(flat, version, updates, optimizer_state, buffers)
         self._view_cache.clear()
         self._leaf_cache.clear()
-        self._stable_storages = {self.ring.buffer.untyped_storage().data_ptr()} | (
-            {self.scratch.untyped_storage().data_ptr()} if self.scratch is not None else set())
+        self._stable_storages = self.state.storages()
         self.memory.excluded = self._stable_storages
-        self.pinned_versions = set()
-        self.book.load(version, updates)
-        self.optimizer.load_state_dict(optimizer_state)
-        if (self.velocity is None) != (velocity is None):
-            raise ValueError(f"stage {self.stage}: checkpoint velocity buffer does not match the algorithm")
-        if velocity is not None:
-            self.velocity.copy_(velocity)
-        self.grad.zero_()
-        self.grad_span = None
         if self.ties is not None:
             self.ties.reset()
         self._bind_module_to_live()
+
+    # -- undo (Pipeline recovery; see engine.undo) -----------------------------------------------
+
+    def keep_undo_points(self, kept_firsts: set[int], first: int) -> None:
+        """Keep the undo points of the mini-batches starting at ``kept_firsts`` (their snapshots' buffers of the
+        others go back to the pool) and add one before micro-batch ``first``."""
+        points = [p for p in self.undo_points if p.first in kept_firsts]
+        release(self.snapshot_pool, [p for p in self.undo_points if p.first not in kept_firsts], points)
+        self.undo_points = points + [UndoPoint.at(self.modules_with_buffers, first, self.book.latest_tag)]
+
+    def drop_undo_points(self) -> None:
+        """Forget every undo point (their snapshots' buffers go back to the pool)."""
+        release(self.snapshot_pool, self.undo_points)
+        self.undo_points = []
+
+    def undo(self, point: UndoPoint) -> None:
+        """Take the stage back to ``point``: forget the forwards, backwards and updates of micro-batch
+        ``point.first`` and later; earlier micro-batches stay in flight. The stage keeps no undo point after."""
+        first, snap, state = point.first, point.snapshot, self.state
+        span = state.grad_span
+        if snap is None and span is not None and span[1] >= first and span[0] < first:
+            raise Unrecoverable(f"stage {self.stage}: its gradient buffer holds micro-batches {span[0]}..{span[1]} of "
+                                f"an update group that straddles the failed mini-batch")
+        for k in [k for k in self.in_flight if k >= first]:
+            del self.in_flight[k]
+        self.memory.forget(first)
+        for table in (self.losses, self._unread_losses):
+            for k in [k for k in table if k >= first]:
+                del table[k]
+        every = self.algorithm.update_every
+        self.poisoned_groups = {g for g in self.poisoned_groups if g * every < first}
+        waiting = sum(1 for k in self._deferred if k < first)  # backwarded, their weight gradients still to come
+        self._deferred = {k: d for k, d in self._deferred.items() if k < first}
+        live, updates = (self.book.live, self.book.updates) if snap is None else (snap.live, snap.updates)
+        self.book.discard(first, live, updates, point.latest_tag)
+        state.sync_ring()  # unpins the versions only the discarded micro-batches held
+        if snap is not None:
+            state.restore(snap)
+        if self.ties is not None:
+            # Every earlier micro-batch had its forward here; those not in flight any more had their backward (and,
+            # unless waiting for their W, posted their tied gradients).
+            self.ties.undo(first - len(self.in_flight) - waiting, None if snap is None else snap.ties[1])
+        if snap is not None and snap.grad is not None:
+            state.grad.copy_(snap.grad)
+            state.grad_span = snap.grad_span
+        elif snap is not None or (span is not None and span[0] >= first):
+            state.clear_gradients()
+        point.restore_buffers()
+        self._bind_module_to_live()
+        self.drop_undo_points()
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    def static_bytes(self) -> int:
+        """What the stage allocates once: its state (weight ring, gradient and scratch buffers, optimizer state,
+        declared buffers) and the copies kept to undo a failed step."""
+        snapshots = {id(p.snapshot): p.snapshot for p in self.undo_points if p.snapshot is not None}
+        snapshots.update((id(s), s) for s in self.snapshot_pool)
+        return storage_bytes([self.state.tensors()] + [snap.tensors() for snap in snapshots.values()])
+
+    def peak_bytes(self) -> int | None:
+        """The stage's peak memory (see :func:`pipecore.engine.memory.peak_bytes`)."""
+        return peak_bytes(self.device, self.memory, self.static_bytes)
 
     def grad_view(self, name: str) -> torch.Tensor:
         """The slice of the gradient buffer that holds parameter ``name``'s gradient."""
@@ -862,6 +921,3 @@ def _describe(value: Any, names: Sequence[str] = ()) -> str:
         return "{" + ", ".join(f"{k!r} {_describe(v)}" for k, v in value.items()) + "}"
     return f"of type {type(value).__name__}"
 
-
-def _state_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32

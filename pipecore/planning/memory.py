@@ -3,15 +3,17 @@ limit.
 
 A stage covers the compute nodes ``[start, end)`` of a :class:`~pipecore.planning.costs.GraphCosts`. What it
 holds depends on the algorithm through four per-stage figures that the simulator measures (:class:`Sizing`):
-weight versions, whether derived weights need a scratch buffer, whether a velocity buffer is kept, and the
+weight versions, whether derived weights need a scratch buffer, how many weight-sized buffers the algorithm
+declares (:mod:`pipecore.algorithms.state`), and the
 peak number of micro-batches in flight. :class:`StageMemory` lists the terms; :class:`StageModel` evaluates
 many ranges of one graph quickly and chooses recomputed and offloaded segments (:meth:`StageModel.fit`).
 
 Which terms come from where:
 
-* weights x versions, gradient buffer, scratch, velocity, optimizer state: what ``TensorStage`` allocates
-  (ring of ``versions`` slots, flat gradient buffer, scratch for derived weights, PipeMare's velocity);
-  the velocity is assumed to have the weights' dtype (it is float32 under bf16 weights).
+* weights x versions, gradient buffer, scratch, declared buffers, optimizer state: what ``TensorStage``
+  allocates (ring of ``versions`` slots, flat gradient buffer, scratch for derived weights, the algorithm's
+  buffers such as PipeMare's velocity); the buffers are assumed to have the weights' dtype (they are float32
+  under bf16 weights).
 * activations x in-flight micro-batches: DawnPiper's ``(P - s) * |A_s|`` term, with the in-flight count
   taken from the simulator rather than the formula, so that it holds for every schedule.
 * recomputed and offloaded segments, their transient, the offload link's time, boundary buffers: inferred
@@ -45,7 +47,8 @@ class Sizing:
         num_stages, n_microbatches: the pipeline shape the figures are for.
         versions: weight versions each stage's ring holds (``Trace.weight_versions``).
         derived: whether the stage computes derived weights into a scratch buffer (``Trace.derived_weights``).
-        velocity: whether the stage keeps a weight-sized velocity buffer (PipeMare's discrepancy correction).
+        buffers: how many weight-sized buffers the algorithm declares at the stage (``Algorithm.buffer_updates``:
+            PipeMare's velocity, SpecTrain's update direction).
         in_flight: peak micro-batches whose forward ran at the stage and whose backward has not finished
             (``Trace.peak_activations``; under a split backward, until its W): how many activation sets and
             boundary buffers it holds.
@@ -63,7 +66,7 @@ class Sizing:
     n_microbatches: int
     versions: tuple[int, ...]
     derived: tuple[bool, ...]
-    velocity: tuple[bool, ...]
+    buffers: tuple[int, ...]
     in_flight: tuple[int, ...]
     recompute_all: bool = False
     placement: tuple[int, ...] | None = None
@@ -76,7 +79,7 @@ class Sizing:
             object.__setattr__(self, "placement", tuple(range(self.num_stages)))
         else:
             object.__setattr__(self, "placement", tuple(int(r) for r in self.placement))
-        for name in ("versions", "derived", "velocity", "in_flight", "placement"):
+        for name in ("versions", "derived", "buffers", "in_flight", "placement"):
             values = getattr(self, name)
             if len(values) != self.num_stages:
                 raise ValueError(f"Sizing.{name} has {len(values)} entries for {self.num_stages} stages")
@@ -120,7 +123,7 @@ class Sizing:
             algorithm.name, p, algorithm.n_microbatches,
             tuple(trace.weight_versions(s) for s in range(p)),
             tuple(trace.derived_weights(s) for s in range(p)),
-            tuple(algorithm.velocity_decay(s) is not None for s in range(p)),
+            tuple(len(algorithm.buffer_updates(s)) for s in range(p)),
             # Per stage, split backwards included: a stage holds a micro-batch's activations until its W.
             tuple(trace.peak_activations(s) for s in range(p)),
             algorithm.backward_rule == "recompute",
@@ -135,7 +138,7 @@ class StageMemory:
     weights: int          # the ring: parameter bytes x versions held
     gradients: int        # the flat gradient buffer: 1 x parameter bytes
     scratch: int          # derived weights (prediction, interpolation, correction): 1 x parameter bytes
-    velocity: int         # PipeMare's weight velocity: 1 x parameter bytes
+    buffers: int          # the algorithm's declared buffers (PipeMare's velocity): 1 x parameter bytes each
     optimizer: int        # optimizer state of the stage's parameters
     activations: int      # saved-for-backward bytes kept per in-flight micro-batch, x in-flight
     # Transient during one backward: the largest recomputed segment's saved bytes, or the largest offloaded
@@ -145,7 +148,7 @@ class StageMemory:
 
     @property
     def total(self) -> int:
-        return (self.weights + self.gradients + self.scratch + self.velocity + self.optimizer + self.activations
+        return (self.weights + self.gradients + self.scratch + self.buffers + self.optimizer + self.activations
                 + self.recomputation + self.boundary)
 
 
@@ -303,8 +306,8 @@ class StageModel:
         ``k`` the in-flight micro-batches of the stage and
         ``S`` the saved bytes of nodes:
 
-        * weights ``versions * W``, gradients ``W``, scratch ``W`` if derived weights, velocity ``W`` for
-          PipeMare, optimizer state as given;
+        * weights ``versions * W``, gradients ``W``, scratch ``W`` if derived weights, ``W`` per buffer the
+          algorithm declares (PipeMare's velocity, SpecTrain's direction), optimizer state as given;
         * activations ``k * (S(stage) - freed)``: recomputed and offloaded segments free what only their
           nodes save, unless the stage keeps it anyway: as its input or output, or as a recomputed segment's
           input (the checkpoint keeps those; an offloaded segment keeps nothing). With the graph's values
@@ -349,7 +352,7 @@ class StageModel:
             weights=z.versions[stage] * w,
             gradients=w,
             scratch=w if z.derived[stage] else 0,
-            velocity=w if z.velocity[stage] else 0,
+            buffers=z.buffers[stage] * w,
             optimizer=optimizer,
             activations=k * (kept + (0 if z.recompute_all else loss)),
             recomputation=transient,

@@ -407,7 +407,7 @@ def _share_candidates(model: StageModel, num_stages: int) -> list[tuple[float, .
     params, optimizer = model.params(0, n) / num_stages, model.optimizer(0, n) / num_stages
     saved = (model.saved(0, n) + model.costs.loss_saved_bytes) / num_stages
     crossing = sum(model.crossing(c) for c in range(n + 1)) / max(1, n) * 2
-    estimate = [(z.versions[s] + 1 + z.derived[s] + z.velocity[s]) * params + optimizer
+    estimate = [(z.versions[s] + 1 + z.derived[s] + z.buffers[s]) * params + optimizer
                 + z.in_flight[s] * (0 if z.recompute_all else saved + crossing) for s in range(num_stages)]
     estimated = _normalised(placement, estimate)
     return [equal] if estimated is None or estimated == equal else [equal, estimated]
@@ -595,7 +595,7 @@ def _weights_floor(model: StageModel, start: int, end: int, stage: int) -> int:
     """Bytes a stage holds whatever it recomputes or offloads, parameters and optimizer state only; it grows
     with the stage."""
     z = model.sizing
-    per_param = z.versions[stage] + 1 + z.derived[stage] + z.velocity[stage]
+    per_param = z.versions[stage] + 1 + z.derived[stage] + z.buffers[stage]
     return per_param * model.params(start, end) + model.optimizer(start, end)
 
 
@@ -654,7 +654,7 @@ class _Halving:
         self.budgets = [_budget(memory_limit, c) for c in self.shares]
         z = model.sizing
         # Per stage, the bytes one parameter byte and one saved byte cost there.
-        self._per_param = [z.versions[s] + 1 + z.derived[s] + z.velocity[s] for s in range(z.num_stages)]
+        self._per_param = [z.versions[s] + 1 + z.derived[s] + z.buffers[s] for s in range(z.num_stages)]
         self._per_saved = list(z.in_flight)
 
     def _cut_range(self, u: int, v: int, s0: int, s1: int) -> tuple[int, int, int]:

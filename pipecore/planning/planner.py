@@ -201,7 +201,7 @@ class Plan:
 
         several = self.num_ranks < self.num_stages
         breakdown = self.memory_breakdown()
-        terms = [t for t in ("weights", "gradients", "scratch", "velocity", "optimizer", "activations",
+        terms = [t for t in ("weights", "gradients", "scratch", "buffers", "optimizer", "activations",
                              "recomputation", "boundary") if any(getattr(m, t) for m in breakdown)]
         stages = list(range(self.num_stages))
         # The memory bars: per stage, or per rank (a rank's stages' terms summed).

@@ -2,7 +2,7 @@
 
 The weight ring (one slot per weight version) and the versions pinned in it, the flat gradient buffer and the
 micro-batches it holds, the optimizer and its state, the scratch buffer for derived weights, and the buffers the
-algorithm declares (:mod:`pipecore.algorithms.state`: PipeMare's velocity, SpecTrain's direction). The stage
+algorithm declares (:mod:`pipecore.algorithms.state`). The stage
 (:mod:`pipecore.engine.stage`) computes with them; :class:`StageState` holds them and is the one place that
 steps them (:meth:`StageState.step`), copies and restores them to undo a failed step (:meth:`StageState.snapshot`,
 :meth:`StageState.restore`), saves and loads them (:meth:`StageState.state_dict`, :meth:`StageState.load`) and

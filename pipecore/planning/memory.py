@@ -12,7 +12,7 @@ Which terms come from where:
 
 * weights x versions, gradient buffer, scratch, declared buffers, optimizer state: what ``TensorStage``
   allocates (ring of ``versions`` slots, flat gradient buffer, scratch for derived weights, the algorithm's
-  buffers such as PipeMare's velocity); the buffers are assumed to have the weights' dtype (they are float32
+  declared buffers); the buffers are assumed to have the weights' dtype (they are float32
   under bf16 weights).
 * activations x in-flight micro-batches: DawnPiper's ``(P - s) * |A_s|`` term, with the in-flight count
   taken from the simulator rather than the formula, so that it holds for every schedule.
@@ -47,8 +47,7 @@ class Sizing:
         num_stages, n_microbatches: the pipeline shape the figures are for.
         versions: weight versions each stage's ring holds (``Trace.weight_versions``).
         derived: whether the stage computes derived weights into a scratch buffer (``Trace.derived_weights``).
-        buffers: how many weight-sized buffers the algorithm declares at the stage (``Algorithm.buffer_updates``:
-            PipeMare's velocity, SpecTrain's update direction).
+        buffers: how many weight-sized buffers the algorithm declares at the stage (``Algorithm.buffer_updates``).
         in_flight: peak micro-batches whose forward ran at the stage and whose backward has not finished
             (``Trace.peak_activations``; under a split backward, until its W): how many activation sets and
             boundary buffers it holds.
@@ -138,7 +137,7 @@ class StageMemory:
     weights: int          # the ring: parameter bytes x versions held
     gradients: int        # the flat gradient buffer: 1 x parameter bytes
     scratch: int          # derived weights (prediction, interpolation, correction): 1 x parameter bytes
-    buffers: int          # the algorithm's declared buffers (PipeMare's velocity): 1 x parameter bytes each
+    buffers: int          # the algorithm's declared buffers: 1 x parameter bytes each
     optimizer: int        # optimizer state of the stage's parameters
     activations: int      # saved-for-backward bytes kept per in-flight micro-batch, x in-flight
     # Transient during one backward: the largest recomputed segment's saved bytes, or the largest offloaded
@@ -307,7 +306,7 @@ class StageModel:
         ``S`` the saved bytes of nodes:
 
         * weights ``versions * W``, gradients ``W``, scratch ``W`` if derived weights, ``W`` per buffer the
-          algorithm declares (PipeMare's velocity, SpecTrain's direction), optimizer state as given;
+          algorithm declares, optimizer state as given;
         * activations ``k * (S(stage) - freed)``: recomputed and offloaded segments free what only their
           nodes save, unless the stage keeps it anyway: as its input or output, or as a recomputed segment's
           input (the checkpoint keeps those; an offloaded segment keeps nothing). With the graph's values

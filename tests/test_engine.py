@@ -690,21 +690,23 @@ def test_seconds_per_action_is_a_median_that_one_slow_action_does_not_move():
     for _ in range(3):
         pipe.step(torch.randn(4, 5, dtype=torch.float64), torch.zeros(4, dtype=torch.long))
     st = pipe.stages[0]
-    st._timed(st._forward_times, time.perf_counter() - 5.0)  # one forward that took 5 s (a one-time import, a GC pass)
+    st._forward_times.add_since(time.perf_counter() - 5.0)  # one forward that took 5 s (a one-time import, a GC pass)
     assert pipe.stats()[0]["seconds_per_action"]["F"] < 1.0
     assert st.seconds["F"] > 5.0  # the totals (the benchmarks' compute shares) still count it
 
 
 def test_action_times_total_every_action_and_keep_the_recent_for_the_median():
-    from pipecore.engine.stage import _KEPT, TensorStage, _ActionTimes
+    from pipecore.engine.action_times import KEPT, ActionTimes
 
-    times = _ActionTimes()
-    n = 2 * _KEPT + 10
+    times = ActionTimes()
+    n = 2 * KEPT + 10
     for i in range(n):  # action i took i ms (and the few microseconds of the call)
-        TensorStage._timed(times, time.perf_counter() - i / 1000)
-    assert len(times.values) == _KEPT  # bounded, however long the run
+        times.add_since(time.perf_counter() - i / 1000)
+    assert len(times.values) == KEPT  # bounded, however long the run
     assert times.total == pytest.approx(sum(range(n)) / 1000, rel=1e-4)
-    assert times.median() == pytest.approx((n - 1 - (_KEPT - 1) / 2) / 1000, abs=1e-4)  # of the last _KEPT
+    assert times.median() == pytest.approx((n - 1 - (KEPT - 1) / 2) / 1000, abs=1e-4)  # of the last KEPT
+    times.extend_last(1.0)  # deferred work of the last action adds to it
+    assert times.values[(n - 1) % KEPT] == pytest.approx((n - 1) / 1000 + 1.0, abs=1e-4)
 
 
 def test_full_state_dict_in_one_process_is_the_state_dict_and_parts_merge_back():

@@ -106,7 +106,8 @@ class ReadContext:
 #: ``derive(source, read, base, out)``: the weights ``read`` names, computed from ``base`` (the flat weights of
 #: ``read.version``) and whatever else of ``source`` the derivation reads (another version, a declared buffer, the
 #: optimizer), written into ``out`` (the stage's scratch buffer) and returned.
-Derive = Callable[[WeightSource, WeightRead, "torch.Tensor", "torch.Tensor"], "torch.Tensor"]
+#: (``base``, ``out`` and the result are tensors; this module does not import torch.)
+Derive = Callable[[WeightSource, WeightRead, Any, Any], Any]
 
 
 class ReadRule(ABC):

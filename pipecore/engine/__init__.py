@@ -3,6 +3,6 @@
 from .graph import CaptureError
 from .optim import SGD, AdamW
 from .pipeline import Pipeline
-from .stage import NonFiniteLoss
+from .losses import NonFiniteLoss
 
 __all__ = ["AdamW", "CaptureError", "NonFiniteLoss", "Pipeline", "SGD"]

@@ -8,66 +8,43 @@ reads the weights the version policy chose (the forward's own, or others) is its
 
 from __future__ import annotations
 
-import math
-import statistics
 import time
-from array import array
-from collections import deque
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from operator import getitem as _getitem, setitem as _setitem
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
-import torch.nn.modules.module as _module_hooks
 
 from ..algorithms.base import Algorithm, WeightRead
 from ..ring import WeightRing
-from ..runtime.worker import ActionRecord, Message, StageWorker
-from ..schedule.ir import Action, traced
+from ..runtime.worker import ActionRecord, StageWorker
+from ..schedule.ir import Action
 from ..versions import UpdateInfo
+from .action_times import ActionTimes
 from .autograd_call import accumulate_backward, leaves_reached
 from .backward_rules import RULES, BackwardRule, InFlight
-from .flat import FlatLayout
-from .graph import StageGraph
-from .inputs import LossTarget, as_payload, from_payload, to_device
-from .tied import StageTies
 from .clip import GradClip
 from .data_parallel import GradientSum
+from .describe import carries_grad, describe
+from .flat import FlatLayout
+from .flat_parameters import FlatParameters
+from .graph import StageGraph
+from .inputs import LossTarget, as_payload, from_payload
+from .losses import MicrobatchLosses
 from .lr import LrSchedule
-from .optim import LrScales, StageOptimizer, uniform_scale
-from .split_backward import PendingWeightGradients, input_gradient, weight_gradients
 from .member_access import speed_up_member_access
 from .memory import MemoryAccount, peak_bytes, storage_bytes
+from .optim import LrScales, StageOptimizer, uniform_scale
+from .split_backward import PendingWeightGradients, input_gradient, weight_gradients
+from .stage_device import OnDevice
 from .state import StageState, StateSnapshot, Unrecoverable
+from .tied import StageTies
 from .undo import UndoPoint, release, slot_for_update
 
 
-class _ActionTimes:
-    """The durations of one kind of action: their total, and the last ``_KEPT`` in a ring allocated once (a long
-    run's statistics take no more memory than a short one's)."""
-
-    __slots__ = ("values", "count", "total")
-
-    def __init__(self) -> None:
-        self.values = array("d", bytes(8 * _KEPT))
-        self.count = 0
-        self.total = 0.0
-
-    def median(self) -> float:
-        return statistics.median(self.values[:min(self.count, _KEPT)])
-
-
-_KEPT = 1024
-_profiler_enabled = torch.autograd._profiler_enabled
 _NO_RANGE = nullcontext()  # reusable: it holds nothing
-_consume = deque(maxlen=0).extend  # runs an iterator to its end, keeping nothing
 
 
-class NonFiniteLoss(FloatingPointError):
-    """A micro-batch's loss was NaN or infinite."""
-
-
-class TensorStage(StageWorker):
+class TensorStage(OnDevice, StageWorker):
     """One stage of a :class:`~pipecore.Pipeline`, computing on tensors."""
 
     def __init__(
@@ -105,18 +82,13 @@ class TensorStage(StageWorker):
         self.layout = FlatLayout.of(module, stage)
         if device is None:
             device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        self.device = device
-        # The stream this stage computes on when stages run concurrently on CUDA (see use_stream).
-        self.stream: Any = None
+        self.place(device)
         # The modules that hold buffers (BatchNorm's statistics), found once: an undo point copies their buffers
         # at every step, and the module's structure does not change while it trains.
         self.modules_with_buffers = [m for m in module.modules() if m._buffers]
-        # torch intra-op threads of its runs on a stage thread (Pipeline's threads_per_stage; None: as set).
-        self.intra_op_threads: int | None = None
-        self._nvtx = device.type == "cuda"
         # With messages between CPU stages of one process, the worker skips accept, stamp and action_range
         # while this says nothing profiles (see StageWorker.plain_messages).
-        self._profiling = _profiler_enabled
+        self._profiling = torch.autograd._profiler_enabled
         flat = torch.zeros(self.layout.buffer_numel, dtype=self.layout.dtype, device=device)
         self.layout.gather(module, flat)
         # What the stage holds between actions: weight versions, gradients, optimizer state, declared buffers.
@@ -135,31 +107,19 @@ class TensorStage(StageWorker):
         self.clip: GradClip | None = None  # Pipeline's clip_grad_norm
         self.autocast = autocast
         self.rule: BackwardRule = RULES[self.backward_rule]()  # how its backwards read their weights
-        self._grad_views = list(self.layout.views(self.state.grad).values())
-        self._view_cache: dict[int, list[torch.Tensor]] = {}
-        self._leaf_cache: dict[int, list[torch.Tensor]] = {}
-        self._stable_storages = self.state.storages()
+        # The module's parameters as views of flat weights (a ring slot, the scratch buffer).
+        self.flat_parameters = FlatParameters(module, self.layout, self.state.grad, self.state.storages())
+        self._grad_views = self.flat_parameters.grad_views
         # The weights' storages count once. On CUDA the allocator measures, so the account keeps nothing.
-        self.memory = MemoryAccount(self._stable_storages, module, enabled=track_memory and device.type == "cpu")
-        index = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
-        named = dict(module.named_parameters())
-        self._module_params = [named[name] for name in self.layout.names]  # in the flat layout's order
-        # Where each parameter sits (a submodule's _parameters dict and the name in it; a tied one in several) and
-        # which of the flat layout's tensors goes there: what _run_module swaps.
-        slots = [(module.get_submodule(full.rpartition(".")[0])._parameters, full.rpartition(".")[2], index[id(p)])
-                 for full, p in module.named_parameters(remove_duplicate=False)]
-        self._slot_dicts = [d for d, _, _ in slots]
-        self._slot_names = [name for _, name, _ in slots]
-        self._slot_order = None if [i for _, _, i in slots] == list(range(len(index))) else [i for _, _, i in slots]
+        self.memory = MemoryAccount(self.flat_parameters.stable, module, enabled=track_memory and device.type == "cpu")
         self.loss_fn = loss_fn
         self.target = target
-        self.on_nonfinite = on_nonfinite
         self.is_last = stage == algorithm.num_stages - 1
         self.in_flight: dict[int, InFlight] = {}
-        self.losses: dict[int, float] = {}
-        self._unread_losses: dict[int, torch.Tensor] = {}  # last stage: losses not read from the device yet
+        self.microbatch_losses = MicrobatchLosses(loss_fn, on_nonfinite, stage, algorithm.n_microbatches,
+                                                  algorithm.update_every, lambda group: self.poisoned_groups.add(group))
         # How long each action's compute took, per kind (see seconds and seconds_per_action).
-        self._times = {"F": _ActionTimes(), "B": _ActionTimes(), "U": _ActionTimes()}
+        self._times = {"F": ActionTimes(), "B": ActionTimes(), "U": ActionTimes()}
         self._forward_times, self._backward_times, self._update_times = self._times.values()
         self.split_backward = split_backward  # see split_backward: the input gradient first
         # The schedule runs each backward's weight gradients as a W action of its own (zero-bubble schedules;
@@ -178,56 +138,6 @@ class TensorStage(StageWorker):
         self.undo_points: list[UndoPoint] = []
         self.snapshot_pool: list[StateSnapshot] = []  # snapshots no point needs any more, reused (engine.undo)
         self._bind_module_to_live()
-
-    # -- where and how the compute runs ----------------------------------------------------------
-
-    def use_stream(self, concurrent: bool) -> None:
-        """Compute on a stream of this stage's own when stages run concurrently on a CUDA device, so that
-        their kernels overlap; messages then carry CUDA events (see :meth:`stamp`, :meth:`accept`)."""
-        self.stream = torch.cuda.Stream(self.device) if concurrent and self.device.type == "cuda" else None
-
-    def running(self) -> AbstractContextManager[Any]:
-        # Entered on a stage thread after the caller's torch state (pipecore._C.ThreadState), which sets the
-        # thread's intra-op count to the one last set on any thread: this stage's count again, so that every
-        # run computes with it (a reduction's bits depend on it).
-        if self.intra_op_threads is not None and torch.get_num_threads() != self.intra_op_threads:
-            torch.set_num_threads(self.intra_op_threads)
-        return nullcontext() if self.stream is None else self._on_own_stream()
-
-    @contextmanager
-    def _on_own_stream(self) -> Iterator[None]:
-        ambient = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(ambient)  # what the caller queued before the run (inputs, loaded weights)
-        try:
-            with torch.cuda.stream(self.stream):
-                yield
-        finally:
-            ambient.wait_stream(self.stream)  # and whatever the caller does after the run sees its results
-
-    def action_range(self, action: Action, reads: Mapping[int, WeightRead]) -> AbstractContextManager[Any] | None:
-        if not (self._nvtx or _profiler_enabled()):
-            return None  # the check costs far less than an idle record_function
-        return _ActionRange(traced(action, reads), self._nvtx)
-
-    def accept(self, message: Message) -> Any:
-        payload = message.payload
-        if message.event is not None:
-            # Computed on another stage's stream. What reads it here runs on this thread's current stream of
-            # its device (this stage's own stream on the same device; a copy to another device runs on the
-            # source device's current stream): that stream waits for the event, and the allocator learns that
-            # it uses the memory, so the sender's stream cannot reuse it too early.
-            tensors = [t for t in _tensors(payload) if t.is_cuda]
-            for device in {t.device for t in tensors}:
-                torch.cuda.current_stream(device).wait_event(message.event)
-            for t in tensors:
-                t.record_stream(torch.cuda.current_stream(t.device))
-        return to_device(payload, self.device)
-
-    def stamp(self, message: Message) -> Message:
-        if self.stream is not None and message.payload is not None:
-            message.event = torch.cuda.Event()
-            message.event.record()  # on the stream that computed the payload: the current one
-        return message
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -258,6 +168,11 @@ class TensorStage(StageWorker):
         """The first and last micro-batch whose gradients the buffer holds (None: it is zero)."""
         return self.state.grad_span
 
+    @property
+    def losses(self) -> dict[int, float]:
+        """The last stage's losses by micro-batch, read from the device (taken out as mini-batches complete)."""
+        return self.microbatch_losses.values
+
     def slot_of(self, version: int) -> torch.Tensor:
         """The flat weights of ``version``."""
         return self.state.slot_of(version)
@@ -281,9 +196,7 @@ class TensorStage(StageWorker):
         self.state.sync_ring()
 
     def _bind_module_to_live(self) -> None:
-        # The user's modules see the latest weights (e.g. for evaluation), without a copy.
-        for param, view in zip(self._module_params, self.weight_views(self.ring.live)):
-            param.data = view
+        self.flat_parameters.bind(self.state.ring.live)
 
     @property
     def backward_rule(self) -> str:
@@ -299,48 +212,12 @@ class TensorStage(StageWorker):
         return torch.autocast(device_type=self.device.type, dtype=self.autocast)
 
     def weight_views(self, weights: torch.Tensor) -> list[torch.Tensor]:
-        """Parameter-shaped views of ``weights``, cached for ring slots and the scratch buffer (they never move)."""
-        key = weights.data_ptr()
-        views = self._view_cache.get(key)
-        if views is None:
-            views = list(self.layout.views(weights).values())
-            if weights.untyped_storage().data_ptr() in self._stable_storages:
-                self._view_cache[key] = views
-        return views
+        """Parameter-shaped views of ``weights`` (see :meth:`FlatParameters.views`)."""
+        return self.flat_parameters.views(weights)
 
     def weight_leaves(self, weights: torch.Tensor) -> list[torch.Tensor]:
-        """One autograd leaf per parameter, each a view of ``weights``, whose ``.grad`` is the parameter's
-        slice of the stage's gradient buffer: a backward accumulates into it in place, inside autograd, as
-        each gradient is produced (summing afterwards would hold all of a micro-batch's weight gradients
-        at once and pass over them again). Per-parameter leaves (rather than one flat leaf) keep autograd from
-        materialising a full-size zero gradient for every parameter slice. Leaves of ring slots and the
-        scratch buffer are cached like their views; micro-batches in flight may share them."""
-        key = weights.data_ptr()
-        leaves = self._leaf_cache.get(key)
-        if leaves is None:
-            leaves = [view.detach().requires_grad_(True) for view in self.weight_views(weights)]
-            for leaf, accumulator in zip(leaves, self._grad_views):
-                leaf.grad = accumulator
-            if weights.untyped_storage().data_ptr() in self._stable_storages:
-                self._leaf_cache[key] = leaves
-        return leaves
-
-    def _run_module(self, params: Sequence[torch.Tensor], inputs: tuple[Any, ...]) -> Any:
-        # Swap the given tensors in as the module's parameters for one call (what torch.func.functional_call
-        # does, without re-resolving names on every call).
-        # map() over the slots, consumed by a zero-length deque: loops in C (this runs once per forward).
-        dicts, names, order = self._slot_dicts, self._slot_names, self._slot_order
-        originals = list(map(_getitem, dicts, names))
-        try:
-            _consume(map(_setitem, dicts, names, params if order is None else [params[i] for i in order]))
-            module = self.module
-            if _hooked(module):
-                return module(*inputs)
-            # No hook to run: the generated forward itself, without the four Python frames of the module call
-            # (GraphModule's wrapper, nn.Module's call and its dispatch) that would only find no hook.
-            return module.forward(*inputs)
-        finally:
-            _consume(map(_setitem, dicts, names, originals))
+        """Autograd leaves of ``weights`` accumulating into the gradient buffer (:meth:`FlatParameters.leaves`)."""
+        return self.flat_parameters.leaves(weights)
 
     # -- boundary values -------------------------------------------------------------------------
 
@@ -390,11 +267,11 @@ class TensorStage(StageWorker):
             memory.forwarded(k, kept, () if self.is_last else y)
         else:  # nothing to count: no context to enter (this runs once per forward)
             y, record = self.rule.forward(self, k, weights, read.derivation is not None, inputs, target)
-        if (self.stage == 0 and _carries_grad(inputs)) or (target is not None and _carries_grad(target.value)):
+        if (self.stage == 0 and carries_grad(inputs)) or (target is not None and carries_grad(target.value)):
             record.outside_grad = True
         self.in_flight[k] = record
         self.sync_ring()
-        self._timed(self._forward_times, t0)
+        self._forward_times.add_since(t0)
         if self.is_last:
             return None
         return y[0].detach() if len(y) == 1 else tuple(t.detach() for t in y)  # as_payload of the detached outputs
@@ -405,17 +282,17 @@ class TensorStage(StageWorker):
         the last stage (recorded, see :meth:`_loss`), the checked outputs before it (what every backward rule
         runs in its forward)."""
         try:
-            y = self._run_module(params, inputs)
+            y = self.flat_parameters.run(params, inputs)
         except Exception as exc:
             self._note_module_error(exc, inputs)
             raise
-        return self._loss(k, y, target) if self.is_last else self._stage_outputs(y)
+        return self.microbatch_losses.compute(k, y, target) if self.is_last else self._stage_outputs(y)
 
     def rerun_forward(self, params: Sequence[torch.Tensor], inputs: tuple[Any, ...],
                       target: LossTarget | None) -> Any:
         """A forward run again for its backward (the recompute rule): what :meth:`run_forward` returned, the
         loss or the outputs, but nothing recorded; the first run already checked them."""
-        y = self._run_module(params, inputs)
+        y = self.flat_parameters.run(params, inputs)
         if not self.is_last:
             return tuple(y)
         assert self.loss_fn is not None
@@ -500,7 +377,7 @@ class TensorStage(StageWorker):
                 else:
                     outs.append(tuple(x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None
                                       for x in inputs))
-        self._timed(self._backward_times, t0)
+        self._backward_times.add_since(t0)
         return outs
 
     def _committed(self, k: int) -> None:
@@ -555,9 +432,7 @@ class TensorStage(StageWorker):
         with self.rule.reading(weights):
             self._accumulate(weight_gradients(pending, len(self._grad_views)))
         # The rest of the backward whose input gradient went first: its time adds to that backward's.
-        times, seconds = self._backward_times, time.perf_counter() - t0
-        times.values[(times.count - 1) % _KEPT] += seconds
-        times.total += seconds
+        self._backward_times.extend_last(time.perf_counter() - t0)
 
     def _accumulate(self, grads: Sequence[torch.Tensor | None]) -> None:
         pairs = [(acc, g) for acc, g in zip(self._grad_views, grads) if g is not None]
@@ -632,7 +507,7 @@ class TensorStage(StageWorker):
         state.clear_gradients()
         state.sync_ring()
         self._bind_module_to_live()
-        self._timed(self._update_times, t0)
+        self._update_times.add_since(t0)
 
     def next_lr(self) -> float:
         """The learning rate of this stage's next update (before any per-stage scaling)."""
@@ -641,24 +516,10 @@ class TensorStage(StageWorker):
         return self.optimizer.lr
 
     def _lr_scales(self, info: UpdateInfo) -> LrScales:
-        """The learning-rate scale of each range of the flat buffer: the stage's own, except that a tied
-        weight takes the smallest scale among its owners at this update (the one of the longest delay), so
-        that every copy takes the same step and the copies stay identical under per-stage scaling."""
-        n = self.grad.numel()
+        """The learning-rate scale of each range of the flat buffer (a tied weight's shared by its owners)."""
         if self.ties is None:
-            return uniform_scale(n, info.lr_scale)
-        scales, position = [], 0
-        for start, stop, _, owners in self.ties.ranges(self.grad):
-            shared = min(self.algorithm.lr_scale(owner, info.index) for owner in owners)
-            if shared == info.lr_scale:
-                continue
-            if start > position:
-                scales.append((position, start, info.lr_scale))
-            scales.append((start, stop, shared))
-            position = stop
-        if position < n:
-            scales.append((position, n, info.lr_scale))
-        return scales
+            return uniform_scale(self.grad.numel(), info.lr_scale)
+        return self.ties.lr_scales(self.grad, info.lr_scale, lambda owner: self.algorithm.lr_scale(owner, info.index))
 
     # -- evaluation (Pipeline.predict) -----------------------------------------------------------
 
@@ -695,13 +556,6 @@ class TensorStage(StageWorker):
         """Total seconds of the actions of each kind so far (the kinds that ran)."""
         return {kind: times.total for kind, times in self._times.items() if times.count}
 
-    @staticmethod
-    def _timed(times: _ActionTimes, t0: float) -> None:
-        seconds = time.perf_counter() - t0
-        times.values[times.count % _KEPT] = seconds
-        times.count += 1
-        times.total += seconds
-
     def _check_input(self, x: torch.Tensor) -> None:
         if x.is_floating_point() and x.dtype not in (self.layout.dtype, self.autocast) and self.layout.numel:
             raise ValueError(
@@ -711,7 +565,7 @@ class TensorStage(StageWorker):
 
     def _forward_checked(self, params: Sequence[torch.Tensor], inputs: tuple[Any, ...]) -> Any:
         try:
-            return self._run_module(params, inputs)
+            return self.flat_parameters.run(params, inputs)
         except Exception as exc:
             self._note_module_error(exc, inputs)
             raise
@@ -719,46 +573,7 @@ class TensorStage(StageWorker):
     def _note_module_error(self, exc: Exception, inputs: tuple[Any, ...]) -> None:
         # The module's own error, as itself (a shape mismatch or the user's code), with what it was given.
         source = f"stage {self.stage - 1}'s output" if self.stage > 0 else "the input micro-batch"
-        exc.add_note(f"raised by stage {self.stage}'s forward, given {source} {_describe(inputs, self.boundary.inputs)}")
-
-    def _loss(self, k: int, y: torch.Tensor, target: LossTarget) -> torch.Tensor:
-        """The micro-batch loss divided by ``target.divisor`` (the micro-batches per update, weighted by the
-        micro-batch's size when a mini-batch's micro-batches differ in size; see :func:`.inputs.loss_divisor`),
-        so that accumulated gradients are a mean, like plain training; records the undivided value and handles
-        non-finite losses."""
-        assert self.loss_fn is not None
-        try:
-            loss = self.loss_fn(y, target.value)
-        except Exception as exc:
-            # The loss function's own error, as itself (its type is what the caller may catch), with what it got.
-            exc.add_note(f"raised by loss_fn, given the last stage's output {_describe(y)} and the target "
-                         f"{_describe(target.value)}")
-            raise
-        if loss.dim() != 0:
-            raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)} (use reduction='mean')")
-        self._unread_losses[k] = loss.detach()
-        a = self.algorithm
-        if (k + 1) % a.update_every == 0 or (k + 1) % a.n_microbatches == 0:
-            self._read_losses()
-        return loss / target.divisor
-
-    def _read_losses(self) -> None:
-        """Read the losses of an update group (or of a mini-batch's end) in one go: on a GPU, one wait for
-        the device per group instead of one per micro-batch. A non-finite one raises, or marks its group's
-        update to be skipped; the group's update comes after its last loss is read, here."""
-        pending, self._unread_losses = self._unread_losses, {}
-        values = torch.stack(list(pending.values())).tolist()
-        for k, value in zip(pending, values):
-            self.losses[k] = value
-            if math.isfinite(value):
-                continue
-            if self.on_nonfinite == "raise":
-                m = self.algorithm.n_microbatches
-                raise NonFiniteLoss(
-                    f"non-finite loss {value} at stage {self.stage}, micro-batch {k} (micro-batch {k % m} of "
-                    f"mini-batch {k // m} since the last flush); pass on_nonfinite='skip' to skip such updates"
-                )
-            self.poisoned_groups.add(k // self.algorithm.update_every)
+        exc.add_note(f"raised by stage {self.stage}'s forward, given {source} {describe(inputs, self.boundary.inputs)}")
 
     # -- checkpoint ----------------------------------------------------------------------------
 
@@ -780,10 +595,8 @@ class TensorStage(StageWorker):
         for name, view in self.layout.views(flat).items():
             view.copy_(params[name])
         self.state.load(flat, version, updates, optimizer_state, buffers)
-        self._view_cache.clear()
-        self._leaf_cache.clear()
-        self._stable_storages = self.state.storages()
-        self.memory.excluded = self._stable_storages
+        self.flat_parameters.restable(self.state.storages())
+        self.memory.excluded = self.flat_parameters.stable
         if self.ties is not None:
             self.ties.reset()
         self._bind_module_to_live()
@@ -813,9 +626,7 @@ class TensorStage(StageWorker):
         for k in [k for k in self.in_flight if k >= first]:
             del self.in_flight[k]
         self.memory.forget(first)
-        for table in (self.losses, self._unread_losses):
-            for k in [k for k in table if k >= first]:
-                del table[k]
+        self.microbatch_losses.forget(first)
         every = self.algorithm.update_every
         self.poisoned_groups = {g for g in self.poisoned_groups if g * every < first}
         waiting = sum(1 for k in self._deferred if k < first)  # backwarded, their weight gradients still to come
@@ -855,69 +666,4 @@ class TensorStage(StageWorker):
         """The slice of the gradient buffer that holds parameter ``name``'s gradient."""
         return self._grad_views[self.layout.names.index(name)]
 
-
-class _ActionRange:
-    """A ``torch.profiler`` range, and an NVTX range on CUDA, around one action."""
-
-    __slots__ = ("name", "nvtx", "_record")
-
-    def __init__(self, name: str, nvtx: bool):
-        self.name, self.nvtx = name, nvtx
-        self._record: Any = None
-
-    def __enter__(self) -> None:
-        if torch.autograd._profiler_enabled():
-            self._record = torch.autograd.profiler.record_function(self.name)
-            self._record.__enter__()
-        if self.nvtx:
-            torch.cuda.nvtx.range_push(self.name)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.nvtx:
-            torch.cuda.nvtx.range_pop()
-        if self._record is not None:
-            self._record.__exit__(*exc)
-
-
-def _hooked(module: torch.nn.Module) -> bool:
-    """Whether calling ``module`` would do more than call its forward: run a hook (its own or a global one),
-    a compiled call (``module.compile()``) or a JIT trace, as ``nn.Module.__call__`` checks."""
-    return bool(getattr(module, "_compiled_call_impl", None) is not None or torch._C._get_tracing_state()
-                or module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or _module_hooks._global_forward_hooks
-                or _module_hooks._global_forward_pre_hooks or _module_hooks._global_backward_hooks
-                or _module_hooks._global_backward_pre_hooks)
-
-
-def _carries_grad(value: Any) -> bool:
-    """Whether a value (a tensor, or tuples, lists and dicts of them) holds a tensor that requires grad."""
-    if isinstance(value, torch.Tensor):
-        return value.requires_grad
-    if isinstance(value, (tuple, list)):
-        return any(_carries_grad(v) for v in value)
-    if isinstance(value, dict):
-        return any(_carries_grad(v) for v in value.values())
-    return False
-
-
-def _tensors(payload: Any) -> list[torch.Tensor]:
-    if isinstance(payload, torch.Tensor):
-        return [payload]
-    if isinstance(payload, tuple):
-        return [t for t in payload if isinstance(t, torch.Tensor)]
-    return []
-
-
-def _describe(value: Any, names: Sequence[str] = ()) -> str:
-    """Shapes and dtypes of a value or a structure of tensors, for error messages."""
-    if isinstance(value, torch.Tensor):
-        return f"of shape {tuple(value.shape)} (dtype {value.dtype})"
-    if isinstance(value, (tuple, list)):
-        if len(value) == 1:
-            return _describe(value[0])
-        labels = list(names) + [str(i) for i in range(len(names), len(value))]
-        return "(" + ", ".join(f"{label} {_describe(v)}" for label, v in zip(labels, value)) + ")"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k!r} {_describe(v)}" for k, v in value.items()) + "}"
-    return f"of type {type(value).__name__}"
 

@@ -9,7 +9,7 @@ optimizer, same updates: the copies stay bit-identical.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Collection, Mapping
+from typing import TYPE_CHECKING, Callable, Collection, Mapping
 
 import torch
 
@@ -42,6 +42,25 @@ class StageTies:
         spans = [(v.storage_offset() - base, v.storage_offset() - base + v.numel(), name, self.owners[name])
                  for name, v in self.views.items()]
         return sorted(spans)
+
+    def lr_scales(self, buffer: torch.Tensor, own: float,
+                  owner_scale: Callable[[int], float]) -> list[tuple[int, int, float]]:
+        """The learning-rate scale of each range of the flat ``buffer``: the stage's ``own``, except that a tied
+        weight takes the smallest ``owner_scale(owner)`` among its owners at this update (the one of the longest
+        delay), so that every copy takes the same step and the copies stay identical under per-stage scaling."""
+        n = buffer.numel()
+        scales, position = [], 0
+        for start, stop, _, owners in self.ranges(buffer):
+            shared = min(owner_scale(owner) for owner in owners)
+            if shared == own:
+                continue
+            if start > position:
+                scales.append((position, start, own))
+            scales.append((start, stop, shared))
+            position = stop
+        if position < n:
+            scales.append((position, n, own))
+        return scales
 
     def restart(self, sync: TieSync) -> None:
         """A new schedule starts (after a flush, which consumed every group)."""

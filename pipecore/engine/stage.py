@@ -110,6 +110,10 @@ class TensorStage(OnDevice, StageWorker):
         # The module's parameters as views of flat weights (a ring slot, the scratch buffer).
         self.flat_parameters = FlatParameters(module, self.layout, self.state.grad, self.state.storages())
         self._grad_views = self.flat_parameters.grad_views
+        # Parameter-shaped views of flat weights and autograd leaves accumulating into the gradient buffer, as
+        # the backward rules ask for them (RuleStage.weight_views, weight_leaves): FlatParameters' own methods.
+        self.weight_views = self.flat_parameters.views
+        self.weight_leaves = self.flat_parameters.leaves
         # The weights' storages count once. On CUDA the allocator measures, so the account keeps nothing.
         self.memory = MemoryAccount(self.flat_parameters.stable, module, enabled=track_memory and device.type == "cpu")
         self.loss_fn = loss_fn
@@ -211,14 +215,6 @@ class TensorStage(OnDevice, StageWorker):
             return _NO_RANGE  # a shared null context: this runs once per forward
         return torch.autocast(device_type=self.device.type, dtype=self.autocast)
 
-    def weight_views(self, weights: torch.Tensor) -> list[torch.Tensor]:
-        """Parameter-shaped views of ``weights`` (see :meth:`FlatParameters.views`)."""
-        return self.flat_parameters.views(weights)
-
-    def weight_leaves(self, weights: torch.Tensor) -> list[torch.Tensor]:
-        """Autograd leaves of ``weights`` accumulating into the gradient buffer (:meth:`FlatParameters.leaves`)."""
-        return self.flat_parameters.leaves(weights)
-
     # -- boundary values -------------------------------------------------------------------------
 
     def _stage_inputs(self, payload: Any) -> tuple[Any, ...]:
@@ -270,7 +266,7 @@ class TensorStage(OnDevice, StageWorker):
         if (self.stage == 0 and carries_grad(inputs)) or (target is not None and carries_grad(target.value)):
             record.outside_grad = True
         self.in_flight[k] = record
-        self.sync_ring()
+        self.state.sync_ring()
         self._forward_times.add_since(t0)
         if self.is_last:
             return None
@@ -410,7 +406,7 @@ class TensorStage(OnDevice, StageWorker):
         if self.ties is not None:
             self.ties.after_backward(microbatches)
         if self.gradient_sum is not None:
-            self.gradient_sum.after_backward(self.grad, microbatches)
+            self.gradient_sum.after_backward(self.state.grad, microbatches)
 
     def compute_weight_gradients(self) -> None:
         if self._deferred and not self.weight_actions:
@@ -473,7 +469,7 @@ class TensorStage(OnDevice, StageWorker):
                 raise
         self.mutated = True
         if self.gradient_sum is not None:
-            self.gradient_sum.finish(self.grad)  # the replicas' sum, started when the group's backwards ended
+            self.gradient_sum.finish(self.state.grad)  # the replicas' sum, started when the group's backwards ended
         state = self.state
         ring = state.ring
         state.sync_ring()
@@ -518,8 +514,8 @@ class TensorStage(OnDevice, StageWorker):
     def _lr_scales(self, info: UpdateInfo) -> LrScales:
         """The learning-rate scale of each range of the flat buffer (a tied weight's shared by its owners)."""
         if self.ties is None:
-            return uniform_scale(self.grad.numel(), info.lr_scale)
-        return self.ties.lr_scales(self.grad, info.lr_scale, lambda owner: self.algorithm.lr_scale(owner, info.index))
+            return uniform_scale(self.state.grad.numel(), info.lr_scale)
+        return self.ties.lr_scales(self.state.grad, info.lr_scale, lambda owner: self.algorithm.lr_scale(owner, info.index))
 
     # -- evaluation (Pipeline.predict) -----------------------------------------------------------
 

@@ -10,7 +10,7 @@ their weight versions (staleness, stashing, prediction, corrections), not the sp
 
 Tasks (hyper-parameters fixed per task, tuned for sequential training; see ``TASKS``):
 
-* ``mlp4``: scikit-learn's digits (``pipecore.cli.train.load_data``; the split is fixed, seed 0), MLP
+* ``mlp4``: scikit-learn's digits (``pipecore.cli.tasks.load_data``; the split is fixed, seed 0), MLP
   64-96-96-96-10 (``build_mlp``, PyTorch's default init), 4 stages, 4 micro-batches, batch 64, SGD lr 0.05
   momentum 0.9, 15 epochs (sequential plateaus at about 96% from epoch 8). Metric: test accuracy; target 90%.
 * ``mlp8``: the same data, MLP 64-96x7-10 with He (Kaiming-normal) init (with PyTorch's default init seven
@@ -95,7 +95,7 @@ from torch import nn  # noqa: E402
 import pipecore  # noqa: E402
 from _machine import machine, write_report  # noqa: E402
 from pipecore.cli._args import positive_int  # noqa: E402
-from pipecore.cli.train import (  # noqa: E402
+from pipecore.cli.tasks import (  # noqa: E402
     WARMUP_EPOCHS, build_mlp, epoch_batches, evaluate, held_out_loss, held_out_windows, load_data,
     mlp_shape, sequence_loss, stage_partition,
 )

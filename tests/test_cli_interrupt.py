@@ -18,7 +18,7 @@ import torch
 
 from pipecore.checkpoint import load_model_weights
 from pipecore.cli import main
-from pipecore.cli.train import build_mlp
+from pipecore.cli.tasks import build_mlp
 
 from _same import assert_same
 

@@ -16,7 +16,8 @@ import torch
 import pipecore
 from pipecore.cli import main
 from pipecore.cli import train as train_command
-from pipecore.cli.train import build_mlp, epoch_batches, held_out_windows, layers_cell, stage_partition
+from pipecore.cli.report import layers_cell
+from pipecore.cli.tasks import build_mlp, epoch_batches, held_out_windows, resolve_defaults, stage_partition
 
 from _same import assert_same
 
@@ -305,7 +306,7 @@ def test_under_torchrun_the_stages_default_to_the_processes(monkeypatch: pytest.
 
     def stages(*argv: str) -> int:
         args = build_parser().parse_args(["train", *argv])
-        train_command._resolve_defaults(args)
+        resolve_defaults(args)
         return args.stages
 
     assert stages() == 4

@@ -124,7 +124,7 @@ def test_fx_traced_model_equals_eager_in_float64(case):
 
 
 def test_resnet_takes_flat_digits_features_and_images():
-    from pipecore.cli.train import load_data
+    from pipecore.cli.tasks import load_data
 
     torch.manual_seed(0)
     model = ResNet().eval()

@@ -18,6 +18,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from ._args import algorithm_option, positive_int
+from .tasks import MODELS, add_model_arguments, resolve_defaults, task_for
 
 if TYPE_CHECKING:
     import torch
@@ -57,8 +58,6 @@ examples:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .train import MODELS, add_model_arguments
-
     parser.add_argument("--model", choices=MODELS, default="mlp", help="the model to plan (default mlp)")
     parser.add_argument("-a", "--algorithm", default="pipedream", metavar="NAME",
                         help="algorithm name or alias (default pipedream)")
@@ -107,7 +106,6 @@ def run(args: argparse.Namespace) -> int:
     from ..algorithms import get_algorithm
     from ..engine import SGD, AdamW
     from ..planning import parse_bytes, plan
-    from .train import _DigitsTask, _TextTask, _resolve_defaults
 
     from ..planning.bandwidth import check_gbps
     from ..planning.world import configure
@@ -140,14 +138,14 @@ def run(args: argparse.Namespace) -> int:
     for name, value in (("epochs", None), ("steps_per_epoch", None), ("eval_windows", None)):
         setattr(args, name, getattr(args, name, value))
     if world is not None:
-        args.stages = world  # not used: only so that _resolve_defaults leaves the stages alone
-    _resolve_defaults(args)
+        args.stages = world  # not used: only so that resolve_defaults leaves the stages alone
+    resolve_defaults(args)
     if world is not None:
         args.stages = None
     if args.batch_size % args.microbatches:
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}")
     torch.manual_seed(args.seed)
-    task = _TextTask(args) if args.model == "gpt" else _DigitsTask(args)
+    task = task_for(args)
     model = task.build().to(device)
     x, y = next(iter(task.batches(0)))
     example, target = x[: args.batch_size // args.microbatches], y[: args.batch_size // args.microbatches]

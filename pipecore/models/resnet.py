@@ -37,7 +37,7 @@ class ResNet(nn.Module):
     """Residual CNN classifier for 8x8 images: ``forward(x) -> logits[B, num_classes]``.
 
     ``x`` is ``[B, in_channels * 64]`` (flattened pixels, e.g. the digits features of
-    ``pipecore.cli.train.load_data``) or ``[B, in_channels, 8, 8]``; it is reshaped inside ``forward``.
+    ``pipecore.cli.tasks.load_data``) or ``[B, in_channels, 8, 8]``; it is reshaped inside ``forward``.
     A stem (3x3 conv, BatchNorm, ReLU) then ``blocks`` :class:`BasicBlock` s in the ModuleList ``blocks``
     (``blocks.1`` doubles the width and halves the resolution to 4x4 with a projected skip), global average
     pooling and a Linear ``head``.

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipecore  # noqa: E402
 from _machine import machine, write_report  # noqa: E402
 from pipecore.engine.graph import CapturedModel  # noqa: E402
-from pipecore.engine.partition import module_units  # noqa: E402
+from pipecore.planning.cuts import module_units  # noqa: E402
 from pipecore.models import GPT  # noqa: E402
 from pipecore.planning import InfeasibleMemoryLimit, parse_bytes, plan_costs, profile  # noqa: E402
 

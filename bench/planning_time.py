@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipecore  # noqa: E402
 from _machine import machine, write_report  # noqa: E402
 from pipecore.engine.graph import CapturedModel  # noqa: E402
-from pipecore.engine.partition import module_units  # noqa: E402
+from pipecore.planning.cuts import module_units  # noqa: E402
 from pipecore.models import GPT  # noqa: E402
 from pipecore.planning import Sizing, plan_costs, profile, smallest_memory_limit  # noqa: E402
 

@@ -14,7 +14,7 @@ import pipecore
 from _same import assert_same
 from pipecore.cli import main
 from pipecore.engine.graph import CapturedModel
-from pipecore.engine.partition import module_units
+from pipecore.planning.cuts import module_units
 from pipecore.models import GPT, ResNet
 from pipecore.planning import InfeasibleMemoryLimit, parse_bytes, plan_costs
 

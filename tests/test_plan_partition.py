@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from pipecore.engine.partition import balanced_by_parameters
+from pipecore.planning.cut_search import balanced_by_parameters
 from pipecore.planning import (
     GraphCosts, InfeasibleMemoryLimit, Plan, Sizing, StageModel, partition, plan_costs, smallest_memory_limit,
     stage_memory,

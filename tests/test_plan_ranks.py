@@ -15,7 +15,7 @@ import pipecore
 from pipecore.algorithms import get_algorithm
 from pipecore.cli import main
 from pipecore.engine.graph import CapturedModel
-from pipecore.engine.partition import module_units
+from pipecore.planning.cuts import module_units
 from pipecore.planning import (
     GraphCosts, InfeasibleMemoryLimit, Sizing, partition, plan_costs, smallest_memory_limit, stage_memory,
 )

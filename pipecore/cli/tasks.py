@@ -138,7 +138,7 @@ def stage_partition(model: "nn.Sequential", num_stages: int) -> list[int]:
     """
     from torch import nn
 
-    from ..engine.partition import balanced_by_parameters
+    from ..planning.cut_search import balanced_by_parameters
 
     starts = [i for i, layer in enumerate(model) if isinstance(layer, nn.Linear)]
     if num_stages > len(starts):

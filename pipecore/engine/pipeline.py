@@ -41,7 +41,7 @@ from .clip import (ClipDependencies, DistributedGlobalNorm, GlobalNorm, GradClip
                    flushes_every_minibatch)
 from .lr import LrSchedule
 from .optim import SGD, build_optimizer, check_optimizer
-from .partition import stage_starts
+from ..planning.cuts import stage_starts
 from .offload import offload_segments
 from .recompute import recompute_segments
 from .reshard import canonical_names, has_parameter_names, parameter_states, stage_state, upgrade_format

@@ -5,7 +5,8 @@ from .costs import GraphCosts, TiedParameter, ValueCost
 from .memory import Choice, Sizing, StageFit, StageMemory, StageModel, fit_stage, stage_memory, stage_time
 from .partitioners import OBJECTIVES, InfeasibleMemoryLimit, Partition, partition, smallest_memory_limit
 from .planner import Plan, plan_costs
-from .api import parse_bytes, plan
+from .api import plan
+from .byte_units import parse_bytes
 from .profiler import profile
 from .bandwidth import Bandwidth, measure_allreduce
 from .world import Configuration, World, plan_world

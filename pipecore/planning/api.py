@@ -2,36 +2,17 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any, Callable, Sequence
 
 from torch import nn
 
 from ..algorithms import Algorithm, get_algorithm
+from .byte_units import parse_bytes
+from .cuts import module_units
 from .planner import Plan, plan_costs
 from .profiler import profile
 
-_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
-          "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
 _CUTS = ("modules", "nodes")
-
-
-def parse_bytes(value: int | float | str) -> int:
-    """Bytes from an int or a string with a unit: ``"2GiB"``, ``"512 MiB"``, ``"1.5GB"``, ``"4096"``."""
-    if isinstance(value, bool):
-        raise TypeError(f"a memory size is a number of bytes or a string such as '2GiB', got {value!r}")
-    if isinstance(value, (int, float)):
-        number = float(value)
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
-        unit = match.group(2).upper() if match else None
-        if match is None or unit not in _UNITS:
-            raise ValueError(f"cannot read {value!r} as a memory size: give bytes, or a number with one of the units "
-                             "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. '2GiB')")
-        number = float(match.group(1)) * _UNITS[unit]
-    if number <= 0:
-        raise ValueError(f"a memory limit must be positive, got {value!r}")
-    return int(number)
 
 
 def plan(
@@ -104,7 +85,6 @@ def plan(
     """
     from ..engine.graph import CapturedModel
     from ..engine.threads import default_threads_per_stage
-    from ..engine.partition import module_units
 
     from .bandwidth import check_gbps
     from .world import check_world_size, configure, plan_world

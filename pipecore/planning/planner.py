@@ -9,7 +9,9 @@ from typing import Any, Iterable, Sequence
 from ..algorithms import Algorithm
 from .costs import GraphCosts
 from .memory import Segment, Sizing, StageMemory, StageModel
-from .partitioners import _rank_sums, format_bytes, partition
+from .byte_units import format_bytes
+from .partitioners import partition
+from .rank_budgets import rank_sums
 
 # Doubling the micro-batch past this many samples means memory does not grow with the batch.
 _MAX_SAMPLES = 1 << 40
@@ -96,13 +98,13 @@ class Plan:
     def rank_memory(self) -> tuple[int, ...]:
         """Per rank, predicted peak bytes: the sum of its stages' peaks (:attr:`stage_memory` with one stage per
         rank). An upper bound: the stages' peaks need not coincide."""
-        return _rank_sums(self.stage_memory, self.placement)
+        return rank_sums(self.stage_memory, self.placement)
 
     @property
     def rank_time(self) -> tuple[float, ...]:
         """Per rank, predicted seconds of one micro-batch's forward and backward through all its stages (a rank
         runs one action at a time): the work per micro-batch that bounds its throughput."""
-        return _rank_sums(self.stage_time, self.placement)
+        return rank_sums(self.stage_time, self.placement)
 
     def bounds(self) -> list[tuple[int, int]]:
         """Each stage's node range ``[start, end)``."""
@@ -111,7 +113,7 @@ class Plan:
 
     def memory_breakdown(self, batch_size: int | None = None) -> list[StageMemory]:
         """Each stage's predicted peak term by term, at ``batch_size`` (default: the plan's batch)."""
-        batch = self.batch_size if batch_size is None else _check_batch(batch_size, self.n_microbatches)
+        batch = self.batch_size if batch_size is None else check_batch(batch_size, self.n_microbatches)
         model = StageModel(self.costs.at_microbatch_size(batch // self.n_microbatches), self.sizing)
         return [model.memory(a, b, s, self.recomputed[s], self.offloaded[s]) for s, (a, b) in enumerate(self.bounds())]
 
@@ -124,7 +126,7 @@ class Plan:
         limit = self.memory_limit
 
         def peak(samples: int) -> int:
-            return max(_rank_sums([m.total for m in self.memory_breakdown(samples * self.n_microbatches)],
+            return max(rank_sums([m.total for m in self.memory_breakdown(samples * self.n_microbatches)],
                                   self.placement))
 
         if peak(1) > limit:
@@ -178,14 +180,14 @@ class Plan:
                                      for segments in (self.recomputed[s], self.offloaded[s]))
             rows.append((str(s), *((str(self.placement[s]),) if several else ()), nodes,
                          f"{self.stage_time[s] * 1e3:.3f}", memory, recomputed, offloaded))
-        lines += _columns(rows)
+        lines += aligned_columns(rows)
         if several:
             lines.append("per rank (memory: its stages' peaks summed, an upper bound of the device's peak):")
             rows = [("rank", "stages", "time (ms)", "memory" + (" / limit" if limit is not None else ""))]
             for r in range(self.num_ranks):
                 rows.append((str(r), ", ".join(map(str, self.stages_of(r))), f"{self.rank_time[r] * 1e3:.3f}",
                              of_limit(self.rank_memory[r])))
-            lines += _columns(rows)
+            lines += aligned_columns(rows)
         return "\n".join(lines)
 
 
@@ -264,7 +266,7 @@ def plan_costs(
     """
     if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1:
         raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
-    _check_batch(batch_size, n_microbatches)
+    check_batch(batch_size, n_microbatches)
     if isinstance(algorithm, Algorithm):
         if (algorithm.num_stages, algorithm.n_microbatches) != (num_stages, n_microbatches):
             raise ValueError(f"the algorithm is configured for {algorithm.num_stages} stages and "
@@ -279,13 +281,14 @@ def plan_costs(
                 sizing.algorithm, num_stages, n_microbatches, batch_size, memory_limit, costs, sizing)
 
 
-def _columns(rows: Sequence[Sequence[str]]) -> list[str]:
+def aligned_columns(rows: Sequence[Sequence[str]]) -> list[str]:
     """Rows of cells as left-aligned columns two spaces apart."""
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def _check_batch(batch_size: int, n_microbatches: int) -> int:
+def check_batch(batch_size: int, n_microbatches: int) -> int:
+    """``batch_size`` as an int, checked: positive, and divisible into ``n_microbatches`` micro-batches."""
     if not isinstance(batch_size, numbers.Integral) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if batch_size % n_microbatches:

@@ -39,15 +39,15 @@ The model does not change: its parameters are only read, ``.grad`` is left alone
 are replaced by copies while it is profiled (BatchNorm's running statistics update the copies), and the
 random state (CPU, and the CUDA device's) is put back afterwards. It is profiled in the mode it is in
 (``model.train()`` for training costs: dropout on, BatchNorm on batch statistics).
+
+This module checks what is given and charges parameters and optimizer state to nodes; the nodes are measured
+by :class:`~pipecore.planning.node_profiler.NodeProfiler`, and what crosses each cut is derived from the graph
+in :mod:`~pipecore.planning.value_flow`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import statistics
-import sys
-import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -57,7 +57,11 @@ from ..engine.graph import CapturedModel
 from ..engine.inputs import as_model_inputs
 from ..engine.optim import SGD, AdamW
 from ..engine.buffers import buffer_copies
-from .costs import GraphCosts, TiedParameter, ValueCost
+from .costs import GraphCosts, TiedParameter
+from .device_timing import host_bandwidth, on_device
+from .node_profiler import NodeProfiler
+from .tensor_values import map_tensors, storage_key, storages, tensors_in
+from .value_flow import crossing_bytes, crossing_saved, uncuttable_cuts, value_costs
 
 __all__ = ["profile"]
 
@@ -138,18 +142,18 @@ def _profile(model: nn.Module, example_input: Any, leaf_modules: Sequence[type |
     charged = _charge_parameters(captured)
     param_bytes = [sum(p.numel() * p.element_size() for p in ps) for ps in charged]
     cuda = [device.index] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda), buffer_copies([model, captured.gm]), _on_device(device):
+    with torch.random.fork_rng(devices=cuda), buffer_copies([model, captured.gm]), on_device(device):
         state = _optimizer_state(optimizer, [p for ps in charged for p in ps], device)
         optimizer_bytes = [sum(state[id(p)] for p in ps) for ps in charged]
-        profiler = _Profiler(captured, device, warmup, repeats)
+        profiler = NodeProfiler(captured, device, warmup, repeats)
         measured = profiler.run(values, progress)
         loss_saved, loss_s = 0, 0.0
         if loss_fn is not None:
-            target = _map_tensors(example_target, lambda t: t.detach().to(device))
+            target = map_tensors(example_target, lambda t: t.detach().to(device))
             loss_saved, loss_s = profiler.measure_loss(measured.output, target, loss_fn)
 
     n = len(captured.nodes)
-    before, after = _crossing_saved(captured, measured.value_bytes, profiler.savers, profiler.aliases)
+    before, after = crossing_saved(captured, measured.value_bytes, profiler.savers, profiler.aliases)
     return GraphCosts(
         names=tuple(node.name for node in captured.nodes),
         forward_s=tuple(m.forward_s for m in measured.nodes),
@@ -158,18 +162,18 @@ def _profile(model: nn.Module, example_input: Any, leaf_modules: Sequence[type |
         saved_bytes=tuple(m.saved_bytes for m in measured.nodes),
         param_bytes=tuple(param_bytes),
         optimizer_bytes=tuple(optimizer_bytes),
-        crossing_bytes=tuple(_crossing_bytes(captured, measured.value_bytes)[1:n]),
+        crossing_bytes=tuple(crossing_bytes(captured, measured.value_bytes)[1:n]),
         microbatch_size=microbatch,
         device=str(device),
         input_bytes=sum(measured.value_bytes[p] for p in captured.placeholders if p.users),
         crossing_saved_before=tuple(before[:n]),
         crossing_saved_after=tuple(after[:n]),
-        values=_values(captured, measured.value_bytes, profiler.savers, profiler.aliases),
+        values=value_costs(captured, measured.value_bytes, profiler.savers, profiler.aliases),
         tied=_tied(captured, charged, state),
         loss_saved_bytes=loss_saved,
         loss_s=loss_s,
-        uncuttable=_uncuttable(captured, measured.opaque),
-        host_bytes_per_s=_host_bandwidth(device, warmup, repeats),
+        uncuttable=uncuttable_cuts(captured, measured.opaque),
+        host_bytes_per_s=host_bandwidth(device, warmup, repeats),
     )
 
 
@@ -313,532 +317,5 @@ def _torch_optimizer_state(factory: Callable[..., Any], shape: torch.Size, dtype
     except Exception as exc:  # noqa: BLE001
         raise RuntimeError(f"profile(): one step of {type(built).__name__} failed while measuring its state "
                            f"(pipecore steps torch optimizers without a closure): {type(exc).__name__}: {exc}") from exc
-    mine = {_storage_key(probe), _storage_key(probe.grad)}
-    return sum(nbytes for key, nbytes in _storages(_tensors(built.state.get(probe, {}))) if key not in mine)
-
-
-# -- interpreting and measuring the graph -----------------------------------------------------------------
-
-
-class _NodeCost:
-    __slots__ = ("forward_s", "backward_s", "output_bytes", "saved_bytes")
-
-    def __init__(self, forward_s: float, backward_s: float, output_bytes: int, saved_bytes: int):
-        self.forward_s, self.backward_s = forward_s, backward_s
-        self.output_bytes, self.saved_bytes = output_bytes, saved_bytes
-
-
-class _Measured:
-    def __init__(self) -> None:
-        self.nodes: list[_NodeCost] = []
-        self.value_bytes: dict[fx.Node, int] = {}  # per placeholder and compute node: bytes of its value
-        self.output: Any = None  # the graph's output
-        self.opaque: set[fx.Node] = set()  # nodes whose value holds something other than tensors
-
-
-class _Profiler:
-    """Interprets the captured graph node by node and measures each compute node in isolation."""
-
-    def __init__(self, captured: CapturedModel, device: torch.device, warmup: int, repeats: int):
-        self.captured = captured
-        self.gm = captured.gm
-        self.device = device
-        self.warmup, self.repeats = warmup, repeats
-        # Inside buffer_copies: the buffers here are the copies, which is what nodes read.
-        model = captured.model
-        frozen = [*model.parameters(), *model.buffers(), *self.gm.parameters(), *self.gm.buffers()]
-        self.frozen_ids = {id(t) for t in frozen}
-        self.frozen_storages = {_storage_key(t) for t in frozen}
-        self.params = {id(p) for p in (*model.parameters(), *self.gm.parameters())}
-        self.trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
-        # Storages of the graph's values already charged as saved, and the storages themselves (held, so that
-        # their addresses cannot be reused by later values: a training forward keeps them all too).
-        self.charged: set[Any] = set()
-        self.charged_storages: list[Any] = []
-        self.producer: dict[Any, fx.Node] = {}  # storage key -> the placeholder or node whose value it holds
-        self.savers: dict[fx.Node, set[int]] = {}  # value -> indices of every compute node that saves it
-        self.aliases: dict[fx.Node, set[fx.Node]] = {}  # graph node -> the values its output's storages hold
-        self.index = {node: i for i, node in enumerate(captured.nodes)}
-
-    def run(self, inputs: dict[str, torch.Tensor], progress: bool) -> _Measured:
-        graph_nodes = list(self.gm.graph.nodes)
-        last_use = {arg: i for i, user in enumerate(graph_nodes) for arg in user.all_input_nodes}
-        env: dict[fx.Node, Any] = {}
-        out = _Measured()
-        bar = _Progress(len(self.captured.nodes), progress)
-        try:
-            for i, node in enumerate(graph_nodes):
-                if node.op == "placeholder":
-                    if node.users:
-                        env[node] = inputs[str(node.target)]
-                        out.value_bytes[node] = _value_bytes(env[node])
-                        self.producer.update((key, node) for key, _ in _storages(list(_tensors(env[node]))))
-                        self.aliases[node] = {node}
-                elif node.op == "get_attr":
-                    env[node] = _fetch_attr(self.gm, str(node.target))
-                elif node in self.captured.rematerialized:  # a size every stage recomputes: not a node to cut
-                    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-                    env[node] = node.target(*args, **kwargs)
-                elif node.op == "output":
-                    out.output = fx.node.map_arg(node.args[0], lambda n: env[n])
-                    break
-                else:
-                    cost, value = self._measure(node, env)
-                    env[node] = value
-                    if _opaque(value):
-                        out.opaque.add(node)
-                    out.nodes.append(cost)
-                    out.value_bytes[node] = cost.output_bytes
-                    bar.update()
-                for arg in node.all_input_nodes:
-                    if last_use.get(arg) == i:
-                        del env[arg]  # keep no more than a forward without autograd would
-        finally:
-            bar.close()
-        return out
-
-    def measure_loss(self, output: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor]
-                     ) -> tuple[int, float]:
-        """What ``loss_fn(output, target)`` saves for its backward that no node saved already (the last stage
-        keeps it per micro-batch in flight), and the median seconds of its forward and backward."""
-        try:
-            saved, _ = self._saved_bytes(loss_fn, (output, target), {}, clone=False)
-            mark, seconds = _clock(self.device)
-            times = []
-            _synchronize(self.device)
-            for r in range(self.warmup + self.repeats):
-                (y, t), _, leaves = self._prepare((output, target), {}, clone=False)
-                with torch.enable_grad():
-                    start = mark()
-                    loss = loss_fn(y, t)
-                    if leaves and loss.requires_grad:
-                        torch.autograd.grad(loss, leaves, allow_unused=True)
-                    times.append((start, mark()))
-            _synchronize(self.device)
-        except Exception as exc:  # noqa: BLE001 - the loss's failure names it
-            raise RuntimeError(f"profile(): loss_fn failed on the model's output and example_target: "
-                               f"{type(exc).__name__}: {exc}") from exc
-        nbytes = sum(n for key, (n, _) in saved.items() if key not in self.charged)
-        return nbytes, statistics.median(seconds(a, b) for a, b in times[self.warmup:])
-
-    def _function(self, node: fx.Node) -> Callable[..., Any]:
-        if node.op == "call_module":
-            return self.gm.get_submodule(str(node.target))
-        if node.op == "call_method":
-            name = str(node.target)
-            return lambda obj, *args, **kwargs: getattr(obj, name)(*args, **kwargs)
-        return node.target  # type: ignore[return-value]
-
-    def _measure(self, node: fx.Node, env: dict[fx.Node, Any]) -> tuple[_NodeCost, Any]:
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-        fn = self._function(node)
-        try:
-            return self._measure_call(node, fn, args, kwargs)
-        except Exception as exc:  # noqa: BLE001 - every node failure gets the node's name
-            where = f"{node.op} {node.target}" if node.op != "call_function" else \
-                f"call_function {getattr(node.target, '__name__', node.target)}"
-            raise RuntimeError(f"profile(): node {node.name!r} ({where}) failed on the example input: "
-                               f"{type(exc).__name__}: {exc}") from exc
-
-    def _measure_call(self, node: fx.Node, fn: Callable[..., Any], args: Any, kwargs: Any) -> tuple[_NodeCost, Any]:
-        clone = _may_write_inputs(node, fn)
-        if not clone:
-            # The untimed run that counts saved tensors also finds in-place writes that the node's name does
-            # not announce; the inputs it wrote are put back, so later nodes see what a forward gives them.
-            watched = {id(t): (t, t._version, t.clone()) for t in _tensors((args, kwargs))
-                       if id(t) not in self.frozen_ids}
-            try:
-                saved, counted = self._saved_bytes(fn, args, kwargs, clone=False)
-            except RuntimeError as exc:
-                if "in-place" not in str(exc) and "inplace" not in str(exc):
-                    raise
-                clone = True
-            with torch.no_grad():
-                for t, version, backup in watched.values():
-                    if t._version != version:
-                        t.copy_(backup)
-                        clone = True
-            del watched
-        if clone:
-            saved, counted = self._saved_bytes(fn, args, kwargs, clone=True)
-
-        mark, seconds = _clock(self.device)
-        own_params = [p for p in self._node_parameters(node, args) if p.requires_grad]
-        forward_marks, backward_marks = [], []
-        ones: list[torch.Tensor] | None = None
-        result: Any = None
-        _synchronize(self.device)
-        for r in range(self.warmup + self.repeats):
-            a, k, leaves = self._prepare(args, kwargs, clone)
-            with torch.enable_grad():
-                f0 = mark()
-                result = fn(*a, **k)
-                f1 = mark()
-            outputs = list({id(t): t for t in _tensors(result) if t.requires_grad}.values())
-            targets = leaves + own_params or self.trainable  # the model's parameters if the node reads others
-            b = None
-            if outputs and targets:
-                if ones is None:
-                    ones = [torch.ones_like(t) for t in outputs]
-                b0 = mark()
-                torch.autograd.grad(outputs, targets, ones, allow_unused=True)
-                b = (b0, mark())
-            if r >= self.warmup:
-                forward_marks.append((f0, f1))
-                if b is not None:
-                    backward_marks.append(b)
-        _synchronize(self.device)
-        forward_s = statistics.median(seconds(s, e) for s, e in forward_marks)
-        backward_s = statistics.median(seconds(s, e) for s, e in backward_marks) if backward_marks else 0.0
-        value = _map_tensors(result, lambda t: t.detach().requires_grad_(t.requires_grad))
-        given = {key for key, _ in _storages(list(_tensors((args, kwargs))))}
-        for key, _ in _storages(list(_tensors(value))):
-            # A view of an argument keeps the argument's producer; a new storage is this node's, even at an
-            # address that a freed value held before.
-            if key not in given or key not in self.producer:
-                self.producer[key] = node
-            self.aliases.setdefault(node, set()).add(self.producer[key])
-        charged = self._charge(node, saved, counted, value, given)
-        return _NodeCost(forward_s, backward_s, _value_bytes(value), charged), value
-
-    def _charge(self, node: fx.Node, saved: dict[Any, tuple[int, Any]], counted: Any, value: Any,
-                given: set[Any]) -> int:
-        """The bytes of ``saved`` not charged to an earlier node. A value saved by several nodes (a
-        convolution's output that BatchNorm saves as its input and a ReLU saves again) is kept once in
-        training, so it is charged once, to the first. The counting run made its own output tensors: its
-        storages stand for those of ``value``, which later nodes receive."""
-        outputs = [key for key, _ in _storages(list(_tensors(counted)))]
-        real = dict(zip(outputs, ((key, t) for (key, _), t in zip(_storages(list(_tensors(value))),
-                                                                   _tensors(value)))))
-        total = 0
-        # A saved storage is a value of the graph if it is one of the node's arguments or outputs; anything else
-        # the node made for itself (its address may be one a dropped value had).
-        values = given | {key for key, _ in real.values()}
-        for key, (nbytes, tensor) in saved.items():
-            key, tensor = real.get(key, (key, tensor))
-            is_value = key in values and key in self.producer
-            if is_value:
-                self.savers.setdefault(self.producer[key], set()).add(self.index[node])
-            if key not in self.charged:
-                self.charged.add(key)
-                self.charged_storages.append(tensor.untyped_storage())
-                total += nbytes
-        return total
-
-    def _node_parameters(self, node: fx.Node, args: Any) -> list[torch.Tensor]:
-        """The parameters a node reads: its module's, and parameters among its arguments."""
-        found = list(self.gm.get_submodule(str(node.target)).parameters()) if node.op == "call_module" else []
-        found += [t for t in _tensors(args) if id(t) in self.params]
-        return list({id(p): p for p in found}.values())
-
-    def _prepare(self, args: Any, kwargs: Any, clone: bool) -> tuple[Any, Any, list[torch.Tensor]]:
-        """The node's inputs for one run, and the leaves among them that require a gradient.
-
-        Values computed by earlier nodes are detached; those that may carry a gradient (stored with
-        ``requires_grad`` set, from the node that made them) become leaves that require one. With
-        ``clone`` (a node that writes its inputs) they are copies, the leaf's clone taken as the input so
-        that autograd allows the in-place write."""
-        leaves: list[torch.Tensor] = []
-        done: dict[int, torch.Tensor] = {}
-
-        def prepare(t: torch.Tensor) -> torch.Tensor:
-            if id(t) in self.frozen_ids:
-                return t
-            if id(t) not in done:
-                x = t.detach().clone() if clone else t.detach()
-                if t.requires_grad:
-                    x.requires_grad_(True)
-                    leaves.append(x)
-                    if clone:
-                        x = x.clone()
-                done[id(t)] = x
-            return done[id(t)]
-
-        a, k = _map_tensors((args, kwargs), prepare)
-        return a, k, leaves
-
-    def _saved_bytes(self, fn: Callable[..., Any], args: Any, kwargs: Any, clone: bool) -> tuple[dict[Any, Any], Any]:
-        """The storages autograd saves during one forward of the node (key -> bytes and a tensor on it),
-        parameters' and buffers' excluded, each once; and that forward's result."""
-        a, k, _ = self._prepare(args, kwargs, clone)
-        saved: dict[Any, tuple[int, torch.Tensor]] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            for key, nbytes in _storages([t]):
-                if key not in self.frozen_storages:
-                    saved[key] = (nbytes, t)
-            return t
-
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            counted = fn(*a, **k)
-        return saved, counted
-
-
-def _may_write_inputs(node: fx.Node, fn: Callable[..., Any]) -> bool:
-    """Whether the node announces an in-place write: ``x.add_(...)``, ``torch.relu_``, ``inplace=True``."""
-    if node.op == "call_module":
-        return bool(getattr(fn, "inplace", False))
-    name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
-    return (name.endswith("_") and not name.endswith("__")) or node.kwargs.get("inplace") is True
-
-
-def _fetch_attr(root: nn.Module, qualname: str) -> Any:
-    value: Any = root
-    for part in qualname.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def _crossing_saved(captured: CapturedModel, value_bytes: dict[fx.Node, int], savers: dict[fx.Node, set[int]],
-                    aliases: dict[fx.Node, set[fx.Node]]) -> tuple[list[int], list[int]]:
-    """Per cut position ``c`` in ``0..N``, the bytes of the values crossing it that a node saves: first before
-    ``c`` (the stage that sends the value keeps it anyway) and first at or after ``c`` (the stage that receives
-    it keeps it anyway). A view is saved when its storage is (``savers`` is per storage's value)."""
-    n = len(captured.nodes)
-    position = _positions(captured)
-    last = _last_uses(captured, position)
-    before, after = [0] * (n + 2), [0] * (n + 2)
-    for value, end in last.items():
-        saving = [i for v in aliases.get(value, {value}) for i in savers.get(v, ())]
-        nbytes = value_bytes.get(value, 0)
-        start = position[value] + 1
-        if not saving or start > end:
-            continue
-        saver = min(saving)
-        # Cuts start..saver see the saver after them; cuts saver+1..end see it before.
-        if saver >= start:
-            after[start] += nbytes
-            after[min(saver, end) + 1] -= nbytes
-        if max(saver + 1, start) <= end:
-            before[max(saver + 1, start)] += nbytes
-            before[end + 1] -= nbytes
-    for c in range(1, n + 2):
-        before[c] += before[c - 1]
-        after[c] += after[c - 1]
-    return before[: n + 1], after[: n + 1]
-
-
-def _values(captured: CapturedModel, value_bytes: dict[fx.Node, int], savers: dict[fx.Node, set[int]],
-            aliases: dict[fx.Node, set[fx.Node]]) -> tuple[ValueCost, ...]:
-    """The graph's values, a value being a storage with its views (see :class:`ValueCost`)."""
-    n = len(captured.nodes)
-    position = _positions(captured)
-    users: dict[fx.Node, set[int]] = {}
-    for node in captured.gm.graph.nodes:
-        if node.op in ("placeholder", "get_attr") or node in captured.rematerialized:
-            continue
-        at = n if node.op == "output" else position[node]
-        for arg in captured.reads(node):
-            for value in aliases.get(arg, ()):
-                users.setdefault(value, set()).add(at)
-    made = [node for node in (*captured.placeholders, *captured.nodes) if node in value_bytes and node in users]
-    return tuple(ValueCost(position[node], value_bytes[node], tuple(sorted(savers.get(node, ()))),
-                           tuple(sorted(users[node]))) for node in made)
-
-
-def _uncuttable(captured: CapturedModel, opaque: set[fx.Node]) -> tuple[int, ...]:
-    """The cut positions that a value holding something other than tensors would cross."""
-    position = _positions(captured)
-    last = _last_uses(captured, position)
-    n = len(captured.nodes)
-    return tuple(sorted({c for node in opaque for c in range(position[node] + 1, min(last.get(node, -1), n - 1) + 1)}))
-
-
-def _opaque(value: Any) -> bool:
-    """Whether ``value`` holds anything but tensors (and the tuples, lists and dicts around them)."""
-    if isinstance(value, torch.Tensor):
-        return False
-    if isinstance(value, (tuple, list)):
-        return any(_opaque(v) for v in value)
-    if isinstance(value, dict):
-        return any(_opaque(v) for v in value.values())
-    return value is not None
-
-
-def _positions(captured: CapturedModel) -> dict[fx.Node, int]:
-    """Each compute node's index, and -1 for the graph's inputs."""
-    return {**{p: -1 for p in captured.placeholders}, **{node: i for i, node in enumerate(captured.nodes)}}
-
-
-def _last_uses(captured: CapturedModel, position: dict[fx.Node, int]) -> dict[fx.Node, int]:
-    """Per value, the position of its last user (``N`` for the graph's output)."""
-    n = len(captured.nodes)
-    last: dict[fx.Node, int] = {}
-    for node in captured.gm.graph.nodes:
-        if node.op in ("placeholder", "get_attr") or node in captured.rematerialized:
-            continue
-        at = n if node.op == "output" else position[node]
-        for arg in captured.reads(node):
-            if arg.op != "get_attr":
-                last[arg] = max(last.get(arg, -1), at)
-    return last
-
-
-def _crossing_bytes(captured: CapturedModel, value_bytes: dict[fx.Node, int]) -> list[int]:
-    """Entry ``c`` for ``c`` in ``0..N``: bytes of the values produced before node ``c`` (inputs at -1) and
-    used at node ``c`` or later (the output at ``N``); parameters and buffers (``get_attr``) never cross."""
-    n = len(captured.nodes)
-    position = _positions(captured)
-    last = _last_uses(captured, position)
-    # A value crosses the cuts c with produced < c <= last: add its bytes over that range.
-    change = [0] * (n + 2)
-    for value, end in last.items():
-        start = position[value] + 1
-        if start <= end:
-            change[start] += value_bytes.get(value, 0)
-            change[end + 1] -= value_bytes.get(value, 0)
-    out, total = [], 0
-    for c in range(n + 1):
-        total += change[c]
-        out.append(total)
-    return out
-
-
-# -- tensors in values ------------------------------------------------------------------------------------
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a value made of tuples, lists and dicts."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-
-
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """``value`` with every tensor in its tuples, lists and dicts replaced by ``fn(tensor)``."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, torch.Size):
-        return value
-    if isinstance(value, tuple):
-        items = [_map_tensors(v, fn) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    if isinstance(value, list):
-        return [_map_tensors(v, fn) for v in value]
-    if isinstance(value, dict):
-        mapped = {k: _map_tensors(v, fn) for k, v in value.items()}
-        if type(value) is not dict:  # a dict of the model's own type (a Hugging Face ModelOutput) keeps it
-            try:
-                return type(value)(**mapped)
-            except TypeError:
-                return type(value)(mapped)
-        return mapped
-    return value
-
-
-def _value_bytes(value: Any) -> int:
-    """Bytes of the tensors in a value (their own elements), each tensor once."""
-    unique = {id(t): t for t in _tensors(value)}
-    return sum(t.numel() * t.element_size() for t in unique.values())
-
-
-def _storage_key(t: torch.Tensor) -> Any:
-    try:
-        return (str(t.device), t.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):  # tensors without a plain storage: each counts by itself
-        return ("tensor", id(t))
-
-
-def _storages(tensors: Iterator[torch.Tensor] | Sequence[torch.Tensor]) -> Iterator[tuple[Any, int]]:
-    """``(key, bytes)`` of the storage of each tensor (each storage once)."""
-    seen = set()
-    for t in tensors:
-        key = _storage_key(t)
-        if key in seen:
-            continue
-        seen.add(key)
-        try:
-            nbytes = t.untyped_storage().nbytes()
-        except (RuntimeError, NotImplementedError):
-            nbytes = t.numel() * t.element_size()
-        yield key, nbytes
-
-
-# -- time, state and progress ----------------------------------------------------------------------------
-
-
-def _clock(device: torch.device) -> tuple[Callable[[], Any], Callable[[Any, Any], float]]:
-    """A function that marks a moment, and one that gives the seconds between two marks (on CUDA, after
-    a synchronisation: the marks are events on the current stream)."""
-    if device.type == "cuda":
-        def mark() -> Any:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-
-        return mark, lambda start, end: start.elapsed_time(end) / 1000.0
-    return time.perf_counter, lambda start, end: end - start
-
-
-_LINK_PROBE_BYTES = 64 * 2 ** 20
-
-
-def _host_bandwidth(device: torch.device, warmup: int, repeats: int) -> float:
-    """Bytes per second between ``device`` and pinned host memory, the slower direction (median of ``repeats``
-    copies of 64 MiB each way); 0 on the CPU, where activation offload does not apply."""
-    if device.type != "cuda":
-        return 0.0
-    with _on_device(device):
-        host = torch.empty(_LINK_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
-        data = torch.empty(_LINK_PROBE_BYTES, dtype=torch.uint8, device=device)
-        mark, seconds = _clock(device)
-        directions = []
-        for destination, source in ((host, data), (data, host)):
-            times = []
-            for i in range(warmup + repeats):
-                start = mark()
-                destination.copy_(source, non_blocking=True)
-                end = mark()
-                _synchronize(device)
-                if i >= warmup:
-                    times.append(seconds(start, end))
-            directions.append(_LINK_PROBE_BYTES / max(statistics.median(times), 1e-12))
-    return min(directions)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@contextlib.contextmanager
-def _on_device(device: torch.device) -> Iterator[None]:
-    """CUDA events and allocations on ``device`` inside the block."""
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            yield
-    else:
-        yield
-
-
-class _Progress:
-    """A progress bar over the nodes on stderr: tqdm's if installed, else a counter."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled, self.done = total, enabled, 0
-        self.bar = None
-        if enabled:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                tqdm = None
-            if tqdm is not None:
-                self.bar = tqdm(total=total, desc="profile", unit="node", file=sys.stderr)
-
-    def update(self) -> None:
-        self.done += 1
-        if self.bar is not None:
-            self.bar.update(1)
-        elif self.enabled:
-            print(f"\rprofile: {self.done}/{self.total} nodes", end="", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        elif self.enabled:
-            print(file=sys.stderr, flush=True)
+    mine = {storage_key(probe), storage_key(probe.grad)}
+    return sum(nbytes for key, nbytes in storages(tensors_in(built.state.get(probe, {}))) if key not in mine)

@@ -20,7 +20,8 @@ from ..algorithms import Algorithm, get_algorithm, get_spec
 from .bandwidth import Bandwidth, given, measure_allreduce, ring_allreduce_seconds
 from .costs import GraphCosts
 from .memory import StageModel
-from .partitioners import InfeasibleMemoryLimit, _positions, format_bytes
+from .byte_units import format_bytes
+from .partitioners import InfeasibleMemoryLimit, cut_positions
 
 # Why a configuration was not chosen (Configuration.status).
 CHOSEN, SLOWER, NO_FIT, BATCH, CUTS, ALGORITHM = "chosen", "slower", "does not fit", "batch", "cut points", "algorithm"
@@ -113,7 +114,7 @@ class World:
     def table(self) -> str:
         """Every configuration: W, P, stages, samples per replica, step time, what the all-reduce adds, global
         samples per second, the fullest rank's memory, and the verdict."""
-        from .planner import _columns
+        from .planner import aligned_columns
 
         rows = [("W", "P", "stages", "batch/replica", "step (ms)", "all-reduce (ms)", "samples/s", "memory",
                  "verdict")]
@@ -124,7 +125,7 @@ class World:
             rows.append((str(c.data_parallel), str(c.pipeline_ranks), str(c.num_stages),
                          "-" if c.replica_batch is None else str(c.replica_batch), _ms(c.step_time), ar,
                          _rate(c.samples_per_s), memory, "chosen" if c.status == CHOSEN else c.reason))
-        return "\n".join(_columns(rows))
+        return "\n".join(aligned_columns(rows))
 
 
 def factorisations(world_size: int) -> list[tuple[int, int]]:
@@ -195,7 +196,7 @@ def plan_world(
     first time a configuration with ``W > 1`` is timed. Raises :class:`InfeasibleMemoryLimit` when no
     configuration fits the limit (naming the smallest limit one meets), ``ValueError`` when none can be planned.
     """
-    from .planner import _check_batch, plan_costs
+    from .planner import check_batch, plan_costs
 
     world_size = check_world_size(world_size)
     if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1:
@@ -205,7 +206,7 @@ def plan_world(
     if allreduce_gbps is not None:
         bandwidth = given(allreduce_gbps)
     configured = configure(algorithm, world_size, n_microbatches, dict(algorithm_options))
-    positions = _positions(len(costs), allowed_cuts)
+    positions = cut_positions(len(costs), allowed_cuts)
     cuttable = len([c for c in positions if c not in set(costs.uncuttable)]) - 2  # cut positions inside the graph
 
     found: list[Configuration] = []
@@ -226,7 +227,7 @@ def plan_world(
         if not isinstance(alg, Algorithm):
             found.append(dataclasses.replace(base, status=ALGORITHM, reason=f"{algorithm}: {alg}"))
             continue
-        replica_batch = _check_batch(batch_size // w, n_microbatches)
+        replica_batch = check_batch(batch_size // w, n_microbatches)
         try:
             plan = plan_costs(costs, stages, alg, replica_batch, n_microbatches, memory_limit=memory_limit,
                               objective=objective, allowed_cuts=allowed_cuts)

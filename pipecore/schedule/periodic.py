@@ -25,7 +25,7 @@ from types import MappingProxyType
 from typing import Callable, Iterator, Mapping, Sequence, overload
 
 from .ir import Action, Kind, U
-from .schedule import Schedule
+from .schedule import ImmutableRow, Schedule
 
 _Key = tuple[Kind, int]
 _new_action = object.__new__
@@ -79,8 +79,9 @@ def microbatch_positions(row: Sequence[Action]) -> dict[_Key, int]:
     return table
 
 
-class PeriodicRow(Sequence[Action]):
-    """One stage's action list, ``head + body x (copies) + tail``, each copy shifted by one more period."""
+class PeriodicRow(ImmutableRow):
+    """One stage's action list, ``head + body x (copies) + tail``, each copy shifted by one more period.
+    Immutable: :meth:`with_copies` makes a new row rather than changing this one."""
 
     def __init__(self, head: tuple[Action, ...], body: tuple[Action, ...], tail: tuple[Action, ...], copies: int,
                  shift: Shift):

@@ -8,6 +8,18 @@ from typing import Any, Callable, Collection, Iterable, Sequence
 from .ir import Action, B, F, Kind, U, W
 
 
+class ImmutableRow(Sequence[Action]):
+    """An action list other than a tuple that never changes once made, such as a
+    :class:`~pipecore.schedule.periodic.PeriodicRow` computed on demand.
+
+    A schedule keeps what it derives from its lists (placement, positions, validity) only when none of them
+    can change; a row type declares that it cannot by deriving from this class, so that the schedule need
+    not know the row types there are.
+    """
+
+    __slots__ = ()
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Per-stage action lists. ``stages[s]`` is stage ``s``'s list in execution order: a tuple, or for long
@@ -202,11 +214,9 @@ def _merge_updates(row: Sequence[Action], stages: Sequence[Sequence[Action]], ev
 
 
 def immutable(schedule: Schedule) -> bool:
-    """Whether ``schedule``'s lists cannot change (tuples, or periodic rows): then what is derived from them
-    (positions, validity) may be kept on the schedule object."""
-    from .periodic import PeriodicRow
-
-    return all(type(row) is tuple or isinstance(row, PeriodicRow)
+    """Whether ``schedule``'s lists cannot change (tuples, or :class:`ImmutableRow` such as periodic rows):
+    then what is derived from them (positions, validity) may be kept on the schedule object."""
+    return all(type(row) is tuple or isinstance(row, ImmutableRow)
                for row in (schedule.stages if schedule.ranks is None else schedule.stages + schedule.ranks))
 
 

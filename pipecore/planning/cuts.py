@@ -1,4 +1,6 @@
-"""Where the captured graph is cut into stages."""
+"""Where the captured graph is cut into stages: the pipeline's ``partition`` argument checked against the graph
+(cut points, or a :class:`~pipecore.planning.Plan`'s cuts), or the default partition, balanced by parameters
+over the model's modules."""
 
 from __future__ import annotations
 
@@ -6,40 +8,15 @@ from typing import TYPE_CHECKING, Sequence
 
 from torch import nn
 
+from .cut_search import balanced_by_parameters
+from .planner import Plan
+
+# For annotations only: loading pipecore.engine here would load its pipeline, which imports this module.
 if TYPE_CHECKING:
-    from ..planning import Plan
-    from .graph import CapturedModel
+    from ..engine.graph import CapturedModel
 
 
-def balanced_by_parameters(sizes: Sequence[int], num_stages: int) -> list[int]:
-    """Split points (start index of stages 1..P-1) minimising the largest stage's parameter count.
-
-    Ties are broken towards earlier, more even layer counts. Every stage gets at least one layer.
-    """
-    n = len(sizes)
-    prefix = [0]
-    for x in sizes:
-        prefix.append(prefix[-1] + x)
-    inf = float("inf")
-    # best[p][i]: minimal max-stage size for the first i layers in p stages; cut[p][i]: where stage p starts.
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0
-    for p in range(1, num_stages + 1):
-        for i in range(p, n + 1):
-            for j in range(p - 1, i):
-                cost = max(best[p - 1][j], prefix[i] - prefix[j])
-                if cost < best[p][i]:
-                    best[p][i], cut[p][i] = cost, j
-    splits, i = [], n
-    for p in range(num_stages, 0, -1):
-        i = cut[p][i]
-        splits.append(i)
-    return sorted(splits)[1:]
-
-
-def stage_starts(captured: "CapturedModel", num_stages: int, partition: "Sequence[int | str] | Plan | None"
-                 ) -> list[int]:
+def stage_starts(captured: CapturedModel, num_stages: int, partition: Sequence[int | str] | Plan | None) -> list[int]:
     """Validated compute-node indices where stages ``1..P-1`` start.
 
     ``partition`` may be a :class:`~pipecore.planning.Plan` (``pipecore.plan``): its cuts.
@@ -52,7 +29,7 @@ def stage_starts(captured: "CapturedModel", num_stages: int, partition: "Sequenc
     n = len(captured.nodes)
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-    if _is_plan(partition):
+    if isinstance(partition, Plan):
         return _plan_starts(partition, num_stages, n)
     if partition is None:
         units = module_units(captured)
@@ -78,7 +55,7 @@ def stage_starts(captured: "CapturedModel", num_stages: int, partition: "Sequenc
     return starts
 
 
-def module_units(captured: "CapturedModel") -> list[tuple[int, int]]:
+def module_units(captured: CapturedModel) -> list[tuple[int, int]]:
     """The node ranges ``[a, b)`` that start where a module starts: the default partition's units."""
     containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
     root = captured.model
@@ -116,13 +93,7 @@ def module_units(captured: "CapturedModel") -> list[tuple[int, int]]:
     return list(zip(starts, starts[1:] + [len(captured.nodes)]))
 
 
-def _is_plan(partition: object) -> bool:
-    from ..planning import Plan
-
-    return isinstance(partition, Plan)
-
-
-def _plan_starts(plan: "Plan", num_stages: int, nodes: int) -> list[int]:
+def _plan_starts(plan: Plan, num_stages: int, nodes: int) -> list[int]:
     """The cuts of a :class:`~pipecore.planning.Plan`, checked against this pipeline's graph and stages."""
     if plan.num_stages != num_stages:
         raise ValueError(f"the plan cuts {plan.num_stages} stages but the pipeline has num_stages={num_stages}")

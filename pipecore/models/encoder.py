@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .gpt import MLP, SelfAttention, _init_weights
+from .gpt import MLP, SelfAttention, init_weights
 
 
 class MaskedSelfAttention(SelfAttention):
@@ -56,7 +56,7 @@ class Encoder(nn.Module):
         self.blocks = nn.ModuleList(EncoderBlock(n_embd, n_head) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, num_classes)
-        self.apply(_init_weights)
+        self.apply(init_weights)
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         T = tokens.shape[1]

@@ -117,7 +117,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied: the same Parameter object
-        self.apply(_init_weights)
+        self.apply(init_weights)
         # Residual projections: keep the residual stream's variance from growing with depth (GPT-2).
         for name, p in self.named_parameters():
             if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
@@ -132,7 +132,7 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def _init_weights(module: nn.Module) -> None:
+def init_weights(module: nn.Module) -> None:
     """nanoGPT's initialisation: Linear and Embedding weights ~ N(0, 0.02), biases zero."""
     if isinstance(module, nn.Linear):
         nn.init.normal_(module.weight, mean=0.0, std=0.02)

@@ -205,7 +205,7 @@ class StageModel:
         # What of a crossing a stage keeps anyway, because one of its nodes saves it (see GraphCosts).
         self._sent_saved = [*(costs.crossing_saved_before or [0] * n), 0]
         self._received_saved = [*(costs.crossing_saved_after or [0] * n), 0]
-        self._paths: dict[tuple[int, int, int, bool], _Path] = {}
+        self._paths: dict[tuple[int, int, int, bool], MemoryPath] = {}
         self._values = _Values(costs.values)
 
     # -- range sums ----------------------------------------------------------------------------------
@@ -447,11 +447,11 @@ class StageModel:
         path.extend_all()
         return path.steps
 
-    def _path(self, start: int, end: int, stage: int, offload: bool = True) -> "_Path":
+    def _path(self, start: int, end: int, stage: int, offload: bool = True) -> "MemoryPath":
         self.check_range(start, end, stage)
         key = (start, end, stage, offload)
         if key not in self._paths:
-            self._paths[key] = _Path(self, start, end, stage, offload)
+            self._paths[key] = MemoryPath(self, start, end, stage, offload)
         return self._paths[key]
 
     def floor(self, start: int, end: int, stage: int) -> int:
@@ -473,7 +473,7 @@ class StageModel:
             fits = memory_limit is None or memory.total <= memory_limit
             return StageFit(start, end, stage, (), (), self.time(start, end), memory, fits)
         best: Choice | None = None
-        for path in self._paths_of(start, end, stage):
+        for path in self.memory_paths(start, end, stage):
             choice = path.first_within(memory_limit)
             if choice is not None and (best is None or choice.time < best.time):
                 best = choice
@@ -487,12 +487,12 @@ class StageModel:
         if not trade_time:
             return self.memory(start, end, stage).total
         least = self.memory(start, end, stage).total
-        for path in self._paths_of(start, end, stage):
+        for path in self.memory_paths(start, end, stage):
             path.extend_all()
             least = min(least, min(choice.memory.total for choice in path.steps))
         return least
 
-    def _paths_of(self, start: int, end: int, stage: int) -> list["_Path"]:
+    def memory_paths(self, start: int, end: int, stage: int) -> list["MemoryPath"]:
         """The paths :meth:`fit` chooses from: recomputation only, then (with a host link) the mixed one."""
         if self.costs.host_bytes_per_s <= 0:
             return [self._path(start, end, stage)]
@@ -524,7 +524,7 @@ class _Values:
         self.user_at = ints(x for v in values for x in v.users)
 
 
-class _Path:
+class MemoryPath:
     """The memory path of one stage (:meth:`StageModel.memory_path`), extended on demand."""
 
     def __init__(self, model: StageModel, start: int, end: int, stage: int, offload: bool = True):

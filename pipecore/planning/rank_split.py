@@ -226,7 +226,7 @@ def _front(model: StageModel, fit: StageFit) -> list[Choice]:
     a, b, s = fit.start, fit.end, fit.stage
     choices = [Choice((), (), model.memory(a, b, s), model.time(a, b))]
     if not model.sizing.recompute_all:
-        for path in model._paths_of(a, b, s):
+        for path in model.memory_paths(a, b, s):
             path.extend_all()
             choices += path.steps
     front: list[Choice] = []

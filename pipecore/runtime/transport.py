@@ -15,9 +15,9 @@ class Transport(Protocol):
 
     ``kind`` and ``microbatch`` name the consuming action (F of micro-batch k at ``stage`` receives what
     F of k at ``stage - 1`` sent; B of k at ``stage`` receives what B of k at ``stage + 1`` sent). The executor
-    uses the first group of methods; the pipeline all of them. With every stage in one process
-    (:class:`LocalTransport`) there is one rank, which is also the last: what the others would be told or
-    asked, nobody waits for.
+    calls the stage messages' methods; the pipeline calls the others too, and only with one process per rank
+    does anything travel there. With every stage in one process (:class:`LocalTransport`) there is one rank,
+    which is also the last: what other ranks would be told or asked, nobody waits for.
     """
 
     # Stage messages ----------------------------------------------------------------------------------

@@ -611,11 +611,8 @@ def main() -> None:
         train(pipe, batches(1), first, last)
         # Links are the streams named by (kind, boundary b between stages b and b+1); one stage per rank here.
         links = [s for s in [*pipe._transport.links.outgoing, *pipe._transport.links.incoming] if s.key != "loss"]
-        record = {
-            (s.key[0].name, s.key[1] + 1 if rank == s.key[1] else s.key[1]):
-                (sorted(dist.get_process_group_ranks(s.group)), s.peer)
-            for s in links
-        }
+        record = {(s.key[0].name, s.key[1] + 1 if rank == s.key[1] else s.key[1]):
+                  (sorted(dist.get_process_group_ranks(s.group)), s.peer) for s in links}
         groups = [s.group for s in links]
         record["distinct"] = len({id(g) for g in groups}) == len(groups) and dist.group.WORLD not in groups
         torch.save(record, os.path.join(out, f"links-{rank}.pt"))

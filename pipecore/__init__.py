@@ -23,7 +23,7 @@ _EXPORTS: dict[str, str] = {
     "algorithm_names": ".algorithms", "get_algorithm": ".algorithms", "register_algorithm": ".algorithms",
     "SGD": ".engine", "AdamW": ".engine", "CaptureError": ".engine", "NonFiniteLoss": ".engine",
     "Pipeline": ".engine",
-    "PeerError": ".runtime.distributed",
+    "PeerError": ".runtime.link",
     "Action": ".schedule", "Schedule": ".schedule", "ScheduleError": ".schedule", "validate": ".schedule",
     "simulate": ".simulate",
     "Plan": ".planning", "plan": ".planning", "profile": ".planning",
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from .algorithms import algorithm_names, get_algorithm, register_algorithm
     from .engine import SGD, AdamW, CaptureError, NonFiniteLoss, Pipeline
     from .planning import Plan, plan, profile
-    from .runtime.distributed import PeerError
+    from .runtime.link import PeerError
     from .schedule import Action, Schedule, ScheduleError, validate
     from .simulate import simulate
     from .trace import Trace

@@ -197,7 +197,7 @@ def _remove_quietly(paths: list[str]) -> None:
 def _agreement(pipe: Pipeline) -> Callable[..., Any]:
     """``agree(what, error, value=None)``: every process learns whether any process reported an ``error``
     (then all raise the first one) and gets the ``value`` of the process that owns stage 0."""
-    from .runtime.distributed import PeerError
+    from .runtime.link import PeerError
 
     def agree(what: str, error: str | None, value: Any = None) -> Any:
         try:

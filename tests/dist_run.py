@@ -566,9 +566,9 @@ def main() -> None:
         held = []
         for x, y in batches(int(sys.argv[4])):
             pipe.step(x if first else None, y if last else None)
-            held.append(sum(len(q) for q in pipe._transport._unacknowledged.values()))
+            held.append(pipe._transport.links.held())
         pipe.flush()
-        held.append(sum(len(q) for q in pipe._transport._unacknowledged.values()))
+        held.append(pipe._transport.links.held())
         torch.save(held, os.path.join(out, f"held-{rank}.pt"))
     elif mode == "posted":
         # Each rank keeps receives posted on every incoming link between steps and across a flush, so the
@@ -579,8 +579,8 @@ def main() -> None:
             pipe.step(x if first else None, y if last else None)
             if i == 1:
                 pipe.flush()
-            posted.append({f"{kind.name}{b}": len(queue) for (kind, b), queue in pipe._transport._posted.items()
-                           if queue})
+            posted.append({f"{stream.key[0].name}{stream.key[1]}": stream.posted
+                           for stream in pipe._transport.links.incoming if stream.key != "loss" and stream.posted})
         torch.save(posted, os.path.join(out, f"posted-{rank}.pt"))
     elif mode == "close":
         # Pipelines built and closed one after another (a sweep in one job): closing releases each one's
@@ -609,13 +609,11 @@ def main() -> None:
 
         pipe = make_pipeline(world, "1f1b", timeout=60)
         train(pipe, batches(1), first, last)
-        links = pipe._transport._links
-        # Links are named by (kind, boundary b between stages b and b+1); one stage per rank here.
-        record = {
-            (kind.name, b + 1 if rank == b else b): (sorted(dist.get_process_group_ranks(group)), peer)
-            for (kind, b), (group, peer) in links.items()
-        }
-        groups = [group for group, _ in links.values()]
+        # Links are the streams named by (kind, boundary b between stages b and b+1); one stage per rank here.
+        links = [s for s in [*pipe._transport.links.outgoing, *pipe._transport.links.incoming] if s.key != "loss"]
+        record = {(s.key[0].name, s.key[1] + 1 if rank == s.key[1] else s.key[1]):
+                  (sorted(dist.get_process_group_ranks(s.group)), s.peer) for s in links}
+        groups = [s.group for s in links]
         record["distinct"] = len({id(g) for g in groups}) == len(groups) and dist.group.WORLD not in groups
         torch.save(record, os.path.join(out, f"links-{rank}.pt"))
     elif mode == "destroy":

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
-from pipecore.runtime.distributed import DistributedTransport, PeerError  # noqa: E402
+from pipecore.runtime.distributed import DistributedTransport  # noqa: E402
+from pipecore.runtime.link import PeerError  # noqa: E402
 from pipecore.runtime.ties import DistributedTiedGradients  # noqa: E402
 from pipecore.runtime.worker import Message  # noqa: E402
 from pipecore.schedule.ir import B, F  # noqa: E402
@@ -189,7 +190,7 @@ def _ties(rank: int, world: int, out: str, order: str) -> None:
             for g in grads.values():
                 g.zero_()  # as the caller does: the exchange must have its own copy
             sums[group] = exchange.reduce(rank, group)
-    held = sum(len(q) for q in exchange._sends.values())
+    held = exchange.links.held()
     exchange.close()
     torch.save({"sums": sums, "held": held}, os.path.join(out, f"ties-{rank}.pt"))
 

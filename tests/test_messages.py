@@ -6,6 +6,8 @@ Multi-process tests run real ranks over gloo on loopback (``msg_run.py``), launc
 
 from __future__ import annotations
 
+import inspect
+import re
 import subprocess
 import sys
 import time
@@ -15,7 +17,9 @@ from typing import Any
 import pytest
 import torch
 
+from pipecore.runtime.distributed import DistributedTransport
 from pipecore.runtime.ties import LocalTiedGradients
+from pipecore.runtime.transport import LocalTransport, Transport
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _ranks import launch_ranks  # noqa: E402
@@ -54,6 +58,32 @@ def _all_contiguous(flags: Any) -> bool:
     if isinstance(flags, tuple):
         return all(_all_contiguous(f) for f in flags)
     return flags in (None, True)
+
+
+# The transports' protocol ------------------------------------------------------------------------------
+
+PROTOCOL = {name for name, value in vars(Transport).items() if callable(value) and not name.startswith("_")}
+
+
+def test_both_transports_implement_every_method_of_the_protocol():
+    """Same names, same parameters: the executor and the pipeline can hold either behind ``Transport``."""
+    assert {"send", "receive", "abort", "publish_loss", "share", "notify_failure", "resync"} <= PROTOCOL
+    for transport in (LocalTransport, DistributedTransport):
+        for name in sorted(PROTOCOL):
+            method = getattr(transport, name, None)
+            assert callable(method), f"{transport.__name__} has no {name}()"
+            assert (list(inspect.signature(method).parameters)
+                    == list(inspect.signature(getattr(Transport, name)).parameters)), (transport.__name__, name)
+
+
+def test_the_executor_and_the_pipeline_call_only_the_protocol_on_a_transport():
+    """Every method the executor and the pipeline use on their transport is in ``Transport`` (but the local
+    mailbox, which the executor's hot path uses directly once it knows the transport is a ``LocalTransport``)."""
+    root = Path(__file__).parent.parent / "pipecore"
+    for path in (root / "runtime" / "executor.py", root / "engine" / "pipeline.py"):
+        used = set(re.findall(r"(?<![A-Za-z])_?transport\.(\w+)", path.read_text()))
+        assert used, path
+        assert used - {"mailbox"} <= PROTOCOL, (path.name, sorted(used - {"mailbox"} - PROTOCOL))
 
 
 # Several tensors per message --------------------------------------------------------------------------

@@ -266,7 +266,7 @@ class DistributedGlobalNorm(GlobalNorm):
 
     def _take(self, peer: int, update: int | None) -> float:
         """``peer``'s norm of ``update`` (with None: its next message, whatever it is)."""
-        from ..runtime.distributed import PeerError
+        from ..runtime.link import PeerError
 
         header = self._receive(peer, torch.empty(2, dtype=torch.float64))
         if header[0] == -1:
@@ -278,7 +278,7 @@ class DistributedGlobalNorm(GlobalNorm):
         return float(header[1])
 
     def _receive(self, peer: int, buffer: torch.Tensor) -> torch.Tensor:
-        from ..runtime.distributed import PeerError
+        from ..runtime.link import PeerError
 
         try:
             self._group.recv([buffer], self._in_group[peer], self._TAG).wait(self.timeout)
@@ -309,7 +309,7 @@ class DistributedGlobalNorm(GlobalNorm):
     def resync(self, counts: list[dict[int, int]]) -> None:
         """After a failure, with every rank's :meth:`sent_counts` (in rank order): take and drop what is left on
         the streams to this rank (the norms of undone updates and failure notices)."""
-        from ..runtime.distributed import PeerError
+        from ..runtime.link import PeerError
 
         for peer in self._peers:
             while self._taken[peer] < counts[peer][self.rank]:

@@ -160,7 +160,7 @@ class GradientSum:
             for work in pending:
                 work.wait()
         except RuntimeError as exc:
-            from ..runtime.distributed import PeerError
+            from ..runtime.link import PeerError
 
             raise PeerError(f"{self.who}: summing the gradients over the replicas failed ({str(exc).splitlines()[0]}); "
                             "a replica of this stage died or stopped answering within the timeout") from exc
@@ -214,7 +214,7 @@ def sum_over(group: Any, values: Sequence[float], device: torch.device, what: st
     try:
         dist.all_reduce(tensor, group=group)
     except RuntimeError as exc:
-        from ..runtime.distributed import PeerError
+        from ..runtime.link import PeerError
 
         members = dist.get_process_group_ranks(group)
         raise PeerError(f"rank {dist.get_rank()}: {what} over ranks {members} failed ({str(exc).splitlines()[0]}); "

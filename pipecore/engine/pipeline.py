@@ -21,7 +21,7 @@ from torch import nn
 
 from ..algorithms import get_algorithm
 from ..planning.planner import Plan
-from ..runtime.distributed import PeerError
+from ..runtime.link import PeerError
 from ..runtime.choice import IN_TURN, THREADS, ThreadsOrInTurn
 from ..runtime.executor import Costs, Executor
 from ..runtime.ties import LocalTiedGradients, StagesAsRanks

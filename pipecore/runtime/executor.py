@@ -35,11 +35,10 @@ from ..schedule.progress import positions, rank_cursor, runnable
 from ..schedule.schedule import Schedule, upstream
 from ..schedule.validate import ScheduleError, is_valid
 from .threads import StageThreads
-from .transport import _STAGE_BITS, LocalTransport, Transport
+from .transport import KEY_SHIFT, LocalTransport, Transport
 from .worker import ActionRecord, Message, StageWorker
 
 _RECHECKED = 64
-_KEY_SHIFT = _STAGE_BITS + 1  # LocalTransport's mailbox key: (micro-batch << _KEY_SHIFT) | (stage << 1) | (kind is B)
 _POLL = 0.05  # seconds between the caller's checks for Ctrl-C while it waits for a stage thread
 _NO_WINDOW: tuple[int, int, Sequence[Action]] = (0, 0, ())  # no block of a row read yet (see _block_of)
 _NO_GRADIENT = Message()  # what the last stage's backward receives (no gradient travels to it); never changed
@@ -57,7 +56,7 @@ def _mailbox_of(transport: Transport) -> Any:
     there directly, under the transport's keys (one C call instead of two Python calls and one)."""
     if type(transport) is not LocalTransport or "ready" in vars(transport) or "send" in vars(transport):
         return None
-    return transport._mailbox  # type: ignore[attr-defined]
+    return transport.mailbox
 
 
 @dataclass(frozen=True)
@@ -328,11 +327,11 @@ class Executor:
                         if available is not None and action.index >= available:
                             break
                         if s > 0 and not (ready(s, F, action.index) if contains is None
-                                          else contains(action.index << _KEY_SHIFT | s << 1)):
+                                          else contains(action.index << KEY_SHIFT | s << 1)):
                             break
                     elif kind is B and s < last and not (
                             ready(s, B, action.index + action.count - 1) if contains is None
-                            else contains((action.index + action.count - 1) << _KEY_SHIFT | s << 1 | 1)):
+                            else contains((action.index + action.count - 1) << KEY_SHIFT | s << 1 | 1)):
                         break
                     if needs is not None and not all(
                             self._index[n] < cursor[n[0]] for n in needs(action) if n[0] in workers):
@@ -477,7 +476,7 @@ class Executor:
                     if self._mailbox is None:
                         self.transport.send(s + 1, F, k, out)
                     else:
-                        self._mailbox.put(k << _KEY_SHIFT | (s + 1) << 1, out)
+                        self._mailbox.put(k << KEY_SHIFT | (s + 1) << 1, out)
             elif kind is B:
                 last = self._last
                 if action.count == 1:  # one micro-batch: its gradient, without the lists of several
@@ -516,7 +515,7 @@ class Executor:
                         if mailbox is None:
                             self.transport.send(s - 1, B, k, m)
                         else:
-                            mailbox.put(k << _KEY_SHIFT | (s - 1) << 1 | 1, m)
+                            mailbox.put(k << KEY_SHIFT | (s - 1) << 1 | 1, m)
                 if not split:
                     worker.finish_backward()  # after the send: the upstream stage waits only for the input gradient
             elif kind is W:

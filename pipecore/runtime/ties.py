@@ -8,40 +8,33 @@ order, ``((g_a + g_b) + g_c)``, by every owner, so all owners get a bit-identica
 Two implementations of :class:`TiedGradients`:
 
 * :class:`LocalTiedGradients`: every stage in this process; an in-memory mailbox.
-* :class:`DistributedTiedGradients`: one process per stage over ``torch.distributed``; process groups over
-  each tie's owners.
+* :class:`DistributedTiedGradients`: one process per stage over ``torch.distributed``; per tie and pair of
+  owners, a stream of the link layer (:mod:`pipecore.runtime.link`) each way, which moves the gradients,
+  acknowledges them, delivers them at exit, carries failure notices and resyncs after a failure.
 
-Process groups: per tie, one group over its owners for each owner's outgoing messages, so every group carries
+Process groups: per tie, one group over its owners for each owner's outgoing streams, so every group carries
 one direction between any two ranks (as the transport's links do). On NCCL a pair's sends and receives run
 in order on one stream per communicator: with both directions on one group, the receive each owner posts
 ahead of time would hold back its own send, on both sides, for ever. On gloo it also keeps one direction's
 traffic from waiting for the other's.
 
-Wire format of :class:`DistributedTiedGradients`: per tie and update group, each owner sends one ``uint8``
-buffer to every other owner (the same buffer to all of them)::
+A message is one frame of the link layer: per tie and update group, each owner sends every other owner::
 
-    [gradient bytes, padded to 8] [update group: int64] [acknowledgements: one int64 per owner, in owner order]
+    [gradient bytes, padded to 8] [update group: int64] [the link layer's trailer]
 
-A failure notice has the same size, the group word ``-1`` and, in place of the gradient, the failure's
-description as UTF-8 text (cut to the gradient's bytes).
-
-The acknowledgement for owner ``o`` is how many of ``o``'s messages on this tie the sender had received when
-it posted the message. gloo reports a send complete only once someone waits on it (``Work.is_completed()``
-stays false until then), so sends are pruned both by ``is_completed()`` (enough on NCCL) and by these
-acknowledgements: waiting on a send that the peer says it received returns at once. Without them a long run
-on gloo would keep every gradient it ever sent; with them an owner holds about one send per other owner and
-tie, as long as owners alternate post and reduce. Sends that no later message acknowledges (an owner that
-posts several groups ahead, the last group) are completed by :meth:`DistributedTiedGradients.wait_sends` or
-``close()``.
+The two streams between two owners of a tie are paired, so each message acknowledges the other owner's
+messages taken so far: an owner holds about one send per other owner and tie, as long as owners alternate
+post and reduce. Sends that no later message acknowledges (an owner that posts several groups ahead, the
+last group) are completed by :meth:`DistributedTiedGradients.wait_sends` or ``close()``.
 
 Ordering: a send never waits for its receiver. Each owner keeps the receive of every other owner's next
-message posted ahead of time (from construction when the shapes are given, else from its first post), so a
-message is transferred as soon as it is sent, whether or not its receiver has reached its reduce. The only
-operation that waits is :meth:`DistributedTiedGradients.reduce`, for the other owners' messages of that
-group; an owner that is dead or silent is a :class:`~pipecore.runtime.distributed.PeerError` after the
-timeout, naming the rank and the tie. Messages arrive in order on each (tie, sender), so every owner must
-post the same update groups and reduce them in increasing order; each message names its update group and a
-mismatch is a ``PeerError`` ("out of step") rather than a wrong sum.
+message posted ahead of time, so a message is transferred as soon as it is sent, whether or not its receiver
+has reached its reduce. The only operation that waits is :meth:`DistributedTiedGradients.reduce`, for the
+other owners' messages of that group; an owner that is dead or silent is a
+:class:`~pipecore.runtime.link.PeerError` after the timeout, naming the rank and the tie. Messages arrive in
+order on each (tie, sender), so every owner must post the same update groups and reduce them in increasing
+order; each message names its update group and a mismatch is a ``PeerError`` ("out of step") rather than a
+wrong sum.
 
 After a failure (``Pipeline`` recovery): a rank that stops at an error sends a failure notice on each of its
 streams (:meth:`DistributedTiedGradients.notify_failure`), so that an owner waiting in ``reduce`` for its
@@ -59,27 +52,22 @@ carries only the groups its sender posts again, in order.
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import threading
-import weakref
-from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import _C
-
-from .distributed import PeerError, _first_line, _padded
+from .link import TRAILER, TRAILER_BYTES, Incoming, Links, Outgoing, PeerError, padded
 
 # Each group carries one tie's messages from one sender, so one tag is enough (NCCL ignores tags and matches
 # in order, which is the order here too).
 _TIE_TAG = 50
-# The group word of a failure notice (update groups count from 0).
-_NOTICE_GROUP = -1
+_GROUP = -TRAILER - 1  # a message's update group: its last word before the link layer's trailer
 
 Shape = tuple[torch.Size | Sequence[int], torch.dtype]
 
@@ -285,21 +273,6 @@ def _readable(posted: Mapping[int, torch.Tensor], events: Mapping[int, Any], own
     return parts
 
 
-@dataclass
-class _FailedReceive:
-    """A receive posted ahead that could not be posted (the peer had closed its connection): what the take
-    waiting for that message raises."""
-
-    error: PeerError
-
-
-@dataclass
-class _Sent:
-    """A posted send; its buffer lives until the send is completed."""
-
-    work: Any
-    buffer: torch.Tensor
-
 
 @dataclass
 class _Tie:
@@ -307,10 +280,11 @@ class _Tie:
 
     name: str
     owners: tuple[int, ...]
-    group: Any  # the group this rank sends its gradients on
-    peers: dict[int, int]  # other owner -> its rank in ``group``
-    sources: dict[int, tuple[Any, int]]  # other owner -> (the group it sends on, its rank there)
-    me: int  # this rank's index among the owners (its acknowledgement slot)
+    # Per other owner: the stream this rank sends its gradients on, and the one it takes that owner's from.
+    streams: dict[int, tuple[Outgoing, Incoming]] = field(default_factory=dict)
+    # Per other owner: its gradients taken off the stream and not reduced yet, by update group (taken by a
+    # reduce that then failed, kept by resync, or given back by unreduce).
+    early: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
     shape: torch.Size | None = None
     dtype: torch.dtype | None = None
 
@@ -321,27 +295,16 @@ class _Tie:
 
     @property
     def size(self) -> int:
-        """Bytes of one message: the gradient padded to 8, the group and one acknowledgement per owner."""
-        return _padded(self.nbytes) + 8 * (1 + len(self.owners))
+        """Bytes of one message: the gradient padded to 8, the update group and the link layer's trailer."""
+        return padded(self.nbytes) + 8 + TRAILER_BYTES
 
 
-def _gradient(tie: _Tie, buffer: torch.Tensor) -> torch.Tensor:
-    """The gradient a received message of ``tie`` carries (a view into its buffer)."""
-    assert tie.shape is not None and tie.dtype is not None
+def _gradient(tie: _Tie, buffer: torch.Tensor, peer: int) -> torch.Tensor:
+    """The gradient a message of ``tie`` from ``peer`` carries (a view into its buffer)."""
+    if tie.shape is None or tie.dtype is None:
+        raise RuntimeError(f"tie {tie.name!r} has no shape yet (no shapes given, nothing posted), so the message "
+                           f"from rank {peer} cannot be read")
     return buffer[: tie.nbytes].view(tie.dtype).view(tie.shape)
-
-
-def _release_at_exit(ties: "weakref.ref[DistributedTiedGradients]") -> None:
-    live = ties()
-    if live is not None and not live.closed:
-        try:
-            live.wait_sends()
-        except (PeerError, RuntimeError):
-            pass  # the receiving rank is gone; nothing can be delivered
-        finally:
-            # Release the groups now rather than during interpreter teardown (see DistributedTransport).
-            live._posted_recv.clear()
-            live._ties = {}
 
 
 class DistributedTiedGradients:
@@ -350,9 +313,10 @@ class DistributedTiedGradients:
     Every rank must construct it, with the same ``ties``, at the same point relative to other process-group
     creations: it creates, per tie, one group over the tie's owners for each owner to send on, and
     ``new_group`` is collective over the default group. ``shapes`` (tie name -> gradient shape and dtype, for
-    the ties this rank owns) lets the first receives be posted at construction; without it they are posted
-    at this rank's first :meth:`post`, from its own gradients (every owner's copy has the same shape).
-    ``timeout`` (seconds) bounds every wait. Gradients travel in buffers on ``device`` (for NCCL, the GPU).
+    the ties this rank owns) sizes the receives posted at construction, so that the first messages need no
+    announcement; every owner of a tie gives its shape, or none does (then the first message of each stream
+    announces its size). ``timeout`` (seconds) bounds every wait. Gradients travel in buffers on ``device``
+    (for NCCL, the GPU).
     """
 
     def __init__(self, ties: Mapping[str, Sequence[int]], rank: int, timeout: float = 30.0,
@@ -366,36 +330,21 @@ class DistributedTiedGradients:
         # global rank of pipeline rank r of replica i, and every replica's owners exchange among themselves.
         grid = [list(range(dist.get_world_size()))] if grid is None else [list(row) for row in grid]
         world = len(grid[0])
+        for name, owners in self.ties.items():
+            if owners[-1] >= world:
+                raise ValueError(f"tie {name!r}: owner {owners[-1]} is not a rank (world size {world})")
+        #: This rank's ends of the streams, keyed by tie name.
+        self.links = Links(rank, self.timeout, self.device)
         self._ties: dict[str, _Tie] = {}
         for name in sorted(self.ties):  # the same order on every rank, whatever order the dict has
             owners = self.ties[name]
-            if owners[-1] >= world:
-                raise ValueError(f"tie {name!r}: owner {owners[-1]} is not a rank (world size {world})")
             # One group per sending owner and replica (see the module docstring), created by every process in
             # the same order.
             for i, row in enumerate(grid):
-                members = [row[o] for o in owners]
-                groups = {sender: dist.new_group(members, timeout=self.timeout) for sender in owners}
+                groups = {sender: dist.new_group([row[o] for o in owners], timeout=self.timeout) for sender in owners}
                 if i == replica and rank in owners:
-                    own = groups[rank]
-                    peers = {o: dist.get_group_rank(own, row[o]) for o in owners if o != rank}
-                    sources = {o: (groups[o], dist.get_group_rank(groups[o], row[o])) for o in owners if o != rank}
-                    self._ties[name] = _Tie(name, owners, own, peers, sources, owners.index(rank))
-        # Per (tie, other owner): the posted receive of its next message; sends not completed yet, in order;
-        # how many of them were completed; how many messages were received; its gradients taken off the stream
-        # and not reduced yet, by update group (taken by a reduce that then failed, kept by resync, or given
-        # back by unreduce).
-        self._posted_recv: dict[tuple[str, int], tuple[torch.Tensor, Any]] = {}  # the work, or a _FailedReceive
-        self._sends: dict[tuple[str, int], deque[_Sent]] = {}
-        self._completed: dict[tuple[str, int], int] = {}
-        self._received: dict[tuple[str, int], int] = {}
-        self._early: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
-        for tie in self._ties.values():
-            for peer in tie.peers:
-                self._sends[tie.name, peer] = deque()
-                self._completed[tie.name, peer] = self._received[tie.name, peer] = 0
-                self._early[tie.name, peer] = {}
-        # update group -> tie -> this rank's own gradient (a view into the buffer it sent).
+                    self._ties[name] = self._tie(name, owners, row, groups, (shapes or {}).get(name))
+        # update group -> tie -> this rank's own gradient (a view into a buffer it sent).
         self._own: dict[int, dict[str, torch.Tensor]] = {}
         self._last: int | None = None
         # Groups this rank reduced: update group -> (the epoch it was reduced in, this rank's own parts, the
@@ -403,14 +352,31 @@ class DistributedTiedGradients:
         # first new_epoch() on (before it, nothing would forget them).
         self._retired: dict[int, tuple[int, dict[str, torch.Tensor], dict[tuple[str, int], torch.Tensor]]] = {}
         self._epoch = 0
-        self.failure_notified = False
-        self.closed = False
-        for name, (shape, dtype) in (shapes or {}).items():
-            tie = self._ties.get(name)
-            if tie is not None:
-                tie.shape, tie.dtype = torch.Size(shape), dtype
-                self._post_receives(tie)
-        atexit.register(_release_at_exit, weakref.ref(self))
+
+    def _tie(self, name: str, owners: tuple[int, ...], row: Sequence[int], groups: Mapping[int, Any],
+             shape: Shape | None) -> _Tie:
+        """This rank's streams of tie ``name``: to each other owner on this rank's group, from it on its group."""
+        tie = _Tie(name, owners)
+        if shape is not None:
+            tie.shape, tie.dtype = torch.Size(shape[0]), shape[1]
+        size = tie.size if tie.shape is not None else TRAILER_BYTES
+        own = groups[self.rank]
+        for o in owners:
+            if o == self.rank:
+                continue
+            theirs = groups[o]
+            outgoing = self.links.send_to(name, own, dist.get_group_rank(own, row[o]), o, _TIE_TAG,
+                                          f"the gradients of tie {name!r}", size)
+            incoming = self.links.receive_from(name, theirs, dist.get_group_rank(theirs, row[o]), o, _TIE_TAG,
+                                               f"the next gradient of tie {name!r}", size)
+            self.links.pair(outgoing, incoming)
+            tie.streams[o] = (outgoing, incoming)
+            tie.early[o] = {}
+        return tie
+
+    @property
+    def closed(self) -> bool:
+        return self.links.closed
 
     def _check_stage(self, stage: int) -> None:
         if stage != self.rank:
@@ -422,123 +388,45 @@ class DistributedTiedGradients:
 
     def post(self, stage: int, group: int, grads: dict[str, torch.Tensor]) -> None:
         """Send this rank's gradients of ``group`` to the other owners (without waiting) and keep them, copied
-        into the buffer sent, for :meth:`reduce`."""
+        into a message sent, for :meth:`reduce`."""
         self._check_stage(stage)
         _check_post(stage, group, grads, list(self._ties), self._last)
         own: dict[str, torch.Tensor] = {}
         for name in sorted(grads):
             tie, grad = self._ties[name], grads[name]
-            if tie.shape is None:  # learned from the first post; the receives can now be posted
+            if tie.shape is None:  # learned from the first post
                 tie.shape, tie.dtype = grad.shape, grad.dtype
-                self._post_receives(tie)
             elif (grad.shape, grad.dtype) != (tie.shape, tie.dtype):
                 raise ValueError(f"rank {self.rank}: tie {name!r} has gradients of shape {tuple(tie.shape)} and "
                                  f"dtype {tie.dtype}, got {tuple(grad.shape)} {grad.dtype}")
-            buffer = torch.empty(tie.size, dtype=torch.uint8, device=self.device)
-            nbytes = tie.nbytes
-            view = buffer[:nbytes].view(grad.dtype).view(grad.shape)
-            view.copy_(grad.detach())  # the caller zeroes its gradient after posting
-            end = _padded(nbytes)
-            if end != nbytes:
-                buffer[nbytes:end].zero_()
-            self._send(tie, buffer, group)
-            own[name] = view
+            # Copied into each message: the caller zeroes its gradient after posting.
+            frames = [outgoing.send(grad, (group,)) for outgoing, _ in tie.streams.values()]
+            own[name] = _gradient(tie, frames[0], self.rank)
         self._own[group] = own
         self._last = group
-
-    def _send(self, tie: _Tie, buffer: torch.Tensor, group: int) -> None:
-        """Write the words (``group``, the acknowledgements) at the end of ``buffer`` and send it to every
-        other owner of ``tie``, without waiting."""
-        words = [group] + [self._received.get((tie.name, o), 0) for o in tie.owners]
-        buffer[_padded(tie.nbytes):].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
-        for peer, peer_in_group in tie.peers.items():
-            sends = self._sends[tie.name, peer]
-            self._prune(tie.name, peer)
-            try:
-                with _C.RecordingOff():  # as the transport's messages (DistributedTransport._post_receive)
-                    sends.append(_Sent(tie.group.send([buffer], peer_in_group, _TIE_TAG), buffer))
-            except RuntimeError as exc:
-                raise self._failed(tie.name, peer, "sending to", exc) from exc
-
-    def _prune(self, name: str, peer: int) -> None:
-        """Drop the sends already completed (NCCL says so by itself; gloo only once waited on)."""
-        sends = self._sends[name, peer]
-        while sends and sends[0].work.is_completed():
-            sends.popleft()
-            self._completed[name, peer] += 1
-
-    def _acknowledge(self, name: str, peer: int, count: int) -> None:
-        """``peer`` has received ``count`` of our messages on tie ``name``: complete those sends (at once)."""
-        self._prune(name, peer)
-        sends = self._sends[name, peer]
-        while self._completed[name, peer] < count and sends:
-            self._complete(name, peer, sends.popleft())
-            self._completed[name, peer] += 1
-
-    def _complete(self, name: str, peer: int, sent: _Sent) -> None:
-        try:
-            done = sent.work.wait(self.timeout)
-        except RuntimeError as exc:
-            raise self._failed(name, peer, "sending to", exc) from exc
-        if done is False:
-            raise self._failed(name, peer, "sending to", TimeoutError("the send did not complete"))
 
     def wait_sends(self) -> None:
         """Complete every posted send; raises :class:`PeerError` if an owner does not take its messages
         within the timeout."""
-        for (name, peer), sends in self._sends.items():
-            while sends:
-                self._complete(name, peer, sends.popleft())
-                self._completed[name, peer] += 1
+        self.links.wait_sends()
 
     def close(self, deliver: bool = True) -> None:
         """Destroy the tie groups; with ``deliver``, first complete the posted sends. Receives still posted are
         dropped. Nothing can be exchanged afterwards; closing twice does nothing."""
-        if self.closed:
-            return
         try:
-            if deliver:
-                self.wait_sends()
+            self.links.close(deliver)
         finally:
-            self.closed = True
-            self._posted_recv.clear()
             self._own.clear()
-            self._early.clear()
             self._retired.clear()
-            groups = [tie.group for tie in self._ties.values()]
-            groups += [group for tie in self._ties.values() for group, _ in tie.sources.values()]
-            self._ties = {}
-            if dist.is_initialized():  # after destroy_process_group() of the default group, all are gone
-                for group in groups:
-                    dist.destroy_process_group(group)
+            for tie in self._ties.values():
+                for early in tie.early.values():
+                    early.clear()
 
     # Receiving -------------------------------------------------------------------------------------
 
-    def _post_receives(self, tie: _Tie) -> None:
-        for peer in tie.peers:
-            self._post_receive(tie, peer)
-
-    def _post_receive(self, tie: _Tie, peer: int, ahead: bool = False) -> None:
-        """Post the receive of ``peer``'s next message on ``tie``. ``ahead``: posted as soon as the previous
-        message is taken, before anyone waits for this one, so a peer that has finished and closed its
-        connection is no error yet: the failure is kept, and raised by the take that waits for the message
-        (if one ever does)."""
-        buffer = torch.empty(tie.size, dtype=torch.uint8, device=self.device)
-        group, peer_in_group = tie.sources[peer]
-        try:
-            with _C.RecordingOff():  # as the transport's messages (DistributedTransport._post_receive)
-                work = group.recv([buffer], peer_in_group, _TIE_TAG)
-        except RuntimeError as exc:
-            error = self._failed(tie.name, peer, "posting the receive from", exc)
-            if not ahead:
-                raise error from exc
-            error.__cause__ = exc
-            work = _FailedReceive(error)
-        self._posted_recv[tie.name, peer] = (buffer, work)
-
     def ready(self, stage: int, group: int) -> bool:
         """Always True: :meth:`reduce` waits, with the timeout, like the transport's receive."""
-        return True  # reduce blocks (with the timeout) until the other owners' gradients are there
+        return True
 
     def reduce(self, stage: int, group: int) -> dict[str, torch.Tensor]:
         """Per tie this rank owns, the sum of every owner's gradient of ``group`` in stage order (fresh
@@ -553,18 +441,19 @@ class DistributedTiedGradients:
         # Every other owner's part first: a reduce that raises while waiting leaves the group whole.
         for name in sorted(own):
             tie = self._ties[name]
-            for peer in tie.peers:
+            for peer in tie.streams:
                 self._collect(tie, peer, group)
         del self._own[group]
         sums: dict[str, torch.Tensor] = {}
         theirs: dict[tuple[str, int], torch.Tensor] = {}
         for name in sorted(own):
+            tie = self._ties[name]
             parts = []
-            for owner in self._ties[name].owners:
+            for owner in tie.owners:
                 if owner == self.rank:
                     parts.append(own[name])
                 else:
-                    part = theirs[name, owner] = self._early[name, owner].pop(group)
+                    part = theirs[name, owner] = tie.early[owner].pop(group)
                     parts.append(part)
             sums[name] = _sum_in_stage_order(parts)
         if self._epoch:
@@ -573,45 +462,15 @@ class DistributedTiedGradients:
 
     def _collect(self, tie: _Tie, peer: int, group: int) -> None:
         """Make sure ``peer``'s gradient of ``group`` on ``tie`` was taken off its stream (waiting for it)."""
-        early = self._early[tie.name, peer]
+        early = tie.early[peer]
         if group in early:
             return
-        what = f"its gradient of update group {group} for tie {tie.name!r}"
-        got, buffer = self._take(tie, peer, what)
-        if got == _NOTICE_GROUP:
-            raise PeerError.reported(self.rank, peer, self._notice_text(tie, buffer))
+        buffer, _, tail = tie.streams[peer][1].take(f"its gradient of update group {group} for tie {tie.name!r}")
+        got = tail[_GROUP]
         if got != group:
             raise PeerError(f"rank {self.rank} expected the gradient of update group {group} for tie {tie.name!r} "
                             f"from rank {peer} but received group {got}: the owners are out of step")
-        early[group] = _gradient(tie, buffer)
-
-    def _take(self, tie: _Tie, peer: int, what: str) -> tuple[int, torch.Tensor]:
-        """``peer``'s next message on ``tie``: ``(its group word, its buffer)``. Waits for it, posts the
-        receive of the next one and completes the sends that it acknowledges."""
-        if (tie.name, peer) not in self._posted_recv:
-            raise RuntimeError(f"rank {self.rank}: tie {tie.name!r} has no shape yet (no shapes given, nothing "
-                               f"posted), so the message from rank {peer} cannot be received")
-        buffer, work = self._posted_recv.pop((tie.name, peer))
-        if isinstance(work, _FailedReceive):
-            raise work.error
-        try:
-            ok = work.wait(self.timeout)
-        except RuntimeError as exc:
-            raise PeerError(f"rank {self.rank}: rank {peer} failed while {what} was expected "
-                            f"({exc.__class__.__name__}: {_first_line(exc)}); it died or stopped answering "
-                            f"(timeout {self.timeout.total_seconds():g} s)") from exc
-        if ok is False:
-            raise PeerError(f"rank {self.rank}: no answer from rank {peer} within "
-                            f"{self.timeout.total_seconds():g} s while waiting for {what}")
-        self._received[tie.name, peer] += 1
-        self._post_receive(tie, peer, ahead=True)  # before anything else: the peer's next send finds it posted
-        words = buffer[_padded(tie.nbytes):].view(torch.int64).tolist()
-        self._acknowledge(tie.name, peer, words[1 + tie.me])
-        return words[0], buffer
-
-    def _failed(self, name: str, peer: int, doing: str, exc: BaseException) -> PeerError:
-        return PeerError(f"rank {self.rank}: {doing} rank {peer} failed for tie {name!r} ({_first_line(exc)}); "
-                         f"rank {peer} died or stopped answering (timeout {self.timeout.total_seconds():g} s)")
+        early[group] = _gradient(tie, buffer, peer)
 
     # Going on after a failure ----------------------------------------------------------------------
 
@@ -620,55 +479,30 @@ class DistributedTiedGradients:
         failure notice to every other owner of each tie, in place of the next gradient it may be waiting for,
         so that it raises a :class:`PeerError` with the cause at once rather than at its timeout. Best effort,
         once until :meth:`resync`: nothing here waits or raises."""
-        if self.failure_notified or self.closed:
-            return
-        self.failure_notified = True
-        data = text.encode()
-        for tie in self._ties.values():
-            if tie.shape is None:
-                continue  # nothing was sent or received on it: no size for a message yet
-            buffer = torch.zeros(tie.size, dtype=torch.uint8, device=self.device)
-            cut = data[: _padded(tie.nbytes)]
-            if cut:
-                buffer[: len(cut)].copy_(torch.frombuffer(bytearray(cut), dtype=torch.uint8))
-            try:
-                self._send(tie, buffer, _NOTICE_GROUP)
-            except (PeerError, RuntimeError):
-                pass  # that owner is gone
+        self.links.notify_failure(text)
 
-    def _notice_text(self, tie: _Tie, buffer: torch.Tensor) -> str:
-        """The failure's description a notice on ``tie`` carries."""
-        return bytes(buffer[: _padded(tie.nbytes)].cpu().numpy()).rstrip(b"\0").decode(errors="replace")
-
-    def sent_counts(self) -> dict[str, dict[int, int]]:
+    def sent_counts(self) -> dict[tuple[str, int], int]:
         """What this rank has sent so far: per tie and other owner, the messages (notices included); the
         owners take as many in :meth:`resync`."""
-        return {name: {peer: self._completed[name, peer] + len(self._sends[name, peer]) for peer in tie.peers}
-                for name, tie in self._ties.items()}
+        return self.links.sent_counts()
 
-    def resync(self, counts: Sequence[Mapping[str, Mapping[int, int]]], first_group: int) -> None:
+    def resync(self, counts: Sequence[Mapping[tuple[str, int], int]], first_group: int) -> None:
         """After a failure, with every rank's :meth:`sent_counts` (in rank order, taken before any rank
         withdrew) and ``first_group``, the first update group undone (every owner numbers its groups alike):
         take every message still on the way to this rank. The other owners' gradients of the groups before
         ``first_group`` (taken here, or given back by :meth:`unreduce`) wait for their :meth:`reduce`; those of
         ``first_group`` and later (withdrawn) and the failure notices are dropped. Each stream then carries only
         the groups its sender posts from now on."""
-        self.failure_notified = False  # a later failure is notified again
+
+        def kept(stream: Incoming, buffer: torch.Tensor, array: np.ndarray | None, tail: list[int]) -> None:
+            group = tail[_GROUP]
+            if group < first_group:
+                tie = self._ties[stream.key]
+                tie.early[stream.src][group] = _gradient(tie, buffer, stream.src)
+
+        self.links.resync(counts, kept)
         for tie in self._ties.values():
-            for peer in tie.peers:
-                key = (tie.name, peer)
-                sent = counts[peer].get(tie.name, {}).get(self.rank)
-                if sent is None:
-                    raise PeerError(f"rank {self.rank}: rank {peer} sent no count for tie {tie.name!r}; the ranks "
-                                    "disagree on the tied weights")
-                if self._received[key] > sent:
-                    raise PeerError(f"rank {self.rank} received {self._received[key]} messages from rank {peer} on "
-                                    f"tie {tie.name!r}, which sent {sent}: the owners are out of step")
-                early = self._early[key]
-                while self._received[key] < sent:
-                    group, buffer = self._take(tie, peer, "a tied gradient sent before the failure")
-                    if 0 <= group < first_group:
-                        early[group] = _gradient(tie, buffer)
+            for early in tie.early.values():
                 for group in [g for g in early if g >= first_group]:
                     del early[group]
 
@@ -691,8 +525,8 @@ class DistributedTiedGradients:
         for group in groups:
             _, own, theirs = self._retired.pop(group)
             self._own[group] = own
-            for key, part in theirs.items():
-                self._early[key][group] = part
+            for (name, owner), part in theirs.items():
+                self._ties[name].early[owner][group] = part
 
     def new_epoch(self, forget_before: int | None) -> int:
         """Start a new epoch (a pipeline starts one per step) and return its number; the groups this rank

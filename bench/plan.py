@@ -1,6 +1,6 @@
 """The largest mini-batch each partition trains under a per-stage memory limit (DawnPiper vs PipeDream).
 
-``python bench/plan.py [--limit 24MiB] [--out bench/results/plan-cpu.json]``
+``python bench/plan.py [--limit 24MiB] [--out PATH]``
 
 The GPT of ``pipecore train --model gpt`` (4 blocks, width 64, 64-token windows, a vocabulary of 96), 4 stages,
 4 micro-batches, SGD with momentum, float32, cut where modules start. For pipedream and 2bw, three partitions:
@@ -33,7 +33,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipecore  # noqa: E402
-from _machine import machine, write_report  # noqa: E402
+from _machine import OUT_HELP, default_out, machine, write_report  # noqa: E402
 from pipecore.engine.graph import CapturedModel  # noqa: E402
 from pipecore.planning.cuts import module_units  # noqa: E402
 from pipecore.models import GPT  # noqa: E402
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--algorithms", default="pipedream,2bw")
     parser.add_argument("--ceiling", type=int, default=512, help="most samples per micro-batch searched")
     parser.add_argument("--rounds", type=int, default=5, help="throughput rounds")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "plan-cpu.json"))
+    parser.add_argument("--out", default=default_out("plan-cpu.json"), help=OUT_HELP)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     limit = parse_bytes(args.limit)

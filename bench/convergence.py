@@ -49,7 +49,7 @@ options this pipecore does not accept is skipped, said so on stderr, and listed 
 Recorded per run: training loss and test metric after every epoch (asynchronous algorithms are flushed at
 the end of every epoch), the final metric, epochs and optimizer updates (per stage) to reach the target
 (None if never), wall seconds (the whole run, in its worker), and weight-version bytes (summed over stages:
-``weight_version_bytes + scratch_bytes + velocity_bytes`` of ``Pipeline.stats()``: every weight-sized buffer
+``weight_version_bytes + scratch_bytes + buffer_bytes`` of ``Pipeline.stats()``: every weight-sized buffer
 the algorithm keeps; sequential: the model's parameter bytes).
 A run whose loss becomes NaN or infinite (``pipecore.NonFiniteLoss``) is recorded as diverged, with its
 curve up to then. A run that fails otherwise is recorded with its error, and the script exits with status 1
@@ -373,7 +373,7 @@ class PipelineTrainer:
         return max(st["live_version"] for st in self.pipe.stats())
 
     def version_bytes(self) -> int:
-        return sum(st["weight_version_bytes"] + st["scratch_bytes"] + st["velocity_bytes"] for st in self.pipe.stats())
+        return sum(st["weight_version_bytes"] + st["scratch_bytes"] + st["buffer_bytes"] for st in self.pipe.stats())
 
 
 def loss_function(task: Task) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -50,9 +50,11 @@ class _UsageError(Exception):
 def launch_rank() -> int | None:
     """This process's rank when a launcher such as ``torchrun`` started several (``RANK`` and ``WORLD_SIZE``
     set, ``WORLD_SIZE`` above 1); None in a single process."""
-    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "1"))
+    except (KeyError, ValueError):  # not launched so, or variables that are not a launcher's
         return None
-    return int(os.environ["RANK"])
+    return rank if world > 1 else None
 
 
 def report_error(line: str, same_on_every_rank: bool) -> int:

@@ -43,3 +43,18 @@ def machine() -> dict[str, object]:
         "torch_threads": torch.get_num_threads(),
         "pipecore": pipecore.__version__,
     }
+
+
+BENCH = Path(__file__).resolve().parent
+RESULTS = BENCH / "results"  # the committed results, which the docs cite: written only when --out names them
+OUT = BENCH / "out"  # where a run writes by default: ignored by git
+
+OUT_HELP = ("where to write the JSON result (default: bench/out/, which git ignores; the committed results that "
+            "the docs cite are in bench/results/, replaced only by naming them here)")
+
+
+def default_out(name: str) -> str:
+    """The default ``--out`` of a benchmark: ``bench/out/NAME``. Running a command as the docs give it must not
+    overwrite the committed result it is compared with (``bench/results/NAME``); replacing that result takes
+    ``--out bench/results/NAME``."""
+    return str(OUT / name)

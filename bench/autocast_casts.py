@@ -1,6 +1,6 @@
 """How many dtype casts one training step runs under bf16 autocast: plain torch and pipecore.
 
-``python bench/autocast_casts.py [--microbatches 8] [--stages 4] [--out bench/results/autocast-casts-cpu.json]``
+``python bench/autocast_casts.py [--microbatches 8] [--stages 4] [--out PATH]``
 
 On the GPU, pipecore 1f1b with bf16 autocast was slower than with float32 (bench/results/gpu-h100.json) while
 plain torch gets faster. One reason is visible on the CPU as a count of operations, not a time: autocast keeps
@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _machine import machine, write_report  # noqa: E402
+from _machine import OUT_HELP, default_out, machine, write_report  # noqa: E402
 
 import pipecore  # noqa: E402
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--stages", type=int, default=4)
-    p.add_argument("--out", default="bench/results/autocast-casts-cpu.json")
+    p.add_argument("--out", default=default_out("autocast-casts-cpu.json"), help=OUT_HELP)
     args = p.parse_args(argv)
     torch.manual_seed(0)
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)

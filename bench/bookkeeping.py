@@ -2,7 +2,7 @@
 ``recover`` (undoing failed steps) and ``track_memory`` (the CPU memory account), and without both.
 
 ``python bench/bookkeeping.py [--batches 256,1024] [--algorithms 1f1b,2bw,pipedream] [--rounds 9]
-[--out bench/results/bookkeeping-cpu.json]``
+[--out PATH]``
 
 * ``recover=True`` (default): each stage copies its optimizer state once per step (before its first
   update of the step), its live weights of then unless the weight ring still holds them when the step
@@ -31,7 +31,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipecore  # noqa: E402
-from _machine import machine, write_report  # noqa: E402
+from _machine import OUT_HELP, default_out, machine, write_report  # noqa: E402
 
 DEFAULTS = "defaults"
 # Each setting's keyword arguments; both kept first (named "defaults" as in the results written before
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--algorithms", default="1f1b,2bw,pipedream")
     parser.add_argument("--window", type=int, default=3, help="steps per timed window")
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "bookkeeping-cpu.json"))
+    parser.add_argument("--out", default=default_out("bookkeeping-cpu.json"), help=OUT_HELP)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows = []

@@ -7,7 +7,7 @@ caches) and is timed around ``CapturedModel(model, example_input=..., capture=..
 every repetition. A capture that fails (torch.fx on the Hugging Face models) is recorded as ``null`` with its
 error.
 
-    python bench/capture.py            # writes bench/results/capture-cpu.json
+    python bench/capture.py            # writes bench/out/capture-cpu.json
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _machine import machine, write_report  # noqa: E402
+from _machine import OUT_HELP, default_out, machine, write_report  # noqa: E402
 
 MODELS = {
     "gpt": ("GPT(vocab_size=96, block_size=64, n_layer=4, n_head=4, n_embd=128)", "torch.randint(0, 96, (2, 64))"),
@@ -81,7 +81,7 @@ def _median(values: list[float | None]) -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "capture-cpu.json"))
+    parser.add_argument("--out", default=default_out("capture-cpu.json"), help=OUT_HELP)
     args = parser.parse_args()
     results = {}
     print(f"{'model':<9} {'torch.fx s':>11} {'torch.export s':>15}")

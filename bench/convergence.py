@@ -1,7 +1,7 @@
 """Convergence study: which pipeline algorithm should I use?
 
     python bench/convergence.py [--quick] [--tasks mlp4,mlp8,resnet,gpt] [--seeds 3] [--workers 2]
-                                [--out bench/results/convergence-cpu.json]
+                                [--out PATH]
 
 Trains every pipecore algorithm (``pipecore.algorithm_names()``) and plain sequential training (plain torch,
 no pipeline) on four tasks and records how well and how fast each converges. Every pipeline runs all its
@@ -49,7 +49,7 @@ options this pipecore does not accept is skipped, said so on stderr, and listed 
 Recorded per run: training loss and test metric after every epoch (asynchronous algorithms are flushed at
 the end of every epoch), the final metric, epochs and optimizer updates (per stage) to reach the target
 (None if never), wall seconds (the whole run, in its worker), and weight-version bytes (summed over stages:
-``weight_version_bytes + scratch_bytes + velocity_bytes`` of ``Pipeline.stats()``: every weight-sized buffer
+``weight_version_bytes + scratch_bytes + buffer_bytes`` of ``Pipeline.stats()``: every weight-sized buffer
 the algorithm keeps; sequential: the model's parameter bytes).
 A run whose loss becomes NaN or infinite (``pipecore.NonFiniteLoss``) is recorded as diverged, with its
 curve up to then. A run that fails otherwise is recorded with its error, and the script exits with status 1
@@ -93,7 +93,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import pipecore  # noqa: E402
-from _machine import machine, write_report  # noqa: E402
+from _machine import OUT_HELP, default_out, machine, write_report  # noqa: E402
 from pipecore.cli._args import positive_int  # noqa: E402
 from pipecore.cli.tasks import (  # noqa: E402
     WARMUP_EPOCHS, build_mlp, epoch_batches, evaluate, held_out_loss, held_out_windows, load_data,
@@ -373,7 +373,7 @@ class PipelineTrainer:
         return max(st["live_version"] for st in self.pipe.stats())
 
     def version_bytes(self) -> int:
-        return sum(st["weight_version_bytes"] + st["scratch_bytes"] + st["velocity_bytes"] for st in self.pipe.stats())
+        return sum(st["weight_version_bytes"] + st["scratch_bytes"] + st["buffer_bytes"] for st in self.pipe.stats())
 
 
 def loss_function(task: Task) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -897,8 +897,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help=f"comma-separated, from {','.join(TASKS)} (default all)")
     parser.add_argument("--seeds", type=positive_int, help="evaluation seeds 0..N-1 (default 3; --quick: 1)")
     parser.add_argument("--workers", type=positive_int, default=2, help="worker processes, one thread each (default 2)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "convergence-cpu.json"),
-                        help="the JSON result; PNGs and convergence.md go next to it")
+    parser.add_argument("--out", default=default_out("convergence-cpu.json"),
+                        help=f"{OUT_HELP}; the PNGs and convergence.md go next to it")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.tasks.split(",") if n.strip()]
     unknown = [n for n in names if n not in TASKS]

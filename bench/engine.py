@@ -4,7 +4,7 @@ Usage: ``python bench/engine.py [--only engine,graph,gpt,concurrent] [--width 51
 [--microbatches 8] [--stages 4] [--warmup 3] [--window 3] [--rounds 9] [--graph-window 1] [--graph-rounds 40]
 [--gpt-batch 32] [--gpt-window 1] [--gpt-rounds 15] [--threads 1,2] [--concurrent-batches 256,1024]
 [--concurrent-algorithms gpipe,1f1b,2bw,pipedream] [--gpu-width 2048] [--gpu-batch 4096]
-[--pipeline-options track_memory=False,recover=False] [--out bench/results/engine-cpu.json]
+[--pipeline-options track_memory=False,recover=False] [--out PATH]
 [--profile ALGORITHM]``.
 
 Four parts (``--only`` selects some; default all four; a partial run writes ``engine-cpu-<parts>.json``
@@ -114,7 +114,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import pipecore  # noqa: E402
-from _machine import machine, write_report  # noqa: E402
+from _machine import OUT_HELP, default_out, machine, write_report  # noqa: E402
 from pipecore.models import GPT  # noqa: E402
 
 TARGET_RATIO = 0.9  # gpipe and 1f1b: engine overhead at most 10%
@@ -1023,8 +1023,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-batch", type=int, default=4096, help="batch, concurrent part on a GPU")
     parser.add_argument("--pipeline-options", help="Pipeline options for every pipeline of the run, e.g. "
                                                    "track_memory=False,recover=False (default: the defaults)")
-    parser.add_argument("--out", help="JSON result (default: bench/results/engine-cpu.json; with --only, "
-                                      "bench/results/engine-cpu-<parts>.json)")
+    parser.add_argument("--out", help=f"{OUT_HELP}; the default file is engine-cpu.json, with --only "
+                                      "engine-cpu-<parts>.json")
     parser.add_argument("--profile", metavar="NAME", help="profile one configuration instead of benchmarking")
     parser.add_argument("--profile-steps", type=int, default=20)
     args = parser.parse_args(argv)
@@ -1033,8 +1033,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.only.split(",")) - set(PARTS)) if args.only else []
     if unknown or not parts:
         parser.error(f"--only takes parts of {','.join(PARTS)}, got {args.only!r}")
-    out_path = args.out or str(ROOT / "bench" / "results" / (
-        "engine-cpu.json" if parts == list(PARTS) else f"engine-cpu-{'-'.join(parts)}.json"))
+    out_path = args.out or default_out(
+        "engine-cpu.json" if parts == list(PARTS) else f"engine-cpu-{'-'.join(parts)}.json")
     P, m = args.stages, args.microbatches
     thread_counts = parse_threads(args.threads)
     try:

@@ -28,7 +28,8 @@ runs out of time is recorded with its error and traceback, and the next part sti
 
 The whole run stays within ``--budget`` seconds (default 470); the ``gpt`` part comes last and gets what the
 others left, running its most important configurations first and recording those it had no time for.
-Results: ``bench/results/gpu-<device name>.json`` (``--out`` overrides) and a summary table on stdout.
+Results: ``bench/out/gpu-<device name>.json`` (``--out`` overrides; the committed results in bench/results/ are
+written only by naming them there) and a summary table on stdout.
 Without a CUDA device the command prints one line and exits with status 2. ``--dry-run-cpu`` runs the
 script's own code on the CPU with tiny sizes (to check the script, not the GPU; nothing it measures is a
 GPU result, and its JSON goes to a temporary file unless ``--out`` is given).
@@ -117,7 +118,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks that every part runs, measures little")
     p.add_argument("--budget", type=float, default=TOTAL_BUDGET_S, help="total seconds for the run (default 470)")
     p.add_argument("--device", default="cuda:0", help="the CUDA device (default cuda:0)")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/gpu-<device name>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default bench/out/gpu-<device name>.json, which git "
+                                                "ignores; the committed results are bench/results/gpu-*.json, "
+                                                "replaced only by naming them here)")
     p.add_argument("--gpt-configs", default=None,
                    help="only these gpt configurations (comma-separated, e.g. torch,hand,1f1b,1f1b-inturn-bf16)")
     p.add_argument("--profile-gpt", default=None,
@@ -1020,7 +1023,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.dry_run_cpu:
         out = Path(tempfile.gettempdir()) / "pipecore-gpu-dryrun-cpu.json"
     else:
-        out = BENCH / "results" / f"gpu-{slug(report['device'].get('name', args.device))}.json"
+        out = BENCH / "out" / f"gpu-{slug(report['device'].get('name', args.device))}.json"
     report["out"] = str(out)
     for name in args.part_list:
         left = deadline - time.time()

@@ -2,7 +2,7 @@
 
 ``python bench/hand_written.py [--width 512] [--layers 8] [--batches 256,1024] [--microbatches 8]
 [--stages 2] [--algorithms gpipe,1f1b] [--warmup 3] [--window 3] [--rounds 9]
-[--out bench/results/hand-written-cpu.json]``
+[--out PATH]``
 
 An in-turn pipeline (``concurrent=False``) computes what plain training computes, yet its step takes longer.
 This benchmark splits that extra time in two, on one thread (``torch.set_num_threads(1)``):
@@ -49,7 +49,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipecore  # noqa: E402
-from _machine import machine, write_report  # noqa: E402
+from _machine import OUT_HELP, default_out, machine, write_report  # noqa: E402
 from engine import (LR, Config, make_model, measure, median_range, mlp_data, rotating,  # noqa: E402
                     sequential_trainer, torch_threads)
 from pipecore.algorithms import get_algorithm  # noqa: E402
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
     parser.add_argument("--window", type=int, default=3, help="steps per timed window")
     parser.add_argument("--rounds", type=int, default=9, help="timed windows per configuration")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "hand-written-cpu.json"))
+    parser.add_argument("--out", default=default_out("hand-written-cpu.json"), help=OUT_HELP)
     args = parser.parse_args(argv)
     names = args.algorithms.split(",")
     if not names or any(n not in FLUSHING for n in names):

@@ -22,14 +22,14 @@ Usage::
     python bench/kernels.py                       # CPU, float32, 1M,4M,16M,64M elements
     python bench/kernels.py --device cuda --sizes 16M,64M --dtype bfloat16
 
-Results go to ``bench/results/kernels-<device>[-<dtype>].json`` (``--out`` overrides).
+Results go to ``bench/out/kernels-<device>[-<dtype>].json`` (``--out`` overrides; the committed results are in
+bench/results/).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import platform
 import statistics
 import sys
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 import pipecore.ops as ops
-from _machine import cpu_name, write_report
+from _machine import OUT_HELP, cpu_name, default_out, write_report
 
 OPS = ("interpolate", "predict", "sgd", "sgd_delta", "adamw")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="repeat fast ops until each side ran about this many seconds (up to 200 repetitions)")
     p.add_argument("--warmup", type=int, default=3, help="untimed repetitions first")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU); default: torch's")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/kernels-<device>[-<dtype>].json)")
+    p.add_argument("--out", default=None, help=f"{OUT_HELP}; the default file is kernels-<device>[-<dtype>].json")
     args = p.parse_args(argv)
 
     device = torch.device(args.device)
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out
     if out is None:
         suffix = "" if args.dtype == "float32" else f"-{args.dtype}"
-        out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"kernels-{device.type}{suffix}.json")
+        out = default_out(f"kernels-{device.type}{suffix}.json")
     write_report(report, out)
     missed = [t for t in report["targets"] if not t["met"]]
     for t in missed:

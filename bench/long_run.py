@@ -1,6 +1,6 @@
 """A long asynchronous run without flush(): does the step cost or the memory grow with the step count?
 
-    python bench/long_run.py [--steps 16384] [--algorithm 2bw] [--out bench/results/long-run-cpu.json]
+    python bench/long_run.py [--steps 16384] [--algorithm 2bw] [--out PATH]
 
 A tiny model (4 x Linear(8, 8), 2 stages, 8 micro-batches, float32, one thread), so that the runtime's own
 cost is what is measured. At every power of two from 512 steps it records the mean step time so far, the
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import resource
 import sys
 import time
@@ -21,7 +20,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from _machine import machine, write_report
+from _machine import OUT_HELP, default_out, machine, write_report
 
 
 def run(algorithm: str, steps: int) -> list[dict]:
@@ -52,7 +51,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=16384)
     parser.add_argument("--algorithm", default="2bw")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "long-run-cpu.json"))
+    parser.add_argument("--out", default=default_out("long-run-cpu.json"), help=OUT_HELP)
     args = parser.parse_args()
     if args.steps < 512:
         raise SystemExit(f"--steps must be at least 512 (the first checkpoint), got {args.steps}")

@@ -1,6 +1,6 @@
 """What a message costs the host: pipecore's transport against bare gloo send and receive, on 2 ranks.
 
-    python bench/message_cost.py [--messages 2000] [--rounds 7] [--out bench/results/message-cost-cpu.json]
+    python bench/message_cost.py [--messages 2000] [--rounds 7] [--out PATH]
 
 Rank 0 sends a 32 x 512 float32 activation (64 KiB, one micro-batch of ``bench/pipeline.py``'s MLP) to
 rank 1, which sends it back as the gradient: a ping-pong, so each round trip is two messages and nothing
@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from _machine import machine, write_report
+from _machine import OUT_HELP, default_out, machine, write_report
 from _ranks import spawn
 
 SHAPE = (32, 512)
@@ -104,7 +104,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=2000, help="round trips per timed window")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "message-cost-cpu.json"))
+    parser.add_argument("--out", default=default_out("message-cost-cpu.json"), help=OUT_HELP)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

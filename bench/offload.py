@@ -1,7 +1,7 @@
 """Activation offload on CUDA: what a plan predicts against what training measures (needs a GPU).
 
 ``python bench/offload.py [--layers 8] [--width 512] [--block 256] [--batch 64] [--fraction 0.6]
-[--out bench/results/offload-cuda.json]``
+[--out PATH]``
 
 A GPT (``--layers`` blocks of width ``--width``, ``--block`` tokens, a vocabulary of 256) as one stage on one
 GPU, so that the device's allocator peak (``torch.cuda.max_memory_allocated``) is the stage's; gpipe with 4
@@ -34,7 +34,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipecore  # noqa: E402
-from _machine import machine, write_report  # noqa: E402
+from _machine import OUT_HELP, default_out, machine, write_report  # noqa: E402
 from pipecore.models import GPT  # noqa: E402
 from pipecore.planning import plan_costs, profile  # noqa: E402
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64, help="sequences per mini-batch (4 micro-batches)")
     parser.add_argument("--fraction", type=float, default=0.6, help="the limit, as a fraction of the plain peak")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "offload-cuda.json"))
+    parser.add_argument("--out", default=default_out("offload-cuda.json"), help=OUT_HELP)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/offload.py needs a CUDA device: activation offload does not apply on the CPU", file=sys.stderr)

@@ -2,11 +2,11 @@
 
 ``python bench/overhead.py [--widths 16,256] [--batch 64] [--layers 8] [--stages 4] [--microbatches 8]
 [--algorithms 1f1b,2bw,pipedream] [--warmup 3] [--window 10] [--rounds 9] [--no-torch]
-[--out bench/results/overhead-cpu.json]``
+[--out PATH]``
 
 ``python bench/overhead.py --profile [--width 16] [--steps 5] [--cprofile CONFIG]``
 
-``python bench/overhead.py --example [--example-rounds 3] [--out bench/results/overhead-example-cpu.json]``
+``python bench/overhead.py --example [--example-rounds 3] [--out PATH]``
 
 The model is ``8 x (Linear(w, w) + ReLU)`` (cross-entropy over ``w`` classes), cut into 4 stages of equal
 length, 8 micro-batches of a batch of 64, float32, one torch intra-op thread per thread that computes
@@ -67,7 +67,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipecore  # noqa: E402
-from _machine import machine, write_report  # noqa: E402
+from _machine import OUT_HELP, default_out, machine, write_report  # noqa: E402
 from engine import LR, make_model, median_range, sequential_trainer  # noqa: E402
 from hand_written import cuts, hand_written_trainer, in_turn_order, stage_modules  # noqa: E402
 
@@ -373,12 +373,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--example", action="store_true",
                         help="time python examples/train_mlp.py against OMP_NUM_THREADS=1 and exit")
     parser.add_argument("--example-rounds", type=int, default=3)
-    parser.add_argument("--out", default=None, help="default bench/results/overhead-cpu.json "
+    parser.add_argument("--out", default=None, help=f"{OUT_HELP}; the default file is overhead-cpu.json "
                         "(--example: overhead-example-cpu.json)")
     args = parser.parse_args(argv)
     if args.out is None:
-        args.out = str(ROOT / "bench" / "results" / ("overhead-example-cpu.json" if args.example else
-                                                     "overhead-cpu.json"))
+        args.out = default_out("overhead-example-cpu.json" if args.example else "overhead-cpu.json")
     if args.example:
         return example(args, sys.argv[1:] if argv is None else argv)
     algorithms = [a for a in args.algorithms.split(",") if a]

@@ -1,7 +1,7 @@
 """Host overhead of two commits of pipecore, measured in one run: ``bench/overhead.py`` against each.
 
 ``python bench/overhead_ab.py BASE [--head REV] [--rounds 7] [--widths 16] [--algorithms 1f1b,2bw,pipedream]
-[--window 10] [--steps 3] [--out bench/results/overhead-ab-cpu.json]``
+[--window 10] [--steps 3] [--out PATH]``
 
 Both commits run this checkout's ``bench/overhead.py`` (the same measuring code), each importing its own
 ``pipecore`` from a detached git worktree in a temporary folder (``PYTHONPATH``); ``--head`` defaults to this
@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _machine import machine, write_report  # noqa: E402
+from _machine import OUT_HELP, default_out, machine, write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OVERHEAD = ROOT / "bench" / "overhead.py"
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--algorithms", default="1f1b,2bw,pipedream")
     parser.add_argument("--window", type=int, default=10)
     parser.add_argument("--steps", type=int, default=3, help="steps counted by --profile")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "overhead-ab-cpu.json"))
+    parser.add_argument("--out", default=default_out("overhead-ab-cpu.json"), help=OUT_HELP)
     args = parser.parse_args(argv)
     base_rev = git("rev-parse", "--short", args.base)
     head_rev = "working tree" if args.head is None else git("rev-parse", "--short", args.head)

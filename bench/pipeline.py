@@ -1,7 +1,7 @@
 """Multi-process pipelines on CPU/gloo: pipecore vs torch.distributed.pipelining vs one process.
 
     python bench/pipeline.py [--ranks 2] [--steps 20] [--gpt-steps 3] [--rounds 9] [--systems ...]
-                             [--out bench/results/pipeline-cpu.json]
+                             [--out PATH]
 
 Same model (an MLP of 8 Linear(512, 512)+ReLU layers and a Linear(512, 10) head, float32), same split
 points, batch 256, 8 micro-batches, one thread per rank, momentum SGD. Variants: ``+split`` is the same
@@ -75,7 +75,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _machine import machine, write_report
+from _machine import OUT_HELP, default_out, machine, write_report
 from _ranks import spawn
 
 BATCH, MICRO, WIDTH, DEPTH = 256, 8, 512, 8
@@ -547,7 +547,7 @@ def main() -> None:
                              f"parallelism, W replicas of P stages, W x P = --ranks: ALGORITHM@WxP beside "
                              f"{DDP}@Wx1 (torch's DistributedDataParallel), e.g. on 4 ranks "
                              f"{','.join(dp_systems(4))} and the same with the prefix {GPT}")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline-cpu.json"))
+    parser.add_argument("--out", default=default_out("pipeline-cpu.json"), help=OUT_HELP)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

@@ -1,6 +1,6 @@
 """How long planning takes: ``plan_costs`` per objective, and the smallest-limit search, on profiled GPTs.
 
-``python bench/planning_time.py [--layers 4,8] [--costs-dir DIR] [--out bench/results/planning-time-cpu.json]``
+``python bench/planning_time.py [--layers 4,8] [--costs-dir DIR] [--out PATH]``
 
 For each GPT (width 64, 64-token windows, a vocabulary of 96, ``--layers`` blocks), profiled once on the CPU
 (the profile's own time is reported too), 4 stages, 4 micro-batches of 16 samples, pipedream: the seconds of
@@ -34,7 +34,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipecore  # noqa: E402
-from _machine import machine, write_report  # noqa: E402
+from _machine import OUT_HELP, default_out, machine, write_report  # noqa: E402
 from pipecore.engine.graph import CapturedModel  # noqa: E402
 from pipecore.planning.cuts import module_units  # noqa: E402
 from pipecore.models import GPT  # noqa: E402
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--costs-dir", metavar="DIR",
                         help="keep each GPT's profile in DIR: saved there by the first run, loaded by the next (so "
                              "that two versions of the planner are timed on the same costs)")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "planning-time-cpu.json"))
+    parser.add_argument("--out", default=default_out("planning-time-cpu.json"), help=OUT_HELP)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     sizing = Sizing.of(args.algorithm, STAGES, M)

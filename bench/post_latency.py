@@ -1,6 +1,6 @@
 """When gloo moves a message: a receive posted before its message is sent, against one posted after.
 
-    python bench/post_latency.py [--repeats 200] [--out bench/results/post-latency-cpu.json]
+    python bench/post_latency.py [--repeats 200] [--out PATH]
 
 gloo sends a point-to-point message only once the receiver has posted its receive (the receiver's
 "ready" notice reaches the sender's I/O thread, which then writes the data). This measures it on 2 ranks
@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from _machine import machine, write_report
+from _machine import OUT_HELP, default_out, machine, write_report
 from _ranks import spawn
 
 NUMEL = 8192  # float64 (the send time must survive in it): 64 KiB, like 32 x 512 float32
@@ -86,7 +86,7 @@ def percentile(values: list[float], q: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=200, help="messages per case")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "post-latency-cpu.json"))
+    parser.add_argument("--out", default=default_out("post-latency-cpu.json"), help=OUT_HELP)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

@@ -1,6 +1,6 @@
 """The modern schedules' simulated bubble and activation memory against the published figures.
 
-Usage: ``python bench/schedule_table.py [--ranks 4] [--microbatches 8,16] [--out bench/results/schedules-sim.json]``.
+Usage: ``python bench/schedule_table.py [--ranks 4] [--microbatches 8,16] [--out PATH]``.
 
 Every schedule runs one mini-batch on ``--ranks`` ranks with F = B = W = 1 per rank's share of the model and no
 send time (a backward that is not split costs B + W = 2; a rank holding ``v`` chunks spends ``1/v`` on each
@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from _machine import machine, write_report  # noqa: E402
+from _machine import OUT_HELP, default_out, machine, write_report  # noqa: E402
 from pipecore import simulate  # noqa: E402
 
 COSTS = {"forward": 1, "backward": 1, "weight": 1}
@@ -50,7 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--microbatches", default="8,16", help="comma-separated micro-batch counts")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "schedules-sim.json"))
+    parser.add_argument("--out", default=default_out("schedules-sim.json"), help=OUT_HELP)
     args = parser.parse_args()
     sizes = [int(v) for v in args.microbatches.split(",")]
     rows = [row(*spec, args.ranks, m) for m in sizes for spec in SCHEDULES]

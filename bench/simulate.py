@@ -1,7 +1,7 @@
 """Simulator speed: one P x m x n simulation per algorithm, median of several runs.
 
 Usage: ``python bench/simulate.py [--stages 16] [--microbatches 64] [--minibatches 4] [--repeats 5]
-[--out bench/results/simulate-cpu.json]``. Times ``pipecore.simulate`` (schedule generation, validation,
+[--out PATH]``. Times ``pipecore.simulate`` (schedule generation, validation,
 execution and trace construction) and, separately, the trace analysis behind ``pipecore simulate``'s
 output (grid and summary). Writes JSON with the machine, the sizes and per-algorithm seconds.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from _machine import machine, write_report  # noqa: E402
+from _machine import OUT_HELP, default_out, machine, write_report  # noqa: E402
 from pipecore import algorithm_names, simulate  # noqa: E402
 
 TARGET_SECONDS = 0.5
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", type=int, default=64)
     parser.add_argument("--minibatches", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "simulate-cpu.json"))
+    parser.add_argument("--out", default=default_out("simulate-cpu.json"), help=OUT_HELP)
     args = parser.parse_args(argv)
     P, m, n = args.stages, args.microbatches, args.minibatches
 

@@ -1,7 +1,7 @@
 """Simulator speed in process CPU time: the first and the warm ``simulate()`` of every algorithm.
 
 Usage: ``python bench/simulate_speed.py [--stages 16] [--microbatches 64] [--minibatches 4] [--repeats 5]
-[--algorithms NAME ...] [--baseline DIR] [--out bench/results/simulate-speed.json]``.
+[--algorithms NAME ...] [--baseline DIR] [--out PATH]``.
 
 Each algorithm runs in a fresh process (imports done before timing), which times ``simulate(name, P, m, n)``
 (``stages_per_rank=2`` for zb-v and dualpipe-v) with ``time.process_time()``: the first call, which pays the
@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from _machine import machine, write_report  # noqa: E402
+from _machine import OUT_HELP, default_out, machine, write_report  # noqa: E402
 
 TARGET_SECONDS = 0.2
 TWO_PER_RANK = ("zb-v", "dualpipe-v")  # V-shaped: two stages per rank, always
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="warm calls after the first (default 5)")
     parser.add_argument("--algorithms", nargs="*", default=None, help="default: all")
     parser.add_argument("--baseline", default=None, help="another checkout to time the same way (before/after)")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "simulate-speed.json"))
+    parser.add_argument("--out", default=default_out("simulate-speed.json"), help=OUT_HELP)
     args = parser.parse_args(argv)
     P, m, n = args.stages, args.microbatches, args.minibatches
 

@@ -105,8 +105,11 @@ def test_compare_lists_every_algorithm(capsys):
     assert lines[0] == "4 stages, 2 micro-batches x 4 mini-batches, costs F=1 B=1 W=1 (staleness and delay: mean/max)"
     assert lines[1].split() == ["algorithm", "bubble", "makespan", "ranks", "act/rank", "versions/stage", "staleness",
                                 "delay", "derived"]
-    rows = {line.split()[0]: line for line in lines[2:]}
+    rows = {line.split()[0]: line for line in lines[2:-1]}
     assert list(rows) == algorithm_names()
+    # The V-shaped schedules place two stages on each rank: the table says they ran on fewer ranks.
+    assert lines[-1] == ("note: zb-v places 2 stages on each rank: it runs these 4 stages on 2 ranks, the others on "
+                         "4, so its makespan is that of 2 workers, not 4 (on 4 ranks: --stages 8)")
     # Constraints that reject P=4, m=2 are shown with their reason.
     assert "rejected: needs n_microbatches >= num_stages (got 2 < 4)" in rows["2bw"]
     assert "rejected: n_microbatches (2) must be >= num_stages (4" in rows["dualpipe-v"]
@@ -160,10 +163,39 @@ def test_bad_input_exits_2_with_one_clear_line(capsys, argv, message):
     code, out, err = run(capsys, "simulate", *argv)
     assert code == 2
     assert out == ""
-    assert "Traceback" not in err
-    error_lines = [line for line in err.splitlines() if "error:" in line]
-    assert len(error_lines) == 1 and message in error_lines[0], err
-    assert error_lines[0].startswith("pipecore simulate: error: ")
+    lines = err.splitlines()
+    assert len(lines) == 1 and message in lines[0], err
+    assert lines[0].startswith("pipecore simulate: error: ")
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["simulate", "-a", "gpipe", "-p", "0", "-m", "2"],
+     "pipecore simulate: error: argument -p/--stages: must be an integer >= 1, got '0' (see pipecore simulate --help)"),
+    (["simulate", "-a", "gpipe", "-p", "2"],
+     "pipecore simulate: error: the following arguments are required: -m/--microbatches (see pipecore simulate "
+     "--help)"),
+    (["train", "--epochs", "x"],
+     "pipecore train: error: argument -e/--epochs: must be an integer >= 1, got 'x' (see pipecore train --help)"),
+    (["plan", "--bogus"], "pipecore plan: error: unrecognized arguments: --bogus (see pipecore plan --help)"),
+    (["simulat"], "pipecore: error: argument COMMAND: invalid choice: 'simulat' (choose from 'plan', 'simulate', "
+                  "'train') (see pipecore --help)"),
+])
+def test_argument_errors_are_one_line_that_points_at_help(capsys, argv, line):
+    """Without argparse's usage block, which would put ten lines of flags before the error."""
+    code, out, err = run(capsys, *argv)
+    assert (code, out, err) == (2, "", line + "\n")
+
+
+def test_the_help_states_the_costs_the_simulation_uses(capsys):
+    """The defaults --help gives for the costs are those the header of a run prints."""
+    code, out, _ = run(capsys, "simulate", "--help")
+    assert code == 0
+    described = " ".join(out.split())
+    assert "--costs F,B[,W] sets every stage (default 1,1,1:" in described and "default 1,2" not in described
+    _, default, _ = run(capsys, "simulate", "--compare", "-p", "4", "-m", "4", "-n", "1")
+    assert "costs F=1 B=1 W=1 " in default.splitlines()[0]
+    assert run(capsys, "simulate", "--compare", "-p", "4", "-m", "4", "-n", "1", "--costs", "1,1,1")[1] == default
+    assert run(capsys, "simulate", "--compare", "-p", "4", "-m", "4", "-n", "1", "--costs", "1,2")[1] != default
 
 
 def test_top_level(capsys):
@@ -174,7 +206,7 @@ def test_top_level(capsys):
     code, out, _ = run(capsys, "simulate", "--help")
     assert code == 0 and "--forward-costs" in out and "examples:" in out
     code, _, err = run(capsys, "simulat")
-    assert code == 2 and "invalid choice: 'simulat'" in err
+    assert code == 2 and "invalid choice: 'simulat'" in err and "usage:" not in err
 
 
 def test_a_command_is_one_registry_line(capsys, monkeypatch):

@@ -283,22 +283,54 @@ def test_threads_are_set_and_restored(capsys: pytest.CaptureFixture[str]) -> Non
 def test_bad_input_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
     code, out, err = train(capsys, *argv, "--epochs", "1") if "--epochs" not in argv else train(capsys, *argv)
     assert code == 2
-    errors = [line for line in err.splitlines() if line.startswith("pipecore")]
-    assert len(errors) == 1 and message in errors[0], err
-    assert "Traceback" not in err and "epoch" not in out
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pipecore train: error: ") and message in lines[0], err
+    assert "epoch" not in out
 
 
 def test_under_torchrun_the_stages_must_match_the_processes(capsys: pytest.CaptureFixture[str],
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A configuration error is the same on every rank: rank 0 alone prints it, and every rank exits with 0 (with
+    a failed worker, torchrun would add a traceback of its own)."""
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    code, _, err = train(capsys, "--stages", "4", "--epochs", "1")
-    assert code == 2 and err.strip() == (
+    code, out, err = train(capsys, "--stages", "4", "--epochs", "1")
+    assert (code, out) == (0, "") and err == (
         "pipecore train: error: --stages 4 but torchrun started 2 processes: pipecore runs one process per stage "
         "of each replica of the pipeline, so the processes must be a multiple of 4; pass --nproc-per-node 4 (or a "
-        "multiple, with --data-parallel)")
+        "multiple, with --data-parallel)\n")
     code, _, err = train(capsys, "--stages", "2", "--data-parallel", "2", "--epochs", "1")
-    assert code == 2 and "--stages 2 and --data-parallel 2 need 4 processes but torchrun started 2" in err
+    assert code == 0 and "--stages 2 and --data-parallel 2 need 4 processes but torchrun started 2" in err
+    code, _, err = train(capsys, "--epochs", "0")  # the command line's own errors too
+    assert code == 0 and err.startswith("pipecore train: error: argument -e/--epochs: must be an integer >= 1")
+    monkeypatch.setenv("RANK", "1")
+    assert train(capsys, "--stages", "4", "--epochs", "1") == (0, "", "")
+    assert train(capsys, "--epochs", "0") == (0, "", "")
+
+
+def test_under_torchrun_errors_a_rank_meets_alone_are_its_own(capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    """A file that a rank cannot read may be there for the others (another node): each rank says so itself."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, _, err = train(capsys, "--stages", "2", "--epochs", "1", "--resume", str(tmp_path / "missing.pt"))
+    assert code == 2 and err.startswith("pipecore train: error: ") and "missing.pt" in err
+
+
+def test_a_configuration_error_under_torchrun_is_one_line_and_no_traceback(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+           and not k.startswith("TORCHELASTIC")}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "pipecore", "train", "--stages", "3"], cwd=tmp_path,
+                         env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+    ours = [line for line in run.stderr.splitlines() if line.startswith("pipecore")]
+    assert ours == ["pipecore train: error: --stages 3 but torchrun started 2 processes: pipecore runs one process "
+                    "per stage of each replica of the pipeline, so the processes must be a multiple of 3; pass "
+                    "--nproc-per-node 3 (or a multiple, with --data-parallel)"], run.stderr
+    assert "Traceback" not in run.stderr and "ChildFailedError" not in run.stderr, run.stderr
 
 
 def test_under_torchrun_the_stages_default_to_the_processes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -562,7 +594,7 @@ def test_stages_per_rank_is_refused_where_it_does_not_apply(capsys: pytest.Captu
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
     code, _, err = train(capsys, "--algorithm", "zb-v", "--stages", "4", "--epochs", "1", *SMALL)
-    assert code != 0
+    assert code == 0  # the same error on every rank: rank 0 prints it, and torchrun sees no failed worker
     assert "torchrun started 3 processes: pipecore runs one process per rank (2 stages each)" in err
     assert "--nproc-per-node 2" in err
 

@@ -3,7 +3,8 @@
 TRITON_INTERPRET must be set before Triton is imported, and other tests may import it first, so
 each test runs this file as a script in a fresh Python with TRITON_INTERPRET=1. The script calls
 the Triton launchers directly on CPU tensors (the dispatch would pick the C++ kernels for those)
-and exits non-zero on any mismatch; one test sabotages a kernel to show that a wrong kernel fails.
+and exits non-zero on any mismatch; one test sabotages a kernel to show that a wrong kernel fails. Without Triton (the CPU test extra has none)
+every test here is skipped, saying so.
 
 Kernel and reference must agree bit for bit: both round every product before adding it (see
 pipecore/ops/reference.py). The ``cuda-case`` group replays, at 1M elements, the inputs of the
@@ -18,12 +19,29 @@ checked separately, on the PTX that Triton generates for an H100 (no GPU is need
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).resolve()
+
+
+def triton_installed() -> bool:
+    """Whether Triton can be imported, found without importing it (TRITON_INTERPRET must be set first)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except ImportError:
+        return False
+
+
+# Triton comes with the gpu extra, not with the test extra a CPU machine installs.
+NO_TRITON = ("Triton is not installed: it comes with pipecore's gpu extra "
+             "(pip install --no-build-isolation -e \".[test,gpu]\")")
+pytestmark = pytest.mark.skipif(not triton_installed(), reason=NO_TRITON)
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:

@@ -10,7 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-fused = pytest.importorskip("pipecore.kernels.fused", reason="Triton is the optional extra [gpu]")
+from test_kernels_triton import NO_TRITON, triton_installed
+
+if not triton_installed():
+    pytest.skip(NO_TRITON, allow_module_level=True)
+
+from pipecore.kernels import fused  # noqa: E402  (with Triton installed, a failing import is a failure)
 
 CUDA0 = torch.device("cuda", 0)  # constructing a device needs no GPU; nothing is launched on it here
 

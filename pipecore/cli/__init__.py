@@ -5,17 +5,26 @@ defines ``HELP`` (one line for the command list), ``add_arguments(parser)`` and 
 keeps heavy imports inside ``run`` so that ``pipecore --help`` stays fast. Adding a command is one line
 in :data:`COMMANDS`.
 
-Bad input is reported as one line on stderr with exit code 2: argparse errors, and any ``ValueError``
-a command raises (commands raise ``ValueError`` for input problems, never print tracebacks for them).
+Bad input is reported as one line on stderr with exit code 2: argparse errors (without argparse's usage
+block: the line ends by pointing at ``--help``), and any ``ValueError`` a command raises (commands raise
+``ValueError`` for input problems, never print tracebacks for them).
+
+Under ``torchrun`` every process runs the same command line, so an error in it, or any
+:class:`~pipecore.cli._args.ConfigurationError` a command raises, would be printed once per rank, and torchrun
+answers any worker that exits non-zero with a traceback of its own. Such an error is printed by rank 0 alone,
+and every rank exits with 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from types import ModuleType
 from typing import Sequence
+
+from ._args import ConfigurationError
 
 COMMANDS: dict[str, str] = {
     "plan": "pipecore.cli.plan",
@@ -30,12 +39,38 @@ class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors raise instead of exiting, so that :func:`main` returns the code."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.print_usage(sys.stderr)
-        raise _UsageError(f"{self.prog}: error: {message}")
+        # One line, like every other error: argparse's usage block would bury it under ten lines of flags.
+        raise _UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
 
 
 class _UsageError(Exception):
     pass
+
+
+def launch_rank() -> int | None:
+    """This process's rank when a launcher such as ``torchrun`` started several (``RANK`` and ``WORLD_SIZE``
+    set, ``WORLD_SIZE`` above 1); None in a single process."""
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "1"))
+    except (KeyError, ValueError):  # not launched so, or variables that are not a launcher's
+        return None
+    return rank if world > 1 else None
+
+
+def report_error(line: str, same_on_every_rank: bool) -> int:
+    """Print ``line`` on stderr and return the exit code.
+
+    An error that every process of a launch finds alike (the command line's, a :class:`ConfigurationError`) is
+    printed by rank 0 alone, and every rank returns 0: with a non-zero exit, torchrun would follow the line with
+    a traceback of its own about a failed worker. Other errors are each process's own: printed, exit code 2.
+    """
+    rank = launch_rank()
+    if rank is None or not same_on_every_rank:
+        print(line, file=sys.stderr)
+        return EXIT_USAGE
+    if rank == 0:
+        print(line, file=sys.stderr, flush=True)
+    return 0
 
 
 def _load(name: str) -> ModuleType:
@@ -72,8 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Report stray arguments against the subcommand they were given to.
             (getattr(args, "_parser", None) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     except _UsageError as error:
-        print(error, file=sys.stderr)
-        return EXIT_USAGE
+        return report_error(str(error), same_on_every_rank=True)
     except SystemExit as done:  # --help and --version exit through argparse
         return int(done.code or 0)
     if args.command is None:
@@ -83,8 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except ValueError as error:
         # Input problems: one clear line (or the schedule table a ScheduleError carries), no traceback.
-        print(f"pipecore {args.command}: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
+        return report_error(f"pipecore {args.command}: error: {error}",
+                            same_on_every_rank=isinstance(error, ConfigurationError))
 
 
-__all__ = ["COMMANDS", "build_parser", "main"]
+__all__ = ["COMMANDS", "ConfigurationError", "build_parser", "launch_rank", "main", "report_error"]

@@ -1,9 +1,15 @@
-"""argparse value types shared by the subcommands."""
+"""argparse value types shared by the subcommands, and the error they raise for a bad combination of flags."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
+
+
+class ConfigurationError(ValueError):
+    """Bad input that depends only on the command line and the launch (the flags, the number of processes),
+    so that every process of a ``torchrun`` launch finds it alike: :func:`pipecore.cli.main` prints it from
+    rank 0 alone. Errors a rank may meet on its own (a file, its stage) stay plain ``ValueError``."""
 
 
 def positive_int(text: str) -> int:

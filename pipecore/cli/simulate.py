@@ -15,9 +15,15 @@ Simulate an algorithm's schedule on symbolic stages: prints the grid (every acti
 version it read) and a per-stage summary (weight versions held, in-flight activations, staleness and
 delay), and optionally draws the timeline (--png) or writes a Chrome trace (--chrome).
 
-Costs are per micro-batch: --costs F,B sets every stage (default 1,2); --forward-costs and
---backward-costs take one value or one value per stage and override --costs; a backward covering
-several micro-batches (nF1B) costs B times their number.
+Costs are per micro-batch: --costs F,B[,W] sets every stage (default 1,1,1: a backward takes 2, its
+input-gradient part B 1 and its weight-gradient part W 1, which zero-bubble schedules run as an action of
+its own; --costs F,B makes B the whole backward); --forward-costs, --backward-costs and --weight-costs take
+one value or one value per stage and override --costs; a backward covering several micro-batches (nF1B)
+costs B times their number.
+
+--compare runs every algorithm on the same --stages: the schedules that place several stages on a rank
+(zb-v and dualpipe-v always 2) run them on fewer ranks, which the table's ranks column and a note under it
+say.
 
 examples:
   pipecore simulate --algorithm pipedream --stages 4 --microbatches 4 --minibatches 2
@@ -190,7 +196,27 @@ def compare_table(num_stages: int, n_microbatches: int, n_minibatches: int, cost
     ]
     for row in rows:
         out.append(line(row) if len(row) == len(header) else f"{row[0].ljust(widths[0])}  {row[1]}")
+    out += ranks_notes(num_stages, {row[0]: int(row[3]) for row in rows if len(row) == len(header)})
     return "\n".join(out)
+
+
+def ranks_notes(num_stages: int, ranks: dict[str, int]) -> list[str]:
+    """Lines under the comparison naming the algorithms that ran the stages on fewer ranks than the others
+    (several stages per rank): their bubble and makespan are those of fewer workers."""
+    if not ranks:
+        return []
+    counts = sorted(set(ranks.values()), reverse=True)
+    most = counts[0]  # one stage per rank, unless every algorithm shown places several on each
+    notes = []
+    for count in counts[1:]:
+        names = [name for name, r in ranks.items() if r == count]
+        per_rank = num_stages // count
+        listed = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+        place, they, their = ("place", "they run", "their") if len(names) > 1 else ("places", "it runs", "its")
+        notes.append(f"note: {listed} {place} {per_rank} stages on each rank: {they} these {num_stages} stages on "
+                     f"{count} ranks, the others on {most}, so {their} makespan is that of {count} workers, not "
+                     f"{most} (on {most} ranks: --stages {most * per_rank})")
+    return notes
 
 
 def run(args: argparse.Namespace) -> int:

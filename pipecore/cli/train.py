@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ._args import algorithm_option, positive_int
+from ._args import ConfigurationError, algorithm_option, positive_int
 from .checkpoints import check_resume, read_checkpoint, resume_command, run_settings, write_checkpoint
 from .profile import DEFAULT_PROFILE_STEPS, Profile, check_profile_args, rank_path
 from .report import Report
@@ -312,9 +312,10 @@ def run(args: argparse.Namespace) -> int:
         return exit_code(stop.signum)
 
 
-def _train(args: argparse.Namespace, interrupts: Interrupts | None = None, given: dict[str, Any] | None = None) -> int:
-    import torch
-
+def _check_flags(args: argparse.Namespace) -> tuple[dict[str, Any], int, int, "torch.device", Any, Any]:
+    """Fill in the defaults and check the flags against each other and the launch, before anything is loaded
+    or joined: ``(algorithm options, processes, replicas, device, task, algorithm)``. Raises ``ValueError``
+    for bad input; what it checks is the same on every rank of a torchrun launch."""
     import pipecore
 
     resolve_defaults(args)
@@ -355,10 +356,23 @@ def _train(args: argparse.Namespace, interrupts: Interrupts | None = None, given
     device = train_device(args.device)
 
     task = task_for(args)
-    steps_per_epoch = task.steps_per_epoch
 
     # Validates the name, sizes and options (ValueError -> one-line error) before any training.
     algorithm = pipecore.get_algorithm(args.algorithm, args.stages, args.microbatches, **options)
+    return options, processes, replicas, device, task, algorithm
+
+
+def _train(args: argparse.Namespace, interrupts: Interrupts | None = None, given: dict[str, Any] | None = None) -> int:
+    import torch
+
+    import pipecore
+
+    try:
+        options, processes, replicas, device, task, algorithm = _check_flags(args)
+    except ValueError as error:
+        # Every rank of a torchrun launch finds these alike: rank 0 alone reports them (pipecore.cli.main).
+        raise ConfigurationError(str(error)) from None
+    steps_per_epoch = task.steps_per_epoch
     notes = []
     if args.lr is None:
         # Linear scaling: an update over k of the M micro-batches takes k/M of the mini-batch step.
@@ -406,8 +420,8 @@ def _train(args: argparse.Namespace, interrupts: Interrupts | None = None, given
             partition=task.partition(model), data_parallel=replicas if replicas > 1 else None, **options,
         )
     except ValueError as error:
-        if "larger than the number of modules" in str(error):
-            raise ValueError(_too_many_stages(args, str(error))) from None
+        if "larger than the number of modules" in str(error):  # the same model on every rank
+            raise ConfigurationError(_too_many_stages(args, str(error))) from None
         raise
     try:
         with pipe:  # closes it at the end: with one process per stage, that releases its process groups

@@ -61,15 +61,15 @@ def report_error(line: str, same_on_every_rank: bool) -> int:
     """Print ``line`` on stderr and return the exit code.
 
     An error that every process of a launch finds alike (the command line's, a :class:`ConfigurationError`) is
-    printed by rank 0 alone, and every rank returns 0: with a non-zero exit, torchrun would follow the line with
-    a traceback of its own about a failed worker. Other errors are each process's own: printed, exit code 2.
+    reported by rank 0 alone: it prints the line and exits with 2, so that the launch fails as one that did not
+    train should (torchrun then adds its own summary of the failed worker); the other ranks exit quietly with 0,
+    since a rank exiting with an error first would have torchrun stop rank 0 before it prints. Other errors are
+    each process's own: printed, exit code 2.
     """
     rank = launch_rank()
-    if rank is None or not same_on_every_rank:
-        print(line, file=sys.stderr)
-        return EXIT_USAGE
-    if rank == 0:
+    if rank is None or not same_on_every_rank or rank == 0:
         print(line, file=sys.stderr, flush=True)
+        return EXIT_USAGE
     return 0
 
 

@@ -187,7 +187,7 @@ def fail_once(pipe: pipecore.Pipeline, kind: str) -> None:
     def hook(action, *args):
         first = (action.index - 1) * every if kind == "U" else action.index
         out = original(action, *args)
-        if first >= (pipe._fed - 1) * m and getattr(stage, name) is hook:
+        if first >= (pipe._steps.fed - 1) * m and getattr(stage, name) is hook:
             setattr(stage, name, original)
             raise RuntimeError(f"injected failure after {action}")
         return out
@@ -353,8 +353,8 @@ def main() -> None:
             algorithm, chunks, spr, *extra = config.split(":")
             kwargs = {"clip_grad_norm": CLIP} if extra == ["clip"] else {}
             pipe = make_modern_pipeline(algorithm, int(chunks), int(spr), timeout=60, **kwargs)
-            losses = train(pipe, tied_batches(3), pipe._owns(0), pipe._owns(int(chunks) - 1))
-            prediction = pipe.predict(tied_batches(1, seed=7)[0][0] if pipe._owns(0) else None, broadcast=True)
+            losses = train(pipe, tied_batches(3), 0 in pipe.stages, int(chunks) - 1 in pipe.stages)
+            prediction = pipe.predict(tied_batches(1, seed=7)[0][0] if 0 in pipe.stages else None, broadcast=True)
             torch.save({"losses": losses, "state": pipe.state_dict(), "prediction": prediction,
                         "stages": sorted(pipe.stages)}, os.path.join(out, f"{config.replace(':', '-')}-{rank}.pt"))
     elif mode == "dp":
@@ -367,7 +367,7 @@ def main() -> None:
             else:
                 pipe = make_pipeline(stages, algorithm, timeout=60, data_parallel=world // stages)
                 data = dp_batches(STEPS)
-            losses = train(pipe, data, pipe._owns(0), pipe._owns(stages - 1))
+            losses = train(pipe, data, 0 in pipe.stages, stages - 1 in pipe.stages)
             torch.save({"losses": losses, "state": pipe.state_dict(), "replica": pipe.replica},
                        os.path.join(out, f"dp-{algorithm}-{rank}.pt"))
     elif mode == "dp-features":
@@ -566,9 +566,9 @@ def main() -> None:
         held = []
         for x, y in batches(int(sys.argv[4])):
             pipe.step(x if first else None, y if last else None)
-            held.append(sum(len(q) for q in pipe._transport._unacknowledged.values()))
+            held.append(sum(len(q) for q in pipe._parts.transport._unacknowledged.values()))
         pipe.flush()
-        held.append(sum(len(q) for q in pipe._transport._unacknowledged.values()))
+        held.append(sum(len(q) for q in pipe._parts.transport._unacknowledged.values()))
         torch.save(held, os.path.join(out, f"held-{rank}.pt"))
     elif mode == "posted":
         # Each rank keeps receives posted on every incoming link between steps and across a flush, so the
@@ -579,7 +579,7 @@ def main() -> None:
             pipe.step(x if first else None, y if last else None)
             if i == 1:
                 pipe.flush()
-            posted.append({f"{kind.name}{b}": len(queue) for (kind, b), queue in pipe._transport._posted.items()
+            posted.append({f"{kind.name}{b}": len(queue) for (kind, b), queue in pipe._parts.transport._posted.items()
                            if queue})
         torch.save(posted, os.path.join(out, f"posted-{rank}.pt"))
     elif mode == "close":
@@ -609,7 +609,7 @@ def main() -> None:
 
         pipe = make_pipeline(world, "1f1b", timeout=60)
         train(pipe, batches(1), first, last)
-        links = pipe._transport._links
+        links = pipe._parts.transport._links
         # Links are named by (kind, boundary b between stages b and b+1); one stage per rank here.
         record = {
             (kind.name, b + 1 if rank == b else b): (sorted(dist.get_process_group_ranks(group)), peer)

@@ -42,7 +42,7 @@ class Fault:
     def arm(self, pipe: pipecore.Pipeline) -> None:
         # Read now, not when an action runs: with overlap_steps the previous mini-batch's last actions may run
         # after arming, before the next step() counts its mini-batch.
-        self.next_minibatch = pipe._fed
+        self.next_minibatch = pipe._steps.fed
         st = pipe.stages[self.stage]
         name = self.HOOKS[self.kind]
         original = getattr(st, name)
@@ -66,7 +66,7 @@ class Fault:
         first = action.index if self.kind != "U" else (action.index - 1) * every
         if self.target == "next-last":  # that mini-batch's last backward or update
             return first == (self.next_minibatch + 1) * m - (every if self.kind == "U" else 1)
-        return first >= (pipe._fed - 1) * m
+        return first >= (pipe._steps.fed - 1) * m
 
 
 def mlp(seed: int = 0, width: int = 8, extra: tuple[nn.Module, ...] = ()) -> nn.Sequential:
@@ -193,7 +193,7 @@ def test_undo_snapshots_copy_the_weights_only_before_the_ring_loses_them(algorit
     four of i-timeprest's, whose last stage keeps one version). A step that fails after stage 0's
     update is undone exactly as with snapshots that copy at once: from the copies (1f1b), from the ring (2bw),
     or both (i-timeprest's last stage keeps one version)."""
-    import pipecore.engine.pipeline as pipeline_module
+    import pipecore.engine.recovery as recovery_module
     from pipecore.engine.undo import StageSnapshot
 
     def run(copy_at_once: bool) -> tuple:
@@ -213,7 +213,7 @@ def test_undo_snapshots_copy_the_weights_only_before_the_ring_loses_them(algorit
                     copied.append(self)
                 original_keep(self, slot)
 
-            original_undo = pipeline_module.undo
+            original_undo = recovery_module.undo
 
             def undo(stage, point):
                 if point.snapshot is not None:  # whether the weights come back from a copy (or the ring)
@@ -222,7 +222,7 @@ def test_undo_snapshots_copy_the_weights_only_before_the_ring_loses_them(algorit
 
             patch.setattr(StageSnapshot, "of", classmethod(of))
             patch.setattr(StageSnapshot, "keep_weights", keep_weights)
-            patch.setattr(pipeline_module, "undo", undo)
+            patch.setattr(recovery_module, "undo", undo)
             # In turn: with stage threads, when a snapshot is dropped against its stage's next update varies.
             losses, state, failed = train(algorithm, Fault(0, "U", when="end", target="first"), steps=6,
                                           concurrent=False)

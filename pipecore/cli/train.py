@@ -1017,7 +1017,7 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
     from tqdm import tqdm
 
     import pipecore
-    from ..engine.pipeline import CheckpointNote
+    from ..engine.state_io import CheckpointNote
 
     # With one process per stage (under torchrun) every rank trains its stage and takes part in the evaluation
     # (pipe.predict); rank 0 alone prints and writes.

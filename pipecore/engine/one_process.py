@@ -13,7 +13,7 @@ from ..runtime.ties import LocalTiedGradients
 from ..runtime.transport import LocalTransport, Transport
 from .clip import GlobalNorm, LocalGlobalNorm
 from .locality import Needs
-from .predict import concatenate, forward_here
+from .prediction import concatenate, forward_here
 from .stage import TensorStage
 
 

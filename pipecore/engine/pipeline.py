@@ -5,7 +5,7 @@ In one process the pipeline owns every stage. When a ``torch.distributed`` proce
 neighbouring ranks; the executor, the schedule and the stage worker are the same either way.
 
 The class composes: :mod:`~pipecore.engine.build` makes its parts, :mod:`~pipecore.engine.stepping` runs its
-steps, :mod:`~pipecore.engine.recovery` takes failed ones back, :mod:`~pipecore.engine.predict`,
+steps, :mod:`~pipecore.engine.recovery` takes failed ones back, :mod:`~pipecore.engine.prediction`,
 :mod:`~pipecore.engine.state_io` and :mod:`~pipecore.engine.introspection` do the rest; what differs between
 one process and a rank of ``torchrun`` is a :class:`~pipecore.engine.locality.Locality` chosen when it is built.
 """
@@ -19,13 +19,11 @@ import torch
 from torch import nn
 
 from ..planning.planner import Plan
+from . import introspection, prediction, state_io
 from .build import build
 from .inputs import Batch
-from .introspection import describe, stats
-from .predict import predict
 from .recovery import Recovery
-from .state_io import full_state_dict, load_state_dict, state_dict
-from .stepping import Steps, in_flight
+from .stepping import Steps
 
 
 class Pipeline:
@@ -303,7 +301,7 @@ class Pipeline:
     def in_flight(self) -> int:
         """Micro-batches whose backward has not run yet, summed over this process's stages."""
         self.synchronize()
-        return in_flight(self.stages)
+        return self._steps.in_flight()
 
     @property
     def training(self) -> bool:
@@ -359,14 +357,14 @@ class Pipeline:
         a rank that passes the other value follows rank 0's, so that no rank is left waiting, and raises
         ValueError afterwards. A rank that does not take part is reported after the pipeline's ``timeout``."""
         self._check_open("predict")
-        return predict(self._parts, x, broadcast, self.synchronize)
+        return prediction.predict(self._parts, x, broadcast, self.synchronize)
 
     def state_dict(self) -> dict[str, Any]:
         """This process's stages: the model's ``state_dict`` keys (live weights, buffers) plus ``"pipecore"``
         (versions and optimizer state per stage, and the names and shapes of the parameters each stage's flat
         buffers hold, in order, so that :meth:`load_state_dict` can map it to any other pipeline of the model).
         In one process that is the whole model."""
-        return state_dict(self._parts, self.in_flight)
+        return state_io.state_dict(self._parts, self.in_flight)
 
     def full_state_dict(self) -> dict[str, Any]:
         """Every stage's :meth:`state_dict` in one, on every process, tensors on the CPU: the whole model's
@@ -374,7 +372,7 @@ class Pipeline:
         one process per stage it is collective (every rank calls it; a rank that does not is reported by
         name after the pipeline's timeout). For evaluating or saving the whole model on one rank; each
         rank's share of it is one stage's weights and optimizer state."""
-        return full_state_dict(self._parts, self.in_flight)
+        return state_io.full_state_dict(self._parts, self.in_flight)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this process's stages from a :meth:`state_dict` that holds them: this process's own, a
@@ -389,7 +387,7 @@ class Pipeline:
         velocity, weight prediction's update direction) maps by name where both keep it, is dropped where this
         pipeline does not keep it and starts at zero where the checkpoint does not hold it, each with a
         warning. See docs/training.md, "Universal checkpoints"."""
-        load_state_dict(self._parts, state, self.in_flight)
+        state_io.load_state_dict(self._parts, state, self.in_flight)
         self._recovery.restart()
 
     def _gather(self, obj: Any) -> list[Any]:
@@ -406,12 +404,12 @@ class Pipeline:
         the CPU the stage's account of what it allocates and what its micro-batches in flight keep, see
         ``pipecore.engine.memory``, kept with ``track_memory=True``; None without it), and the median seconds of the stage's
         recent actions of each kind."""
-        return stats(self._parts, all_stages, self.synchronize)
+        return introspection.stats(self._parts, all_stages, self.synchronize)
 
     def describe(self) -> str:
         """Each stage's modules, compute nodes (indices into the captured graph), parameters and the values
         that cross its cuts (with shapes and dtypes when an ``example_input`` was given)."""
-        return describe(self._parts)
+        return introspection.describe(self._parts)
 
     def __repr__(self) -> str:
         return self.describe()

@@ -22,7 +22,7 @@ from ..schedule.links import messages_ahead
 from .clip import DistributedGlobalNorm, GlobalNorm, RankGlobalNorm
 from .data_parallel import Topology
 from .locality import Needs
-from .predict import forward_across_ranks
+from .prediction import forward_across_ranks
 from .stage import TensorStage
 from .undo import Unrecoverable, minibatches_in_flight
 

@@ -12,7 +12,7 @@ import math
 import statistics
 import time
 from functools import partial
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -26,7 +26,6 @@ from .data_parallel import shard, sum_over
 from .inputs import Batch, LossTarget, as_model_inputs, as_payload, loss_divisor, split_batch, to_device
 from .locality import Needs
 from .parts import Parts
-from .stage import TensorStage
 from .threads import calling_thread_threads
 
 
@@ -41,11 +40,6 @@ class Guard(Protocol):
 
     def receive_loss(self, minibatch: int) -> float:
         """The loss of ``minibatch`` from the rank that runs the last stage."""
-
-
-def in_flight(stages: Mapping[int, TensorStage]) -> int:
-    """Micro-batches whose backward has not run yet, summed over ``stages``."""
-    return sum(st.book.in_flight() for st in stages.values())
 
 
 class Steps:
@@ -91,6 +85,10 @@ class Steps:
             return ClipDependencies(self.parts.num_stages, algorithm.update_every, ties,
                                     weight_actions=algorithm.schedule(1).splits_backward(0))
         return ties
+
+    def in_flight(self) -> int:
+        """Micro-batches whose backward has not run yet, summed over this process's stages."""
+        return sum(st.book.in_flight() for st in self.parts.stages.values())
 
     @property
     def execution(self) -> str:

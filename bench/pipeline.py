@@ -233,7 +233,7 @@ def pipecore_modern_pipeline(system: str, world: int, batches) -> Callable[[int]
 
 
 def _pipecore_window(pipe, batches) -> Callable[[int], None]:
-    first, last = pipe._owns(0), pipe._owns(pipe.num_stages - 1)
+    first, last = 0 in pipe.stages, pipe.num_stages - 1 in pipe.stages
 
     def window(n: int) -> None:
         for i in range(n):

@@ -30,7 +30,8 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 import torch
 
-from .engine.pipeline import Pipeline, merge_state_dicts
+from .engine.pipeline import Pipeline
+from .engine.state_io import merge_state_dicts
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -69,7 +70,7 @@ def _save_replicated(pipe: Pipeline, directory: str | os.PathLike) -> None:
         except CheckpointError as exc:
             error = exc
     # Every replica of this pipeline rank learns whether replica 0 committed (a sum over its "dp" group).
-    failed = sum_over(pipe._dp_group, [1.0 if error is not None else 0.0], pipe.devices[min(pipe.stages)])[0]
+    failed = sum_over(pipe._parts.dp_group, [1.0 if error is not None else 0.0], pipe.devices[min(pipe.stages)])[0]
     if error is not None:
         raise error
     if failed:

@@ -187,7 +187,7 @@ def fail_once(pipe: pipecore.Pipeline, kind: str) -> None:
     def hook(action, *args):
         first = (action.index - 1) * every if kind == "U" else action.index
         out = original(action, *args)
-        if first >= (pipe._fed - 1) * m and getattr(stage, name) is hook:
+        if first >= (pipe._steps.fed - 1) * m and getattr(stage, name) is hook:
             setattr(stage, name, original)
             raise RuntimeError(f"injected failure after {action}")
         return out
@@ -353,8 +353,8 @@ def main() -> None:
             algorithm, chunks, spr, *extra = config.split(":")
             kwargs = {"clip_grad_norm": CLIP} if extra == ["clip"] else {}
             pipe = make_modern_pipeline(algorithm, int(chunks), int(spr), timeout=60, **kwargs)
-            losses = train(pipe, tied_batches(3), pipe._owns(0), pipe._owns(int(chunks) - 1))
-            prediction = pipe.predict(tied_batches(1, seed=7)[0][0] if pipe._owns(0) else None, broadcast=True)
+            losses = train(pipe, tied_batches(3), 0 in pipe.stages, int(chunks) - 1 in pipe.stages)
+            prediction = pipe.predict(tied_batches(1, seed=7)[0][0] if 0 in pipe.stages else None, broadcast=True)
             torch.save({"losses": losses, "state": pipe.state_dict(), "prediction": prediction,
                         "stages": sorted(pipe.stages)}, os.path.join(out, f"{config.replace(':', '-')}-{rank}.pt"))
     elif mode == "dp":
@@ -367,7 +367,7 @@ def main() -> None:
             else:
                 pipe = make_pipeline(stages, algorithm, timeout=60, data_parallel=world // stages)
                 data = dp_batches(STEPS)
-            losses = train(pipe, data, pipe._owns(0), pipe._owns(stages - 1))
+            losses = train(pipe, data, 0 in pipe.stages, stages - 1 in pipe.stages)
             torch.save({"losses": losses, "state": pipe.state_dict(), "replica": pipe.replica},
                        os.path.join(out, f"dp-{algorithm}-{rank}.pt"))
     elif mode == "dp-features":
@@ -566,9 +566,9 @@ def main() -> None:
         held = []
         for x, y in batches(int(sys.argv[4])):
             pipe.step(x if first else None, y if last else None)
-            held.append(pipe._transport.links.held())
+            held.append(pipe._parts.transport.links.held())
         pipe.flush()
-        held.append(pipe._transport.links.held())
+        held.append(pipe._parts.transport.links.held())
         torch.save(held, os.path.join(out, f"held-{rank}.pt"))
     elif mode == "posted":
         # Each rank keeps receives posted on every incoming link between steps and across a flush, so the
@@ -580,7 +580,7 @@ def main() -> None:
             if i == 1:
                 pipe.flush()
             posted.append({f"{stream.key[0].name}{stream.key[1]}": stream.posted
-                           for stream in pipe._transport.links.incoming if stream.key != "loss" and stream.posted})
+                           for stream in pipe._parts.transport.links.incoming if stream.key != "loss" and stream.posted})
         torch.save(posted, os.path.join(out, f"posted-{rank}.pt"))
     elif mode == "close":
         # Pipelines built and closed one after another (a sweep in one job): closing releases each one's
@@ -610,7 +610,7 @@ def main() -> None:
         pipe = make_pipeline(world, "1f1b", timeout=60)
         train(pipe, batches(1), first, last)
         # Links are the streams named by (kind, boundary b between stages b and b+1); one stage per rank here.
-        links = [s for s in [*pipe._transport.links.outgoing, *pipe._transport.links.incoming] if s.key != "loss"]
+        links = [s for s in [*pipe._parts.transport.links.outgoing, *pipe._parts.transport.links.incoming] if s.key != "loss"]
         record = {(s.key[0].name, s.key[1] + 1 if rank == s.key[1] else s.key[1]):
                   (sorted(dist.get_process_group_ranks(s.group)), s.peer) for s in links}
         groups = [s.group for s in links]

@@ -215,7 +215,7 @@ def test_an_error_after_step_returned_is_raised_by_the_next_call():
     gate.error = None
     assert pipe.in_flight == 0 and math.isfinite(pipe.step(x, y))
     closed(pipe)
-    assert not pipe._threads.alive()
+    assert not pipe._parts.threads.alive()
 
 
 def test_a_nonfinite_loss_is_raised_by_its_own_step_with_overlap():
@@ -300,7 +300,7 @@ def test_an_error_in_any_stage_thread_reaches_step_naming_the_stage(stage, in_ba
         pipe.synchronize()  # with overlap_steps, an error after the last step returned is raised here
     assert any(f"stage {stage}'s worker thread" in note for note in getattr(info.value, "__notes__", []))
     closed(pipe)
-    assert not pipe._threads.alive()
+    assert not pipe._parts.threads.alive()
 
 
 def test_a_keyboard_interrupt_in_a_stage_thread_stops_every_thread_and_reaches_step():
@@ -310,7 +310,7 @@ def test_a_keyboard_interrupt_in_a_stage_thread_stops_every_thread_and_reaches_s
     with pytest.raises(KeyboardInterrupt):
         pipe.step(*data(1)[0])
     closed(pipe)
-    assert not pipe._threads.alive()
+    assert not pipe._parts.threads.alive()
 
 
 class InterruptsMain(nn.Module):
@@ -340,7 +340,7 @@ def test_ctrl_c_while_stages_run_stops_every_thread(overlap_steps):
             pipe.step(x, y)
         pipe.synchronize()
     closed(pipe)
-    assert not pipe._threads.alive()
+    assert not pipe._parts.threads.alive()
 
 
 def test_one_thread_per_stage_lives_from_step_to_step_and_ends_with_close():
@@ -348,9 +348,9 @@ def test_one_thread_per_stage_lives_from_step_to_step_and_ends_with_close():
     seen = []
     for x, y in data(3):
         pipe.step(x, y)
-        seen.append(sorted(t.ident for t in pipe._threads.alive()))
+        seen.append(sorted(t.ident for t in pipe._parts.threads.alive()))
     assert len(seen[0]) == 4 and seen[0] == seen[1] == seen[2]
-    threads = pipe._threads.alive()
+    threads = pipe._parts.threads.alive()
     pipe.close()
     assert not any(t.is_alive() for t in threads)
 
@@ -358,7 +358,7 @@ def test_one_thread_per_stage_lives_from_step_to_step_and_ends_with_close():
 def test_the_stage_threads_end_when_the_pipeline_is_garbage_collected():
     pipe = pipecore.Pipeline(mlp(), 4, "1f1b", n_microbatches=4, loss_fn=nn.CrossEntropyLoss())
     pipe.step(*data(1)[0])
-    threads = pipe._threads.alive()
+    threads = pipe._parts.threads.alive()
     assert len(threads) == 4
     del pipe
     gc.collect()
@@ -374,13 +374,13 @@ def test_a_failed_step_leaves_no_thread_waiting():
     with pytest.raises(Injected):
         pipe.step(*data(1)[0])
     # Every stage thread is back in its idle loop, waiting for the next job: none is stuck in a mailbox.
-    threads = pipe._threads.alive()
+    threads = pipe._parts.threads.alive()
     assert len(threads) == 4
     frames = sys._current_frames()
     assert all(frames[t.ident].f_code.co_name == "_serve" for t in threads), [
         frames[t.ident].f_code.co_name for t in threads]
     closed(pipe)
-    assert not pipe._threads.alive()
+    assert not pipe._parts.threads.alive()
 
 
 def test_devices_place_each_stage_and_match_the_default():
@@ -494,7 +494,7 @@ def test_overlapping_steps_return_settled_under_a_profiler():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         for x, y in data(3):
             pipe.step(x, y)
-            assert pipe._executor.cursor == pipe._executor.planned
+            assert pipe._steps.executor.cursor == pipe._steps.executor.planned
     pipe.close()
 
 
@@ -550,7 +550,7 @@ def test_a_stage_waiting_longer_than_the_timeout_raises_naming_both_stages():
     # The interrupted mini-batch was undone: the next step trains.
     assert math.isfinite(pipe.step(*data(1)[0]))
     closed(pipe)
-    assert not pipe._threads.alive()
+    assert not pipe._parts.threads.alive()
 
 
 class RecordingDropout(nn.Module):

@@ -511,14 +511,14 @@ def test_split_backward_defers_weight_gradients_until_after_the_send():
     pipe = Pipeline(mlp(4), 2, "1f1b", M, loss_fn=nn.CrossEntropyLoss(), split_backward=True)
     stage = pipe.stages[1]
     seen = []
-    send = pipe._transport.send
+    send = pipe._parts.transport.send
 
     def spy(target_stage, kind, microbatch, message):
         if kind is B:  # a gradient message, from stage 1
             seen.append((float(stage.grad.abs().sum()), bool(stage._deferred)))
         send(target_stage, kind, microbatch, message)
 
-    pipe._transport.send = spy
+    pipe._parts.transport.send = spy
     x, y = data(1)
     pipe.step(x[0], y[0])
     assert len(seen) == M
@@ -710,7 +710,7 @@ def test_action_times_total_every_action_and_keep_the_recent_for_the_median():
 
 
 def test_full_state_dict_in_one_process_is_the_state_dict_and_parts_merge_back():
-    from pipecore.engine.pipeline import merge_state_dicts
+    from pipecore.engine.state_io import merge_state_dicts
 
     pipe = Pipeline(mlp(4), 2, "pipedream", 2, optimizer=SGD(lr=0.1, momentum=0.9), loss_fn=nn.CrossEntropyLoss())
     xs, ys = data(3, batch=4)

@@ -301,11 +301,11 @@ def test_offloaded_segments_run_through_the_stage_hooks(algorithm: str, monkeypa
     """The pipeline path of offload on the CPU, with the link that copies within the CPU in place of CUDA's
     (the device check lifted): losses and weights equal those of the same cuts without offload, bit for bit
     (float64), under the stash rule and (i-timeprest) the swap rule, whose saved weights stay references."""
-    from pipecore.engine import pipeline
+    from pipecore.engine import build
 
     link = RecordingLink()
     monkeypatch.setattr(HostLink, "of", classmethod(lambda cls, device: link))
-    monkeypatch.setattr(pipeline, "_check_offload_devices", lambda plan, devices, owned: None)
+    monkeypatch.setattr(build, "check_offload_devices", lambda plan, devices, owned: None)
     train_with_and_without(offloading_plan(gpt(torch.float64), algorithm, "cpu"), algorithm, "cpu")
     moved = sum(1 for kind, _ in link.calls if kind == "to_host")
     assert moved > 0 and moved == sum(1 for kind, _ in link.calls if kind == "to_device")

@@ -74,16 +74,16 @@ def test_python_calls_per_action_stay_bounded(concurrent):
         if concurrent:
             # A stage thread's profile function is set on the thread itself, before its next job.
             jobs = {s: (lambda: sys.setprofile(counter)) for s in pipe.stages}
-            pipe._threads.submit(jobs)
-            pipe._threads.wait(on_interrupt=lambda: None)
+            pipe._parts.threads.submit(jobs)
+            pipe._parts.threads.wait(on_interrupt=lambda: None)
         for x, y in data[2:]:
             pipe.step(x, y)
         pipe.synchronize()
     finally:
         sys.setprofile(None)
         if concurrent:
-            pipe._threads.submit({s: (lambda: sys.setprofile(None)) for s in pipe.stages})
-            pipe._threads.wait(on_interrupt=lambda: None)
+            pipe._parts.threads.submit({s: (lambda: sys.setprofile(None)) for s in pipe.stages})
+            pipe._parts.threads.wait(on_interrupt=lambda: None)
     assert torch.get_num_threads() == torch_threads
     actions = 3 * STAGES * (2 * M + 1)
     print(f"{counter.count / actions:.1f} Python calls per action")

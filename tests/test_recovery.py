@@ -42,7 +42,7 @@ class Fault:
     def arm(self, pipe: pipecore.Pipeline) -> None:
         # Read now, not when an action runs: with overlap_steps the previous mini-batch's last actions may run
         # after arming, before the next step() counts its mini-batch.
-        self.next_minibatch = pipe._fed
+        self.next_minibatch = pipe._steps.fed
         st = pipe.stages[self.stage]
         name = self.HOOKS[self.kind]
         original = getattr(st, name)
@@ -66,7 +66,7 @@ class Fault:
         first = action.index if self.kind != "U" else (action.index - 1) * every
         if self.target == "next-last":  # that mini-batch's last backward or update
             return first == (self.next_minibatch + 1) * m - (every if self.kind == "U" else 1)
-        return first >= (pipe._fed - 1) * m
+        return first >= (pipe._steps.fed - 1) * m
 
 
 def mlp(seed: int = 0, width: int = 8, extra: tuple[nn.Module, ...] = ()) -> nn.Sequential:

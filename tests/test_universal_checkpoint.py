@@ -12,7 +12,7 @@ from torch import nn
 
 import pipecore
 from pipecore import AdamW, Pipeline, SGD, checkpoint
-from pipecore.engine.pipeline import CheckpointNote
+from pipecore.engine.state_io import CheckpointNote
 from pipecore.engine.reshard import canonical_names, parameter_states
 from pipecore.models import GPT
 

@@ -488,7 +488,7 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
     import warnings
 
     import pipecore
-    from ..engine.pipeline import CheckpointNote
+    from ..engine.state_io import CheckpointNote
 
     # With one process per stage (under torchrun) every rank trains its stage and takes part in the evaluation
     # (pipe.predict); rank 0 alone prints and writes.

@@ -158,7 +158,9 @@ def test_predict_and_autocast_run_on_a_v_schedule():
     x, y = data(1)[0]
     pipe = pipeline("dualpipe-v", 4, 2)
     plain = TiedMLP()
-    torch.testing.assert_close(pipe.predict(x), plain(x), rtol=0, atol=0)
+    # predict runs the micro-batches: the plain model on the same ones (a matmul's rounding may depend on its rows).
+    expected = torch.cat([plain(chunk) for chunk in x.tensor_split(M)])
+    torch.testing.assert_close(pipe.predict(x), expected, rtol=0, atol=0)
     cast = Pipeline(TiedMLP().float(), 4, "zb-v", M, loss_fn=nn.CrossEntropyLoss(), partition=cuts(4),
                     optimizer=SGD(lr=0.1), autocast=torch.bfloat16)
     loss = cast.step(x.float(), y)

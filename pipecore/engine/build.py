@@ -115,28 +115,27 @@ def build(model: nn.Module | Sequence[nn.Module], num_stages: int, *, algorithm:
             sizing.weight_versions(s), sizing.derived_weights(s), loss_fn, targets.pop, on_nonfinite,
             device=device, state_keys=stage_keys[s], track_memory=track_memory, autocast=autocast,
             split_backward=split_backward and s > 0,  # stage 0 sends no input gradient
+            # Zero-bubble schedules run each backward's weight gradients as an action of its own (W).
+            weight_actions=layout_schedule.splits_backward(s),
             lr_schedule=None if lr_scheduler is None else LrSchedule(lr_scheduler, stage_optimizer.lr),
         )
-        # Zero-bubble schedules run each backward's weight gradients as an action of its own (W).
-        stages[s].weight_actions = layout_schedule.splits_backward(s)
     locality.release_other_stages(captured.model, [graphs[s].module for s in owned])
     ties = tied_parameters(graphs, captured.model)
     tie_sync, tie_exchange = _tie_stages(chosen, ties, stages, stage_device, locality) if ties else (None, None)
     max_norm = check_max_norm(clip_grad_norm)
     global_norm: GlobalNorm | None = None
-    if max_norm is not None:
-        if flushes_every_minibatch(chosen.schedule(2), n_microbatches, chosen.update_every):
-            global_norm = locality.build_global_norm(stages)
-        for st in stages.values():
-            st.clip = GradClip(max_norm, global_norm)
+    if max_norm is not None and flushes_every_minibatch(chosen.schedule(2), n_microbatches, chosen.update_every):
+        global_norm = locality.build_global_norm(stages)
     transport = locality.build_transport(chosen, stage_device, owned)
     # With several replicas: each stage's gradients summed over its replicas before every update.
     dp_group: Any = None
     if width > 1:
         assert topology is not None
         dp_group = dp_groups(topology, timeout)
-        for st in stages.values():
-            st.gradient_sum = GradientSum(dp_group, chosen.update_every, topology.describe())
+    for st in stages.values():
+        st.connect(gradient_sum=None if dp_group is None else GradientSum(dp_group, chosen.update_every,
+                                                                          topology.describe()),
+                   clip=None if max_norm is None else GradClip(max_norm, global_norm))
     # Worker threads, one per rank (a rank runs its stages' actions in one list), kept from step to step
     # (one process, several ranks, concurrent).
     ranks_here = len({placement[s] for s in stages})
@@ -243,7 +242,7 @@ def _tie_stages(algorithm: Algorithm, ties: dict[str, tuple[tuple[int, str], ...
     exchange = locality.build_tie_exchange(owners, views, devices)
     for s, own in views.items():
         if own:
-            stages[s].ties = StageTies(s, own, exchange, sync, owners)
+            stages[s].share_ties(StageTies(s, own, exchange, sync, owners))
     return sync, exchange
 
 
@@ -256,9 +255,10 @@ def _place_streams(stages: dict[int, TensorStage], placement: Sequence[int], on_
     plain = all(st.device.type == "cpu" for st in stages.values())
     for s, st in stages.items():
         st.plain_messages(plain)
-        st.use_stream(on_threads)  # a stream of its own only where it runs on its own thread
-        # The stages of one rank on one device compute on one stream, in the rank's order.
-        st.stream = rank_streams.setdefault((placement[s], st.device), st.stream)
-        st.intra_op_threads = threads_per_stage
-        st.records = False  # nothing here reads the actions' records (the stages tally their reads)
+        # A stream of its own only on CUDA where it runs on its own thread; the stages of one rank on one device
+        # compute on one stream, in the rank's order.
+        key = (placement[s], st.device)
+        if key not in rank_streams:
+            rank_streams[key] = torch.cuda.Stream(st.device) if on_threads and st.device.type == "cuda" else None
+        st.compute_on(rank_streams[key], threads_per_stage)
     return plain

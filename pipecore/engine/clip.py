@@ -211,10 +211,10 @@ class DistributedGlobalNorm(GlobalNorm):
     """One process per stage: each rank sends its squared norm to every other rank and adds all of them in
     stage order (after the tied gradients are applied, when its tied weights hold the owners' sum).
 
-    Point-to-point messages on a group of its own (``[update, squared norm]`` in float64) rather than a
-    collective, so that a failed rank can stop the others' wait: it sends a failure notice (``[-1, length]``,
-    then the cause as text) in place of its norm (:meth:`notify_failure`), and after the failure every rank
-    takes what is left on its streams (:meth:`resync`)."""
+    Point-to-point frames on the link layer (:mod:`pipecore.runtime.link`: one ``float64`` squared norm and the
+    update's index, on a gloo group of its own) rather than a collective, so that a failed rank can stop the
+    others' wait: its failure notice comes in place of its norm (:meth:`notify_failure`), and after the failure
+    every rank takes and drops what is left on its streams (:meth:`resync`)."""
 
     _TAG = 60
 
@@ -224,23 +224,28 @@ class DistributedGlobalNorm(GlobalNorm):
 
         import torch.distributed as dist
 
+        from ..runtime.link import TRAILER_BYTES, Links
+
         self.rank, self.num_stages = rank, num_stages
-        self.timeout = datetime.timedelta(seconds=timeout)
-        self._dist = dist
+        wait = datetime.timedelta(seconds=timeout)
+        self.links = Links(rank, wait, torch.device("cpu"))
         # One group per pipeline replica (data parallel; grid[i][r]: the global rank of pipeline rank r of replica
         # i), created by every process in the same order; ranks here are pipeline ranks.
         rows = [list(range(dist.get_world_size()))] if grid is None else [list(row) for row in grid]
         for i, row in enumerate(rows):
-            group = dist.new_group(row, backend="gloo", timeout=self.timeout) if grid is not None else \
-                dist.new_group(backend="gloo", timeout=self.timeout)
+            group = dist.new_group(row, backend="gloo", timeout=wait) if grid is not None else \
+                dist.new_group(backend="gloo", timeout=wait)
             if i == replica:
-                self._group = group
-                self._in_group = {r: dist.get_group_rank(group, g) for r, g in enumerate(row)}
-        self._peers = [r for r in range(num_stages) if r != rank]
-        self._sent = {peer: 0 for peer in self._peers}    # messages sent to each rank (notices count two)
-        self._taken = {peer: 0 for peer in self._peers}   # messages taken from each rank
-        self._sends: dict[int, list[tuple[int, Any, torch.Tensor]]] = {peer: [] for peer in self._peers}
-        self.failure_notified = False
+                mine, in_group = group, {r: dist.get_group_rank(group, g) for r, g in enumerate(row)}
+        size = 8 + 8 + TRAILER_BYTES  # the squared norm, the update's index, the trailer
+        self._streams = {}
+        for peer in range(num_stages):
+            if peer != rank:
+                outgoing = self.links.send_to("norm", mine, in_group[peer], peer, self._TAG, "gradient norms", size)
+                incoming = self.links.receive_from("norm", mine, in_group[peer], peer, self._TAG,
+                                                   "the next gradient norm", size)
+                self.links.pair(outgoing, incoming)  # each norm taken acknowledges the peer's earlier ones
+                self._streams[peer] = (outgoing, incoming)
 
     def after_ties(self, stage: ClippedStage, update: int) -> float:
         own = stage_squared_norm(stage, lambda name: stage.ties.views[name])  # tied views hold the sum now
@@ -249,80 +254,36 @@ class DistributedGlobalNorm(GlobalNorm):
     def _exchange(self, own: float, update: int) -> float:
         """The global norm of ``update``: this rank's squared share ``own`` sent to every other rank, theirs taken,
         all added in rank order."""
-        message = torch.tensor([update, own], dtype=torch.float64)
-        for peer in self._peers:
-            self._send(peer, message, update)
+        from ..runtime.link import TRAILER, PeerError
+
+        norm = torch.tensor([own], dtype=torch.float64)
+        for outgoing, _ in self._streams.values():
+            outgoing.send(norm, (update,))
         parts = {self.rank: own}
-        for peer in self._peers:
-            parts[peer] = self._take(peer, update)
-            # The peer sent this update's norm after it took our earlier ones: those sends are complete.
-            while self._sends[peer] and self._sends[peer][0][0] < update:
-                self._sends[peer].pop(0)[1].wait(self.timeout)
+        for peer, (_, incoming) in self._streams.items():
+            buffer, _, tail = incoming.take(f"its gradient norm of update {update}")
+            got = tail[-TRAILER - 1]
+            if got != update:
+                raise PeerError(f"rank {self.rank} expected rank {peer}'s gradient norm of update {update} but got "
+                                f"update {got}: the ranks are out of step")
+            parts[peer] = float(buffer[:8].view(torch.float64).item())
         return math.sqrt(sum(parts[r] for r in range(self.num_stages)))
-
-    def _send(self, peer: int, message: torch.Tensor, update: int) -> None:
-        self._sends[peer].append((update, self._group.send([message], self._in_group[peer], self._TAG), message))
-        self._sent[peer] += 1
-
-    def _take(self, peer: int, update: int | None) -> float:
-        """``peer``'s norm of ``update`` (with None: its next message, whatever it is)."""
-        from ..runtime.link import PeerError
-
-        header = self._receive(peer, torch.empty(2, dtype=torch.float64))
-        if header[0] == -1:
-            text = self._receive(peer, torch.empty(int(header[1]), dtype=torch.uint8))
-            raise PeerError.reported(self.rank, peer, bytes(text.numpy()).decode(errors="replace"))
-        if update is not None and int(header[0]) != update:
-            raise PeerError(f"rank {self.rank} expected rank {peer}'s gradient norm of update {update} but got "
-                            f"update {int(header[0])}: the ranks are out of step")
-        return float(header[1])
-
-    def _receive(self, peer: int, buffer: torch.Tensor) -> torch.Tensor:
-        from ..runtime.link import PeerError
-
-        try:
-            self._group.recv([buffer], self._in_group[peer], self._TAG).wait(self.timeout)
-        except RuntimeError as exc:
-            raise PeerError(f"rank {self.rank}: rank {peer} failed or stopped answering while its gradient norm "
-                            f"was expected ({str(exc).splitlines()[0] if str(exc) else exc!r})") from exc
-        self._taken[peer] += 1
-        return buffer
 
     def notify_failure(self, text: str) -> None:
         """Send every other rank a failure notice in place of a norm (best effort, once until :meth:`resync`)."""
-        if self.failure_notified:
-            return
-        self.failure_notified = True
-        data = torch.frombuffer(bytearray(text.encode() or b" "), dtype=torch.uint8)
-        header = torch.tensor([-1, data.numel()], dtype=torch.float64)
-        for peer in self._peers:
-            try:
-                self._send(peer, header, -1)
-                self._send(peer, data, -1)
-            except RuntimeError:
-                pass  # that rank is gone
+        self.links.notify_failure(text)
 
-    def sent_counts(self) -> dict[int, int]:
-        """Messages sent so far to each rank; after a failure the ranks take as many (:meth:`resync`)."""
-        return dict(self._sent)
+    def sent_counts(self) -> dict[Any, int]:
+        """Frames sent so far to each rank; after a failure the ranks take as many (:meth:`resync`)."""
+        return self.links.sent_counts()
 
-    def resync(self, counts: list[dict[int, int]]) -> None:
+    def resync(self, counts: Sequence[Mapping[Any, int]]) -> None:
         """After a failure, with every rank's :meth:`sent_counts` (in rank order): take and drop what is left on
         the streams to this rank (the norms of undone updates and failure notices)."""
-        from ..runtime.link import PeerError
-
-        for peer in self._peers:
-            while self._taken[peer] < counts[peer][self.rank]:
-                try:
-                    self._take(peer, None)
-                except PeerError as exc:
-                    if exc.cause is None:
-                        raise
-        self.failure_notified = False
+        self.links.resync(counts, lambda stream, buffer, array, tail: None)
 
     def close(self) -> None:
-        self._sends = {peer: [] for peer in self._peers}
-        self._dist.destroy_process_group(self._group)
+        self.links.close(deliver=False)
 
 
 class RankGlobalNorm(DistributedGlobalNorm):

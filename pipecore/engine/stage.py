@@ -64,13 +64,16 @@ class TensorStage(OnDevice, StageWorker):
         track_memory: bool = True,
         autocast: torch.dtype | None = None,
         split_backward: bool = False,
+        weight_actions: bool = False,
         lr_schedule: LrSchedule | None = None,
     ):
         """``state_keys``: the model's state_dict keys this stage holds (default: its module's; the generated
         module may hold more, e.g. constants). ``track_memory``: keep the CPU memory account. ``autocast``: the
         dtype forwards run in (weights and optimizer state keep theirs). ``split_backward``: send the input
-        gradient before computing the weight gradients. ``lr_schedule``: the learning rate by update index (None:
-        the optimizer's own rate)."""
+        gradient before computing the weight gradients. ``weight_actions``: the schedule runs each backward's weight
+        gradients as a ``W`` action of its own (zero-bubble schedules). ``lr_schedule``: the learning rate by update
+        index (None: the optimizer's own rate). What the stage shares with other stages (tied weights, the
+        replicas' gradient sum, clipping) is given by :meth:`share_ties` and :meth:`connect` once they exist."""
         super().__init__(algorithm, stage)
         module = graph.module
         self.module = module
@@ -89,6 +92,7 @@ class TensorStage(OnDevice, StageWorker):
         # With messages between CPU stages of one process, the worker skips accept, stamp and action_range
         # while this says nothing profiles (see StageWorker.plain_messages).
         self._profiling = torch.autograd._profiler_enabled
+        self.records = False  # nothing reads a training stage's action records: it tallies its reads itself
         flat = torch.zeros(self.layout.buffer_numel, dtype=self.layout.dtype, device=device)
         self.layout.gather(module, flat)
         # What the stage holds between actions: weight versions, gradients, optimizer state, declared buffers.
@@ -104,7 +108,7 @@ class TensorStage(OnDevice, StageWorker):
             None if all(type(m).__module__.startswith("torch.") for m in module.modules()) else False)
         self.lr_schedule = lr_schedule
         self._scheduled_lr = 0.0  # the rate of the update being applied, when lr_schedule is set
-        self.clip: GradClip | None = None  # Pipeline's clip_grad_norm
+        self.clip: GradClip | None = None  # Pipeline's clip_grad_norm (see connect)
         self.autocast = autocast
         self.rule: BackwardRule = RULES[self.backward_rule]()  # how its backwards read their weights
         # The module's parameters as views of flat weights (a ring slot, the scratch buffer).
@@ -126,15 +130,15 @@ class TensorStage(OnDevice, StageWorker):
         self._times = {"F": ActionTimes(), "B": ActionTimes(), "U": ActionTimes()}
         self._forward_times, self._backward_times, self._update_times = self._times.values()
         self.split_backward = split_backward  # see split_backward: the input gradient first
-        # The schedule runs each backward's weight gradients as a W action of its own (zero-bubble schedules;
-        # set by the pipeline): every backward leaves them, until its W.
-        self.weight_actions = False
+        # The schedule runs each backward's weight gradients as a W action of its own (zero-bubble schedules):
+        # every backward leaves them, until its W.
+        self.weight_actions = weight_actions
         # Weight gradients a backward left for later, by micro-batch: with split_backward until the backward's
         # messages are sent, with weight_actions until the micro-batch's W.
         self._deferred: dict[int, tuple[PendingWeightGradients, torch.Tensor | None]] = {}
-        # Tied weights this stage shares with others (set by the pipeline); None when it shares none.
+        # Tied weights this stage shares with others; None when it shares none (see share_ties).
         self.ties: StageTies | None = None
-        # With data_parallel: the sum of this stage's gradients over its replicas (set by the pipeline).
+        # With data_parallel: the sum of this stage's gradients over its replicas (see connect).
         self.gradient_sum: GradientSum | None = None
         self._last_backward_count = 0
         # Where the pipeline can take this stage back to, one per mini-batch not yet complete (see engine.undo);
@@ -142,6 +146,17 @@ class TensorStage(OnDevice, StageWorker):
         self.undo_points: list[UndoPoint] = []
         self.snapshot_pool: list[StateSnapshot] = []  # snapshots no point needs any more, reused (engine.undo)
         self._bind_module_to_live()
+
+    # What the stage shares with the other stages is built once they all exist: first the tied weights (a global
+    # gradient norm reads them), then the rest.
+    def share_ties(self, ties: StageTies) -> None:
+        """Exchange the gradients of the tied weights this stage holds with their other owners (``ties``)."""
+        self.ties = ties
+
+    def connect(self, *, gradient_sum: GradientSum | None = None, clip: GradClip | None = None) -> None:
+        """Sum each update group's gradients over the stage's replicas (``gradient_sum``, data parallelism) and
+        clip them (``clip``: by a global norm that reads every stage, or by the stage's own)."""
+        self.gradient_sum, self.clip = gradient_sum, clip
 
     # -- weights -------------------------------------------------------------------------------
 

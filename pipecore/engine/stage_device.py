@@ -24,18 +24,20 @@ class OnDevice:
     """The stage worker's hooks for a stage on ``device``; :meth:`place` sets what they read."""
 
     def place(self, device: torch.device) -> None:
-        """Compute on ``device``: no stream of its own yet (see :meth:`use_stream`), the thread count as set."""
+        """Compute on ``device``: no stream of its own yet (see :meth:`compute_on`), the thread count as set."""
         self.device = device
-        # The stream this stage computes on when stages run concurrently on CUDA (see use_stream).
+        # The stream this stage computes on when stages run concurrently on CUDA (see compute_on).
         self.stream: Any = None
         # torch intra-op threads of its runs on a stage thread (Pipeline's threads_per_stage; None: as set).
         self.intra_op_threads: int | None = None
         self._nvtx = device.type == "cuda"
 
-    def use_stream(self, concurrent: bool) -> None:
-        """Compute on a stream of this stage's own when stages run concurrently on a CUDA device, so that
-        their kernels overlap; messages then carry CUDA events (see :meth:`stamp`, :meth:`accept`)."""
-        self.stream = torch.cuda.Stream(self.device) if concurrent and self.device.type == "cuda" else None
+    def compute_on(self, stream: Any, intra_op_threads: int | None) -> None:
+        """Compute on ``stream`` (None: the thread's current one) with ``intra_op_threads`` torch threads (None:
+        as set). A stream of its own lets a stage on its own thread overlap its kernels with other stages';
+        messages then carry CUDA events (see :meth:`stamp`, :meth:`accept`)."""
+        self.stream = stream
+        self.intra_op_threads = intra_op_threads
 
     def running(self) -> AbstractContextManager[Any]:
         # Entered on a stage thread after the caller's torch state (pipecore._C.ThreadState), which sets the

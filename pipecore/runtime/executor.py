@@ -32,7 +32,7 @@ from .. import _C
 from ..schedule.ir import Action, B, F, Kind, W
 from ..schedule.periodic import PeriodicRow
 from ..schedule.progress import positions, rank_cursor, runnable
-from ..schedule.schedule import Schedule, upstream
+from ..schedule.schedule import Schedule
 from ..schedule.validate import ScheduleError, is_valid
 from .threads import StageThreads
 from .transport import KEY_SHIFT, LocalTransport, Transport

@@ -1,4 +1,5 @@
-"""Every pipecore module imports on its own, first, in a fresh interpreter (no import cycle depends on order).
+"""Every pipecore module imports on its own, first, in a fresh interpreter (no import cycle depends on order); no
+module imports itself back through others, however it imports; no source file runs over 700 lines.
 
 ``import pipecore.planning`` once failed with a circular import (planning -> engine -> planner -> planning)
 while the test suite, which imports ``pipecore.engine`` first, passed; bench/offload.py hit it on a GPU.
@@ -42,3 +43,85 @@ def test_each_module_imports_first_in_a_fresh_interpreter():
     )
     proc = subprocess.run([sys.executable, "-c", script, *modules], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"modules that cannot be imported first:\n{proc.stdout}{proc.stderr}"
+
+
+def _module_files() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its own name, from its ``__init__.py``)."""
+    files = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = ("pipecore", *path.relative_to(PACKAGE).with_suffix("").parts)
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return files
+
+
+def _imports(module: str, path: Path, files: dict[str, Path]) -> set[str]:
+    """The package's modules ``module`` imports, wherever the import is (inside functions, under TYPE_CHECKING);
+    a name taken from a package's ``__init__`` counts as the module it re-exports it from."""
+    import ast
+
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+    def reexported(pkg: str) -> dict[str, str]:
+        init = files.get(pkg)
+        if init is None or init.name != "__init__.py":
+            return {}
+        return {alias.asname or alias.name: f"{pkg}.{node.module}"
+                for node in ast.walk(ast.parse(init.read_text())) if isinstance(node, ast.ImportFrom)
+                and node.level == 1 and node.module for alias in node.names}
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            faces = reexported(base)
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found.add(full if full in files else faces.get(alias.name, base))
+    return {m for m in found if m in files and files[m].name != "__init__.py" and m != module}
+
+
+def test_no_module_of_the_package_imports_itself_back_through_others():
+    """No import circle between the package's modules, counting every import: a lazy one or one under
+    TYPE_CHECKING is still a dependency, and a package ``__init__`` that re-exports counts as the module it takes
+    the name from."""
+    files = _module_files()
+    graph = {m: _imports(m, p, files) for m, p in files.items() if p.name != "__init__.py"}
+    assert graph["pipecore.engine.stage"] >= {"pipecore.engine.state", "pipecore.engine.undo"}  # the parser sees
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = [stack.pop()]
+            while component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                circles.append(" <-> ".join(sorted(component)))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for module in graph:
+        if module not in index:
+            visit(module)
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def test_no_source_file_of_the_package_runs_over_700_lines():
+    """Small modules of one purpose each: a file that grows past 700 lines is split by purpose."""
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 700}
+    assert not long, f"files over 700 lines: {long}"

@@ -597,7 +597,7 @@ def test_stages_per_rank_is_refused_where_it_does_not_apply(capsys: pytest.Captu
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
     code, _, err = train(capsys, "--algorithm", "zb-v", "--stages", "4", "--epochs", "1", *SMALL)
-    assert code == 0  # the same error on every rank: rank 0 prints it, and torchrun sees no failed worker
+    assert code == 2  # the same error on every rank: rank 0 prints it and exits with 2, the others quietly
     assert "torchrun started 3 processes: pipecore runs one process per rank (2 stages each)" in err
     assert "--nproc-per-node 2" in err
 

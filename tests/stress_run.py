@@ -225,7 +225,8 @@ def kernels(seconds: float, threads: int) -> Counter:
                 m_theirs, v_theirs = m_mine.clone(), v_mine.clone()
                 _C.nadam_step(out, live, grad, m_mine, v_mine, **nadam_scalars(*NADAM_SCALARS), beta1=0.9, beta2=0.99,
                               eps=1e-8)
-                expected = reference.nadam_step(live, grad, m_theirs, v_theirs, **NADAM_ARGS, out=torch.empty_like(live))
+                expected = reference.nadam_step(live, grad, m_theirs, v_theirs, **NADAM_ARGS,
+                                                out=torch.empty_like(live))
                 assert torch.equal(out, expected), "nadam_step differs"
                 assert torch.equal(m_mine, m_theirs) and torch.equal(v_mine, v_theirs), "nadam_step's moments differ"
                 count["kernel_calls"] += 4

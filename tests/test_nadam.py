@@ -223,6 +223,28 @@ def test_another_optimizers_state_is_a_clear_error():
         assert_same(after["pipecore"]["stages"][s]["optimizer"], sm["optimizer"])
 
 
+def test_a_bad_optimizer_state_is_refused_before_anything_is_written():
+    layout = FlatLayout.of(nn.Linear(4, 1, bias=False).double(), 0)
+    ours = NAdam(lr=0.1).build(layout, torch.device("cpu"))
+    ours.step(torch.ones(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64),
+              torch.empty(4, dtype=torch.float64), uniform_scale(4, 1.0))
+    good = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in ours.state_dict().items()}
+    zeros = torch.zeros(4, dtype=torch.float64)
+    bad = [
+        (dict(good, mu_product=1.5), ValueError, "NAdam optimizer state 'mu_product' is 1.5; expected a product"),
+        (dict(good, exp_avg=zeros, exp_avg_sq=torch.zeros(5, dtype=torch.float64)), ValueError,
+         "NAdam optimizer state 'exp_avg_sq' has shape (5,), this stage's (4,)"),
+        ({"steps": 3, "exp_avg": zeros, "exp_avg_sq": zeros}, KeyError, "NAdam optimizer state has no 'mu_product'"),
+    ]
+    for state, error, message in bad:
+        with pytest.raises(error, match=re.escape(message)):
+            ours.load_state_dict(state)
+        assert_same(ours.state_dict(), good)
+    ours.load_state_dict(dict(good, mu_product=torch.tensor(good["mu_product"], dtype=torch.float64),
+                              steps=torch.tensor(1)))
+    assert_same(ours.state_dict(), good)  # torch's 0-dim tensors load as plain numbers
+
+
 # -- the direction weight prediction reads ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("decoupled", [False, True])

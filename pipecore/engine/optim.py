@@ -257,6 +257,9 @@ class FusedAdamW(StageOptimizer):
 
 
 class FusedNAdam(StageOptimizer):
+    """:class:`NAdam`'s state over a stage's flat buffer: the moments (state dtype), the step count and the running
+    product of the momentum coefficients, which advances once per update."""
+
     def __init__(self, config: NAdam, layout: FlatLayout, device: torch.device):
         self.config = config
         self.lr = config.lr
@@ -319,6 +322,10 @@ class FusedNAdam(StageOptimizer):
         if not 0.0 <= mu_product <= 1.0:
             raise ValueError(f"NAdam optimizer state 'mu_product' is {mu_product}; expected a product of momentum "
                              "coefficients in [0, 1]")
+        for key in ("exp_avg", "exp_avg_sq"):  # all checked before anything is written
+            if tuple(state[key].shape) != tuple(self.exp_avg.shape):
+                raise ValueError(f"NAdam optimizer state {key!r} has shape {tuple(state[key].shape)}, this stage's "
+                                 f"{tuple(self.exp_avg.shape)}")
         self.exp_avg.copy_(state["exp_avg"])
         self.exp_avg_sq.copy_(state["exp_avg_sq"])
         self.steps, self.mu_product = int(state["steps"]), mu_product

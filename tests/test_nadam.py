@@ -166,9 +166,11 @@ def test_a_checkpoint_loads_by_name_into_another_partition_and_continues_as_plai
         assert ours[name].optimizer.keys() == theirs[name].optimizer.keys() == {"exp_avg", "exp_avg_sq"}
         for key in ours[name].optimizer:
             assert torch.equal(ours[name].optimizer[key], theirs[name].optimizer[key]), (name, key)
-    scalars = {(sm["optimizer"]["steps"], sm["optimizer"]["mu_product"]) for sm in loaded["pipecore"]["stages"].values()}
-    assert scalars == {(sm["optimizer"]["steps"], sm["optimizer"]["mu_product"])
-                       for sm in state["pipecore"]["stages"].values()}
+    def scalars_of(st: dict) -> set[tuple[int, float]]:
+        return {(sm["optimizer"]["steps"], sm["optimizer"]["mu_product"]) for sm in st["pipecore"]["stages"].values()}
+
+    scalars = scalars_of(loaded)
+    assert scalars == scalars_of(state)
     assert len(scalars) == 1
 
     # The continuation equals plain training from the checkpoint under torch.optim.NAdam.

@@ -1,6 +1,6 @@
 """Optimizers over a stage's flat weight buffer.
 
-:class:`SGD` and :class:`AdamW` run on pipecore's fused ops: one pass reads the live weights, the flat
+:class:`SGD`, :class:`AdamW` and :class:`NAdam` run on pipecore's fused ops: one pass reads the live weights, the flat
 gradient and the optimizer state, and writes the next weight version into its ring slot. Any other torch
 optimizer can be given as a factory (``functools.partial(torch.optim.RMSprop, lr=1e-3)``); it runs unfused
 over parameter views of the new slot.
@@ -46,6 +46,48 @@ class AdamW:
         return FusedAdamW(self, layout, device)
 
 
+@dataclass(frozen=True)
+class NAdam:
+    """torch.optim.NAdam semantics on the fused path (``maximize=False``): Adam with Nesterov momentum whose
+    coefficient ``mu_t = beta1 * (1 - 0.5 * 0.96 ** (t * momentum_decay))`` warms up over the steps; weight decay is
+    added to the gradient (L2), or with ``decoupled_weight_decay=True`` applied to the weights as AdamW does.
+
+    The stage keeps the running product of the ``mu_t`` in float64; torch keeps it in its default dtype (float32
+    unless ``torch.set_default_dtype(torch.float64)``), so float64 weights agree with torch to round-off when
+    torch's default dtype is float64."""
+
+    lr: float
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum_decay: float = 4e-3
+    decoupled_weight_decay: bool = False
+
+    def __post_init__(self) -> None:
+        # Refused here, where the pipeline is built, rather than at the first update.
+        def number(name: str, value: Any, high: float | None = None) -> None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    0 <= value and (high is None or value < high) and value != float("inf")):
+                allowed = f"0 <= {name} < {high:g}" if high is not None else "a finite number >= 0"
+                raise ValueError(f"pipecore.NAdam: invalid {name}={value!r}; expected {allowed}")
+
+        number("lr", self.lr)
+        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2):
+            raise ValueError(f"pipecore.NAdam: betas must be a pair (beta1, beta2), got {self.betas!r}")
+        object.__setattr__(self, "betas", tuple(self.betas))  # a list as torch takes it; a tuple keeps it hashable
+        number("betas[0]", self.betas[0], 1.0)
+        number("betas[1]", self.betas[1], 1.0)
+        number("eps", self.eps)
+        number("weight_decay", self.weight_decay)
+        number("momentum_decay", self.momentum_decay)
+        if not isinstance(self.decoupled_weight_decay, bool):
+            raise ValueError("pipecore.NAdam: decoupled_weight_decay must be True or False, got "
+                             f"{self.decoupled_weight_decay!r}")
+
+    def build(self, layout: FlatLayout, device: torch.device) -> "FusedNAdam":
+        return FusedNAdam(self, layout, device)
+
+
 class StageOptimizer(ABC):
     """Optimizer state of one stage and the step that writes the next weight version."""
 
@@ -76,7 +118,7 @@ class StageOptimizer(ABC):
         """Refuse, at construction, to estimate :meth:`next_step_direction` if this optimizer cannot."""
         raise TypeError(
             f"weight prediction needs the optimizer's update direction; {type(self).__name__} does not provide "
-            "one (use pipecore.SGD or pipecore.AdamW)"
+            "one (use pipecore.SGD, pipecore.AdamW or pipecore.NAdam)"
         )
 
     def next_step_direction(self, grad: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
@@ -214,6 +256,81 @@ class FusedAdamW(StageOptimizer):
         self.exp_avg_sq.copy_(state["exp_avg_sq"])
 
 
+class FusedNAdam(StageOptimizer):
+    """:class:`NAdam`'s state over a stage's flat buffer: the moments (state dtype), the step count and the running
+    product of the momentum coefficients, which advances once per update."""
+
+    def __init__(self, config: NAdam, layout: FlatLayout, device: torch.device):
+        self.config = config
+        self.lr = config.lr
+        self.exp_avg = _state_tensor(layout, device)
+        self.exp_avg_sq = _state_tensor(layout, device)
+        self.steps = 0
+        #: ``mu_1 * ... * mu_steps`` (torch's ``state["mu_product"]``), a float64 Python float.
+        self.mu_product = 1.0
+
+    def step(self, w, grad, out, lr_scales):
+        c = self.config
+        step = self.steps + 1
+        # One product per update, whatever the learning-rate ranges: the mu's do not depend on the rate.
+        mu_product = self.mu_product * ops.nadam_mu(step, c.betas[0], c.momentum_decay)
+        for start, stop, scale in lr_scales:
+            ops.nadam_step(
+                w[start:stop], grad[start:stop], self.exp_avg[start:stop], self.exp_avg_sq[start:stop],
+                step=step, mu_product=mu_product, lr=self.lr * scale, beta1=c.betas[0], beta2=c.betas[1], eps=c.eps,
+                weight_decay=c.weight_decay, momentum_decay=c.momentum_decay,
+                decoupled_weight_decay=c.decoupled_weight_decay, out=out[start:stop],
+            )
+        self.steps, self.mu_product = step, mu_product
+
+    def check_next_step_direction(self) -> None:
+        pass  # the moments and the gradient are all the direction needs
+
+    def next_step_direction(self, grad: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+        """As AdamW's, from the moments now (they already hold ``grad``): NAdam's step per unit of learning rate
+        with this step's coefficients, ``((1 - mu_t)/(1 - mu_product) * g + mu_{t+1}/(1 - mu_product*mu_{t+1}) *
+        exp_avg) / (sqrt(exp_avg_sq / (1 - beta2**t)) + eps)`` with ``g = grad`` (plus ``weight_decay * w`` for L2
+        weight decay), plus ``weight_decay * w`` for decoupled weight decay; ``w`` are the new weights."""
+        c = self.config
+        if self.steps == 0:
+            out.zero_()
+            return
+        (beta1, beta2), t = c.betas, self.steps
+        md = self.exp_avg.dtype
+        mu, mu_next = ops.nadam_mu(t, beta1, c.momentum_decay), ops.nadam_mu(t + 1, beta1, c.momentum_decay)
+        g = grad.to(md)
+        decay = c.weight_decay * w.to(md) if c.weight_decay != 0.0 else None
+        if decay is not None and not c.decoupled_weight_decay:
+            g = g + decay
+        denom = (self.exp_avg_sq / (1 - beta2**t)).sqrt() + c.eps
+        direction = ((1 - mu) / (1 - self.mu_product) * g
+                     + mu_next / (1 - self.mu_product * mu_next) * self.exp_avg) / denom
+        if decay is not None and c.decoupled_weight_decay:
+            direction = direction + decay
+        out.copy_(direction)
+
+    def state_dict(self):
+        return {"steps": self.steps, "mu_product": self.mu_product, "exp_avg": self.exp_avg,
+                "exp_avg_sq": self.exp_avg_sq}
+
+    def load_state_dict(self, state):
+        missing = [k for k in ("steps", "mu_product", "exp_avg", "exp_avg_sq") if k not in state]
+        if missing:
+            raise KeyError(f"NAdam optimizer state has no {', '.join(map(repr, missing))}: it was saved with another "
+                           "optimizer")
+        mu_product = float(state["mu_product"])  # a tensor too, as torch keeps it
+        if not 0.0 <= mu_product <= 1.0:
+            raise ValueError(f"NAdam optimizer state 'mu_product' is {mu_product}; expected a product of momentum "
+                             "coefficients in [0, 1]")
+        for key in ("exp_avg", "exp_avg_sq"):  # all checked before anything is written
+            if tuple(state[key].shape) != tuple(self.exp_avg.shape):
+                raise ValueError(f"NAdam optimizer state {key!r} has shape {tuple(state[key].shape)}, this stage's "
+                                 f"{tuple(self.exp_avg.shape)}")
+        self.exp_avg.copy_(state["exp_avg"])
+        self.exp_avg_sq.copy_(state["exp_avg_sq"])
+        self.steps, self.mu_product = int(state["steps"]), mu_product
+
+
 class TorchOptimizer(StageOptimizer):
     """Any torch optimizer, unfused, over parameter views of the slot being written."""
 
@@ -237,7 +354,8 @@ class TorchOptimizer(StageOptimizer):
             raise ValueError(
                 "this update needs a different learning rate for some weights (tied weights under a per-stage "
                 "learning-rate scale, such as PipeMare's T1); a torch optimizer steps every parameter at one "
-                "rate: use pipecore.SGD or pipecore.AdamW, or turn the scaling off (lr_rescheduling=False)"
+                "rate: use pipecore.SGD, pipecore.AdamW or pipecore.NAdam, or turn the scaling off "
+                "(lr_rescheduling=False)"
             )
         (lr_scale,) = scales
         if out.data_ptr() != w.data_ptr():
@@ -261,16 +379,18 @@ class TorchOptimizer(StageOptimizer):
         self.optimizer.load_state_dict(state["torch"])
 
 
-_ALLOWED = ("pipecore.SGD(...), pipecore.AdamW(...) or a factory such as "
+_ALLOWED = ("pipecore.SGD(...), pipecore.AdamW(...), pipecore.NAdam(...) or a factory such as "
             "lambda params: torch.optim.SGD(params, lr=0.1)")
+#: The fused optimizers' configurations.
+FUSED = (SGD, AdamW, NAdam)
 
 
 def check_optimizer(spec: Any) -> None:
-    """Refuse, in one line, an ``optimizer`` argument that is none of ``pipecore.SGD``, ``pipecore.AdamW`` or a
-    callable (a torch optimizer factory). A torch optimizer instance is the common mistake: it holds the whole
-    model's parameters, while each stage updates its own flat buffer, so the pipeline needs the recipe, not the
-    instance."""
-    if isinstance(spec, (SGD, AdamW)):
+    """Refuse, in one line, an ``optimizer`` argument that is none of ``pipecore.SGD``, ``pipecore.AdamW``,
+    ``pipecore.NAdam`` or a callable (a torch optimizer factory). A torch optimizer instance is the common mistake:
+    it holds the whole model's parameters, while each stage updates its own flat buffer, so the pipeline needs the
+    recipe, not the instance."""
+    if isinstance(spec, FUSED):
         return
     if isinstance(spec, torch.optim.Optimizer):
         raise TypeError(f"optimizer is a torch.optim.{type(spec).__name__} instance; each stage builds its own "
@@ -281,8 +401,9 @@ def check_optimizer(spec: Any) -> None:
 
 
 def build_optimizer(spec: Any, layout: FlatLayout, device: torch.device) -> StageOptimizer:
-    """A stage optimizer from ``pipecore.SGD``, ``pipecore.AdamW`` or a torch optimizer factory."""
+    """A stage optimizer from ``pipecore.SGD``, ``pipecore.AdamW``, ``pipecore.NAdam`` or a torch optimizer
+    factory."""
     check_optimizer(spec)
-    if isinstance(spec, (SGD, AdamW)):
+    if isinstance(spec, FUSED):
         return spec.build(layout, device)
     return TorchOptimizer(spec, layout, device)

@@ -134,7 +134,24 @@ class StageOptimizer(ABC):
 
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned; a state it refuses changes nothing (see :meth:`check_state`)."""
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Raise, writing nothing, if :meth:`load_state_dict` would refuse ``state`` (a pipeline checks every
+        stage's state before it loads any)."""
+
+
+def _require(state: dict[str, Any], keys: Sequence[str], name: str) -> None:
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise KeyError(f"{name} optimizer state has no {', '.join(map(repr, missing))}: it was saved with another "
+                       "optimizer")
+
+
+def _same_shape(name: str, key: str, value: Any, like: torch.Tensor) -> None:
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(like.shape):
+        got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+        raise ValueError(f"{name} optimizer state {key!r} has {got}, this stage's {tuple(like.shape)}")
 
 
 #: ``(start, stop, scale)`` ranges of a flat buffer, in order, covering it.
@@ -206,13 +223,19 @@ class FusedSGD(StageOptimizer):
     def state_dict(self):
         return {"steps": self.steps, "momentum_buf": self.momentum_buf}
 
-    def load_state_dict(self, state):
-        self.steps = int(state["steps"])
+    def check_state(self, state):
+        _require(state, ("steps", "momentum_buf"), "SGD")
         mine, theirs = self.momentum_buf, state["momentum_buf"]
         if (mine is None) != (theirs is None):
             raise ValueError("optimizer state 'momentum_buf' does not match this optimizer's configuration")
         if mine is not None:
-            mine.copy_(theirs)
+            _same_shape("SGD", "momentum_buf", theirs, mine)
+
+    def load_state_dict(self, state):
+        self.check_state(state)
+        self.steps = int(state["steps"])
+        if self.momentum_buf is not None:
+            self.momentum_buf.copy_(state["momentum_buf"])
 
 
 class FusedAdamW(StageOptimizer):
@@ -250,7 +273,13 @@ class FusedAdamW(StageOptimizer):
     def state_dict(self):
         return {"steps": self.steps, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
+    def check_state(self, state):
+        _require(state, ("steps", "exp_avg", "exp_avg_sq"), "AdamW")
+        for key in ("exp_avg", "exp_avg_sq"):
+            _same_shape("AdamW", key, state[key], self.exp_avg)
+
     def load_state_dict(self, state):
+        self.check_state(state)
         self.steps = int(state["steps"])
         self.exp_avg.copy_(state["exp_avg"])
         self.exp_avg_sq.copy_(state["exp_avg_sq"])
@@ -313,22 +342,20 @@ class FusedNAdam(StageOptimizer):
         return {"steps": self.steps, "mu_product": self.mu_product, "exp_avg": self.exp_avg,
                 "exp_avg_sq": self.exp_avg_sq}
 
-    def load_state_dict(self, state):
-        missing = [k for k in ("steps", "mu_product", "exp_avg", "exp_avg_sq") if k not in state]
-        if missing:
-            raise KeyError(f"NAdam optimizer state has no {', '.join(map(repr, missing))}: it was saved with another "
-                           "optimizer")
+    def check_state(self, state):
+        _require(state, ("steps", "mu_product", "exp_avg", "exp_avg_sq"), "NAdam")
         mu_product = float(state["mu_product"])  # a tensor too, as torch keeps it
         if not 0.0 <= mu_product <= 1.0:
             raise ValueError(f"NAdam optimizer state 'mu_product' is {mu_product}; expected a product of momentum "
                              "coefficients in [0, 1]")
-        for key in ("exp_avg", "exp_avg_sq"):  # all checked before anything is written
-            if tuple(state[key].shape) != tuple(self.exp_avg.shape):
-                raise ValueError(f"NAdam optimizer state {key!r} has shape {tuple(state[key].shape)}, this stage's "
-                                 f"{tuple(self.exp_avg.shape)}")
+        for key in ("exp_avg", "exp_avg_sq"):
+            _same_shape("NAdam", key, state[key], self.exp_avg)
+
+    def load_state_dict(self, state):
+        self.check_state(state)
         self.exp_avg.copy_(state["exp_avg"])
         self.exp_avg_sq.copy_(state["exp_avg_sq"])
-        self.steps, self.mu_product = int(state["steps"]), mu_product
+        self.steps, self.mu_product = int(state["steps"]), float(state["mu_product"])
 
 
 class TorchOptimizer(StageOptimizer):
@@ -375,7 +402,16 @@ class TorchOptimizer(StageOptimizer):
     def state_dict(self):
         return {"torch": self.optimizer.state_dict()}
 
+    def check_state(self, state):
+        _require(state, ("torch",), f"torch.optim.{type(self.optimizer).__name__}")
+        groups = state["torch"].get("param_groups", [])
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.optimizer.param_groups]:
+            raise ValueError(f"torch.optim.{type(self.optimizer).__name__} state has parameter groups of sizes "
+                             f"{[len(g['params']) for g in groups]}, this stage's optimizer "
+                             f"{[len(g['params']) for g in self.optimizer.param_groups]}")
+
     def load_state_dict(self, state):
+        self.check_state(state)
         self.optimizer.load_state_dict(state["torch"])
 
 

@@ -170,6 +170,13 @@ def stage_state(stage: int, names: Sequence[str], sizes: Sequence[int], canonica
                 notes.append(f"stage {stage}: optimizer {key!r} differs between checkpoint stages {sources} "
                              f"({sorted(found)}); it continues from the stage that made the most steps")
             optimizer[key] = _scalar_source(holders)["optimizer"][key]
+    kept_by_target = set(template)
+    dropped = sorted({key for sm in source_meta for key, value in sm["optimizer"].items()
+                      if key not in kept_by_target and value is not None}
+                     | {key for p in mine for key in p.optimizer if key not in kept_by_target})
+    for key in dropped:  # state of another optimizer this one does not keep (NAdam's mu_product into AdamW)
+        notes.append(f"stage {stage}: the checkpoint's optimizer state {key!r} is dropped (this pipeline's optimizer "
+                     "does not keep it)")
     own = {name: _assemble(name, [p.buffers.get(name) for p in mine], like, names, sizes, stage, notes,
                            label=labels.get(name, repr(name)))
            for name, like in buffers.items()}

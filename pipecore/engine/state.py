@@ -189,16 +189,27 @@ class StageState:
         """Start again from a checkpoint: ``weights`` (flat) as version ``version`` after ``updates`` updates, the
         optimizer's state, and every declared buffer (``buffers`` must hold exactly those). The ring is new (its
         storage moves), nothing is pinned, the gradient buffer is zero."""
-        if set(buffers) != set(self.buffers):
-            raise ValueError(f"stage {self.stage}: the checkpoint's buffers {sorted(buffers)} do not match the "
-                             f"algorithm's {sorted(self.buffers)}")
+        self.check_load(optimizer_state, buffers)
+        # Everything checked: nothing below refuses the checkpoint half-way.
         self.ring = WeightRing.from_flat(weights, self.ring.num_slots, version=version)
+        self.optimizer.load_state_dict(dict(optimizer_state))
         self.pinned_versions = set()
         self.book.load(version, updates)
-        self.optimizer.load_state_dict(dict(optimizer_state))
         for name, value in buffers.items():
             self.buffers[name].copy_(value)
         self.clear_gradients()
+
+    def check_load(self, optimizer_state: Mapping[str, Any], buffers: Mapping[str, torch.Tensor]) -> None:
+        """Raise, changing nothing, if :meth:`load` would refuse this optimizer state or these buffers (a pipeline
+        checks every stage before it loads any)."""
+        if set(buffers) != set(self.buffers):
+            raise ValueError(f"stage {self.stage}: the checkpoint's buffers {sorted(buffers)} do not match the "
+                             f"algorithm's {sorted(self.buffers)}")
+        wrong = [name for name, value in buffers.items() if tuple(value.shape) != tuple(self.buffers[name].shape)]
+        if wrong:
+            raise ValueError(f"stage {self.stage}: the checkpoint's buffers {wrong} have another size than this "
+                             "stage's weights")
+        self.optimizer.check_state(dict(optimizer_state))
 
     # -- undo ----------------------------------------------------------------------------------
 

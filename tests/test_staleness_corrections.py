@@ -269,18 +269,20 @@ def paper_nesterov(lr: float, gamma: float):
 @pytest.mark.parametrize("nesterov", [False, True], ids=["heavy-ball", "nesterov"])
 @pytest.mark.parametrize("slack", [0, 1])
 def test_nesterov_async_under_sgd_is_the_papers_update(nesterov, slack):
-    """pipecore.SGD with momentum gamma, heavy-ball (rewritten through the previous gradient) or Nesterov (the
-    gradient discounted by 1 - gamma): both are the paper's recurrence with a constant gamma."""
-    lr, gamma = 0.1, 0.9
+    """pipecore.SGD(lr, momentum gamma), heavy-ball (made Nesterov's through the previous gradient) or Nesterov (as
+    it is): both are the paper's recurrence with a constant gamma and ``eta = lr / (1 - gamma)``."""
+    lr, gamma = 0.02, 0.9
     got = train("nesterov-async", SGD(lr=lr, momentum=gamma, nesterov=nesterov), slack=slack)
-    assert_equal_to_roundoff(got, delayed(paper_nesterov(lr, gamma), slack=slack))
+    assert_equal_to_roundoff(got, delayed(paper_nesterov(lr / (1 - gamma), gamma), slack=slack))
+    if nesterov:  # Nesterov's momentum is the method's step: PipeDream with it, bit for bit
+        assert_bitwise(got, train("pipedream", SGD(lr=lr, momentum=gamma, nesterov=True), slack=slack))
 
 
 def test_nesterov_async_under_torch_sgd_is_the_same_update():
-    lr, gamma = 0.1, 0.9
+    lr, gamma = 0.02, 0.9
     for nesterov in (False, True):
         got = train("nesterov-async", functools.partial(torch.optim.SGD, lr=lr, momentum=gamma, nesterov=nesterov))
-        assert_equal_to_roundoff(got, delayed(paper_nesterov(lr, gamma)))
+        assert_equal_to_roundoff(got, delayed(paper_nesterov(lr / (1 - gamma), gamma)))
 
 
 def nadam(lr, betas, eps, weight_decay, momentum_decay):
@@ -314,13 +316,13 @@ def test_nesterov_async_under_nadam_is_delayed_nadam():
 
 
 def test_nesterov_async_without_delay_is_the_optimizer():
-    """One stage: with NAdam, NAdam itself bit for bit; with SGD, Nesterov's momentum at ``lr*(1-gamma)``."""
+    """One stage: with NAdam, NAdam itself bit for bit; with SGD, its Nesterov momentum at the same ``lr``."""
     torch_nadam = functools.partial(torch.optim.NAdam, decoupled_weight_decay=True, **PAPER_NADAM)
     assert_bitwise(train("nesterov-async", torch_nadam, num_stages=1), train("pipedream", torch_nadam, num_stages=1))
-    for nesterov in (False, True):
-        got = train("nesterov-async", SGD(lr=0.1, momentum=0.9, nesterov=nesterov), num_stages=1)
-        assert_equal_to_roundoff(got, train("pipedream", SGD(lr=0.1 * (1 - 0.9), momentum=0.9, nesterov=True),
-                                            num_stages=1))
+    nesterov = SGD(lr=0.1, momentum=0.9, nesterov=True)
+    assert_bitwise(train("nesterov-async", nesterov, num_stages=1), train("pipedream", nesterov, num_stages=1))
+    assert_equal_to_roundoff(train("nesterov-async", SGD(lr=0.1, momentum=0.9), num_stages=1),
+                             train("pipedream", nesterov, num_stages=1))
     # Without momentum the method is delayed SGD: PipeDream's, bit for bit.
     assert_bitwise(train("nesterov-async", SGD(lr=0.1)), train("pipedream", SGD(lr=0.1)))
 

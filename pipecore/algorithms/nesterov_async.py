@@ -15,22 +15,24 @@ stage, which is exactly PipeDream's stash (forward on the live weights, backward
     W_{t+1} = W_t - eta * ((1 - gamma_t) * g_t + gamma_{t+1} * m_{t+1})
 
 which is NAdam's numerator (torch's ``NAdam``: ``mu_t`` for ``gamma_t``, with its bias corrections and adaptive
-denominator), the form the paper implements the method with. For each optimizer, the gradient the optimizer steps
-with (a :class:`~pipecore.algorithms.state.GradientTransform`, from the optimizer's
-:meth:`~pipecore.engine.optim.StageOptimizer.momentum_form`):
+denominator), the form the paper implements the method with. With a constant ``gamma`` the discount is a
+reparametrization of the learning rate: with ``b = m / (1 - gamma)`` (``b <- gamma*b + g``) the step is
+``eta*(1 - gamma) * (g + gamma*b)``, torch's Nesterov momentum at ``lr = eta*(1 - gamma)``. pipecore keeps the
+optimizer's learning rate as the user set it (``eta = lr / (1 - gamma)``) and makes its momentum that look-ahead.
+The gradient each optimizer steps with (a :class:`~pipecore.algorithms.state.GradientTransform`, from the
+optimizer's :meth:`~pipecore.engine.optim.StageOptimizer.momentum_form`):
 
 - NAdam (``torch.optim.NAdam``, or pipecore's fused NAdam): the step is the form above; the gradient is unchanged.
-- SGD with Nesterov momentum ``gamma`` (``b <- gamma*b + g'``, ``W <- W - lr*(g' + gamma*b)``): ``g' = (1 - gamma)*g``
-  makes ``b = m`` and the step the form above with a constant ``gamma``.
-- SGD with heavy-ball momentum ``gamma`` (``b <- gamma*b + g'``, ``W <- W - lr*b``): ``g'_t = (1 - gamma) *
-  ((1 + gamma)*g_t - gamma*g_{t-1})`` makes ``b_{t+1} = (1 - gamma)*g_t + gamma*m_{t+1}``, the same step; the stage
-  keeps ``g_{t-1}`` as a buffer (``previous_gradient``, only under heavy-ball momentum).
+- SGD with Nesterov momentum (``b <- gamma*b + g``, ``W <- W - lr*(g + gamma*b)``): the form above; unchanged.
+- SGD with heavy-ball momentum ``gamma`` (``b <- gamma*b + g'``, ``W <- W - lr*b``): ``g'_t = (1 + gamma)*g_t -
+  gamma*g_{t-1}`` makes ``b_{t+1} = g_t + gamma*(gamma*b'_t + g_t)``, the Nesterov step of the same ``lr`` (``b'`` the
+  Nesterov buffer); the stage keeps ``g_{t-1}`` as a buffer (``previous_gradient``, only under heavy-ball momentum).
 - SGD without momentum: ``gamma = 0``, the method is PipeDream's delayed SGD; the gradient is unchanged.
 
 Other optimizers (AdamW, whose first moment is a plain moving average; a dampened momentum) are refused when the
 pipeline is built. Weight decay coupled into the gradient by SGD is added after the rewrite (the paper's NAdam
-decouples it). Zero delay (the last stage) is the Nesterov method itself: with NAdam, NAdam; with SGD, Nesterov's
-momentum at ``lr * (1 - gamma)``.
+decouples it). Zero delay (the last stage) is the Nesterov method itself: NAdam, or SGD's Nesterov momentum at the
+optimizer's own ``lr`` and ``momentum``.
 
 The paper's recipe (its code, ``run.bash``): NAdam with ``betas=(0.99, 0.999)``, ``momentum_decay=0.004``, decoupled
 weight decay 0.01, lr 3e-4 with a linear warm-up and a cosine decay to 0.1*lr, gradients clipped at norm 10, one
@@ -52,7 +54,7 @@ from ._common import update_every_divides_minibatch, update_every_option
 from .base import AlgorithmSpec, Live, SameAsForward
 from .state import BeforeStep, ChangedBeforeStep, GradientTransform, StateBuffer
 
-_USE = ("use pipecore.SGD (momentum turned into the look-ahead), pipecore.SGD(nesterov=True), "
+_USE = ("use pipecore.SGD (its momentum made Nesterov's), pipecore.SGD(nesterov=True), "
         "functools.partial(torch.optim.NAdam, ...) or another NAdam")
 
 
@@ -76,33 +78,31 @@ PREVIOUS_GRADIENT = StateBuffer("previous_gradient", "previous gradient (Nestero
 _PREVIOUS = ChangedBeforeStep(_heavy_ball)
 
 
-class NesterovDiscount(GradientTransform):
-    """The gradient the optimizer steps with, so that its step is the method's (see the module docstring)."""
+class NesterovLookAhead(GradientTransform):
+    """The gradient the optimizer steps with, so that its step is the method's: a heavy-ball step is made Nesterov's
+    (see the module docstring); the others are left as they are."""
 
     def check(self, optimizer: Any) -> None:
         _form(optimizer)
 
     def apply(self, grad: torch.Tensor, before: BeforeStep) -> None:
         form = before.optimizer.momentum_form()
-        if form.kind in ("none", "nesterov-ema"):
-            return  # gamma = 0, or the optimizer discounts the gradient itself
+        if form.kind != "heavy-ball":
+            return  # no momentum, Nesterov's, or NAdam's: the step is the method's
         gamma = form.momentum
-        if form.kind == "nesterov":
-            grad.mul_(1.0 - gamma)
-            return
-        previous = before.buffer(PREVIOUS_GRADIENT.name)  # heavy-ball, in the state's dtype (float32 for bfloat16)
+        previous = before.buffer(PREVIOUS_GRADIENT.name)  # in the state's dtype (float32 for bfloat16 weights)
         now = grad.to(previous.dtype, copy=True)
-        rewritten = now * ((1.0 - gamma) * (1.0 + gamma))
-        rewritten.sub_(previous, alpha=(1.0 - gamma) * gamma)
+        rewritten = now * (1.0 + gamma)
+        rewritten.sub_(previous, alpha=gamma)
         grad.copy_(rewritten)
         previous.copy_(now)
 
 
-_DISCOUNT = NesterovDiscount()
+_LOOK_AHEAD = NesterovLookAhead()
 
 SPEC = AlgorithmSpec(
     name="nesterov-async",
-    summary="async 1F1B, weight stashing; Nesterov look-ahead with the gradient discounted by 1-gamma; P-s versions",
+    summary="async 1F1B, weight stashing; the optimizer's momentum as Nesterov's look-ahead (NAdam); P-s versions",
     schedule=async_one_f_one_b,
     forward=Live(),
     backward=SameAsForward(),
@@ -110,6 +110,6 @@ SPEC = AlgorithmSpec(
     defaults={"update_every": 1, "slack": 0},
     constraints=(update_every_divides_minibatch,),
     buffers=(PREVIOUS_GRADIENT,),
-    gradient_transform=lambda stage, algorithm: _DISCOUNT,
+    gradient_transform=lambda stage, algorithm: _LOOK_AHEAD,
     schedule_options=("slack",),
 )

@@ -73,8 +73,9 @@ def _heavy_ball(optimizer: Any) -> bool:
 
 
 #: ``g_{t-1}``, the gradient of the stage's previous update, which rewrites a heavy-ball step as the method's.
-PREVIOUS_GRADIENT = StateBuffer("previous_gradient", "previous gradient (Nesterov look-ahead under heavy-ball momentum)",
-                                lambda stage, algorithm: _PREVIOUS)
+PREVIOUS_GRADIENT = StateBuffer(
+    "previous_gradient", "previous gradient (Nesterov look-ahead under heavy-ball momentum)",
+    lambda stage, algorithm: _PREVIOUS)
 _PREVIOUS = ChangedBeforeStep(_heavy_ball)
 
 

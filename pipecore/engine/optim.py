@@ -88,6 +88,33 @@ class NAdam:
         return FusedNAdam(self, layout, device)
 
 
+@dataclass(frozen=True)
+class MomentumForm:
+    """How an optimizer's step takes momentum, for algorithms that rewrite the gradient it steps with (the Nesterov
+    method of asynchronous pipelines, :mod:`pipecore.algorithms.nesterov_async`).
+
+    ``kind`` is one of:
+
+    - ``"none"``: no momentum, ``W <- W - lr*g``;
+    - ``"heavy-ball"``: ``b <- momentum*b + g``, ``W <- W - lr*b`` (``torch.optim.SGD``, ``b = g`` at the first step);
+    - ``"nesterov"``: ``b <- momentum*b + g``, ``W <- W - lr*(g + momentum*b)`` (``torch.optim.SGD(nesterov=True)``);
+    - ``"nesterov-ema"``: Nesterov's look-ahead with the gradient already weighed by ``1 - mu_t`` and the moving
+      average of the gradients by ``mu_{t+1}`` (``torch.optim.NAdam``; its ``mu_t`` change every step).
+
+    ``momentum`` is the coefficient of the first three (0 for ``"none"``), None for ``"nesterov-ema"``. The weight
+    decay the optimizer couples into the gradient (``g + weight_decay*W``) is added after an algorithm's rewrite.
+    """
+
+    kind: str
+    momentum: float | None = None
+
+    KINDS = ("none", "heavy-ball", "nesterov", "nesterov-ema")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise ValueError(f"momentum form {self.kind!r}: one of {self.KINDS}")
+
+
 class StageOptimizer(ABC):
     """Optimizer state of one stage and the step that writes the next weight version."""
 
@@ -127,6 +154,12 @@ class StageOptimizer(ABC):
         gradient equalled this one (weight prediction reads ``W - s*lr*v``). Only optimizers that pass
         :meth:`check_next_step_direction` override it."""
         raise TypeError(f"{type(self).__name__} provides no update direction")
+
+    def momentum_form(self) -> MomentumForm:
+        """How this optimizer's step takes momentum (:class:`MomentumForm`); a ``TypeError`` for an optimizer whose
+        step has none of those forms."""
+        raise TypeError(f"{type(self).__name__} does not take its momentum in a form pipecore knows (plain, "
+                        "heavy-ball or Nesterov SGD, NAdam)")
 
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
@@ -220,6 +253,16 @@ class FusedSGD(StageOptimizer):
             else:
                 target.copy_(buf)
 
+    def momentum_form(self) -> MomentumForm:
+        c = self.config
+        if c.momentum == 0.0:
+            return MomentumForm("none", 0.0)
+        if c.dampening != 0.0:
+            raise TypeError(f"pipecore.SGD(momentum={c.momentum}, dampening={c.dampening}): a dampened momentum "
+                            "buffer starts undampened (b = g at the first step), so its step has no fixed form; "
+                            "use dampening=0")
+        return MomentumForm("nesterov" if c.nesterov else "heavy-ball", c.momentum)
+
     def state_dict(self):
         return {"steps": self.steps, "momentum_buf": self.momentum_buf}
 
@@ -269,6 +312,10 @@ class FusedAdamW(StageOptimizer):
         m_hat = self.exp_avg / (1 - c.betas[0] ** self.steps)
         v_hat = self.exp_avg_sq / (1 - c.betas[1] ** self.steps)
         out.copy_(m_hat / (v_hat.sqrt() + c.eps) + c.weight_decay * w.to(m_hat.dtype))
+
+    def momentum_form(self) -> MomentumForm:
+        raise TypeError("pipecore.AdamW's first moment is a moving average of the gradients that it steps along, with "
+                        "no look-ahead (Adam with Nesterov's look-ahead is NAdam)")
 
     def state_dict(self):
         return {"steps": self.steps, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
@@ -338,6 +385,9 @@ class FusedNAdam(StageOptimizer):
             direction = direction + decay
         out.copy_(direction)
 
+    def momentum_form(self) -> MomentumForm:
+        return MomentumForm("nesterov-ema")  # torch.optim.NAdam's look-ahead, as the fused step takes it
+
     def state_dict(self):
         return {"steps": self.steps, "mu_product": self.mu_product, "exp_avg": self.exp_avg,
                 "exp_avg_sq": self.exp_avg_sq}
@@ -398,6 +448,26 @@ class TorchOptimizer(StageOptimizer):
             group["lr"] = lr
         for p in self.params:
             p.grad = None
+
+    def momentum_form(self) -> MomentumForm:
+        """``torch.optim.SGD`` (plain, heavy-ball or Nesterov, undampened) and ``torch.optim.NAdam``, with one value
+        of each setting across the parameter groups."""
+        opt, name = self.optimizer, type(self.optimizer).__name__
+        if type(opt) is torch.optim.NAdam:
+            return MomentumForm("nesterov-ema")
+        if type(opt) is torch.optim.SGD:
+            settings = {(g.get("momentum", 0.0), g.get("dampening", 0.0), g.get("nesterov", False))
+                        for g in opt.param_groups}
+            if len(settings) == 1:
+                (momentum, dampening, nesterov), = settings
+                if momentum == 0.0:
+                    return MomentumForm("none", 0.0)
+                if dampening == 0.0:
+                    return MomentumForm("nesterov" if nesterov else "heavy-ball", float(momentum))
+            raise TypeError(f"torch.optim.SGD with momentum, dampening and nesterov {sorted(settings)} (per parameter "
+                            "group): its step has no one form; use one undampened setting for every group")
+        raise TypeError(f"torch.optim.{name} does not take its momentum in a form pipecore knows (plain, heavy-ball or "
+                        "Nesterov SGD, NAdam)")
 
     def state_dict(self):
         return {"torch": self.optimizer.state_dict()}

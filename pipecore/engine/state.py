@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..algorithms.state import BufferUpdate, ChangeAverage
+from ..algorithms.state import BufferUpdate, ChangeAverage, GradientTransform
 from ..ring import WeightRing
 from ..versions import VersionBook
 from .flat import FlatLayout
@@ -43,6 +43,20 @@ class _AfterUpdate:
     weights: torch.Tensor
     grad: torch.Tensor
     optimizer: StageOptimizer
+
+
+@dataclass
+class _BeforeStep:
+    """What a gradient transform reads (:class:`pipecore.algorithms.state.BeforeStep`)."""
+
+    weights: torch.Tensor
+    gradient_weights: torch.Tensor | None
+    optimizer: StageOptimizer
+    tied: list[tuple[int, int]]
+    state: "StageState"
+
+    def buffer(self, name: str) -> torch.Tensor:
+        return self.state.buffer(name)
 
 
 @dataclass
@@ -84,7 +98,11 @@ class StageState:
         optimizer: the stage's optimizer.
         book: the stage's version book (which versions are live and held).
         buffer_updates: the algorithm's declared buffers at this stage, by name, with how each changes after an
-            update; each starts at zero, in the optimizer state's dtype.
+            update; each starts at zero, in the optimizer state's dtype. A buffer whose update is not kept with
+            this optimizer (:meth:`~pipecore.algorithms.state.BufferUpdate.kept_with`) is not allocated.
+
+    The algorithm's gradient transform at this stage, if it declares one, is read from the version book's algorithm
+    (``book.algorithm.gradient_transform(stage)``).
     """
 
     def __init__(self, stage: int, layout: FlatLayout, weights: torch.Tensor, num_slots: int, derived: bool,
@@ -100,7 +118,12 @@ class StageState:
         self.optimizer = optimizer
         for update in buffer_updates.values():
             update.check(optimizer)
-        self.buffer_updates = dict(buffer_updates)
+        self.buffer_updates = {name: u for name, u in buffer_updates.items() if u.kept_with(optimizer)}
+        self.transform: GradientTransform | None = book.algorithm.gradient_transform(stage)
+        if self.transform is not None:
+            self.transform.check(optimizer)
+        # The ranges of the flat buffers that hold weights tied to other stages' copies (set with the stage's ties).
+        self.tied_ranges: list[tuple[int, int]] = []
         dtype = state_dtype(weights.dtype)
         self.buffers = {name: torch.zeros(layout.buffer_numel, dtype=dtype, device=weights.device)
                         for name in self.buffer_updates}
@@ -155,6 +178,8 @@ class StageState:
         """The optimizer's step from weights ``w`` with the gradient buffer into ``out`` (which may be ``w``), then
         every declared buffer's update."""
         grad, optimizer = self.grad, self.optimizer
+        if self.transform is not None:
+            self._transform(w)
         if not self.buffer_updates:
             optimizer.step(w, grad, out, lr_scales)
             return
@@ -170,6 +195,21 @@ class StageState:
             after = _AfterUpdate(previous, out, grad, optimizer)
             for name, update in self._after:
                 update.apply(self.buffers[name], after)
+
+    def _transform(self, w: torch.Tensor) -> None:
+        """The algorithm's gradient transform, on the gradient buffer, before the step from the live weights ``w``."""
+        transform = self.transform
+        assert transform is not None
+        computed_at = None
+        if transform.reads_gradient_weights:
+            versions = set(self.book.update_reads)
+            if len(versions) != 1:
+                raise RuntimeError(
+                    f"stage {self.stage}: the update's gradients were computed at versions {sorted(versions)}; the "
+                    "algorithm's gradient transform reads the one version they were computed at")
+            (version,) = versions
+            computed_at = self.slot_of(version)  # the live slot when it is the live version (``w``)
+        transform.apply(self.grad, _BeforeStep(w, computed_at, self.optimizer, self.tied_ranges, self))
 
     def clear_gradients(self) -> None:
         """Zero the gradient buffer: it holds no micro-batch."""

@@ -90,8 +90,8 @@ class NAdam:
 
 @dataclass(frozen=True)
 class MomentumForm:
-    """How an optimizer's step takes momentum, for algorithms that rewrite the gradient it steps with (the Nesterov
-    method of asynchronous pipelines, :mod:`pipecore.algorithms.nesterov_async`).
+    """How an optimizer's step takes momentum, for algorithms whose gradient transform rewrites the gradient it steps
+    with (a Nesterov look-ahead for delayed gradients, say; see :class:`pipecore.algorithms.state.GradientTransform`).
 
     ``kind`` is one of:
 

@@ -101,6 +101,8 @@ class VersionBook:
         # the latest update's gradients were computed at (still held until the book's next action).
         transform = algorithm.gradient_transform(stage)
         self._hold_for_update = transform is not None and transform.reads_gradient_weights
+        if self._hold_for_update:
+            self.mark = self._mark_holding_for_update  # type: ignore[method-assign]
         self.awaiting: dict[int, int] = {}
         self.update_reads: tuple[int, ...] = ()
 
@@ -300,8 +302,15 @@ class VersionBook:
         # pins are journaled from here on rather than copied (a stage may have dozens of micro-batches in flight).
         changes: list[tuple[int, WeightRead | None, WeightRead | None]] = []
         self._changes = changes
-        awaiting = (dict(self.awaiting), self.update_reads) if self._hold_for_update else None
-        return _new_tuple(BookMark, (self.live, self.updates, self.held, self.latest_tag, changes, awaiting))
+        return _new_tuple(BookMark, (self.live, self.updates, self.held, self.latest_tag, changes, None))
+
+    def _mark_holding_for_update(self) -> BookMark:
+        """:meth:`mark` of a book that holds versions for updates (it is this book's ``mark``): the held versions
+        are copied as well. (Two methods rather than a test in one: ``mark`` runs before every action.)"""
+        changes: list[tuple[int, WeightRead | None, WeightRead | None]] = []
+        self._changes = changes
+        return _new_tuple(BookMark, (self.live, self.updates, self.held, self.latest_tag, changes,
+                                     (dict(self.awaiting), self.update_reads)))
 
     def rewind(self, mark: BookMark) -> None:
         """Go back to ``mark``, the latest (an action that failed before it changed anything else is undone this

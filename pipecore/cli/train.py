@@ -417,7 +417,9 @@ def _train(args: argparse.Namespace, interrupts: Interrupts | None = None, given
     name = task.name(model)
     joined_here = not _process_group_initialized()
     if processes > 1 and device.type == "cpu" and joined_here and torch.cuda.is_available():
-        torch.distributed.init_process_group("gloo")  # the pipeline would pick NCCL, which needs GPU stages
+        from ..runtime.elastic import init_process_group
+
+        init_process_group("gloo")  # the pipeline would pick NCCL, which needs GPU stages
     try:
         pipe = pipecore.Pipeline(
             model, args.stages, algorithm=args.algorithm, n_microbatches=args.microbatches,

@@ -5,6 +5,7 @@ example of docs/distributed.md."""
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import random
 import signal
@@ -164,3 +165,22 @@ def test_the_store_prefix_changes_with_every_restart_of_a_torchrun_job(monkeypat
         prefixes.append(elastic.round_prefix())
     assert prefixes == ["pipecore/job/restart-0/world-4/", "pipecore/job/restart-1/world-4/",
                         "pipecore/job/restart-2/world-4/"]
+
+
+def test_the_loop_in_the_docs_runs_saves_its_progress_and_resumes_at_the_end(tmp_path: Path) -> None:
+    """The Python block of docs/distributed.md's "Surviving a dead worker", as written, in one process: it trains
+    300 steps and commits step 300; run again, it resumes there and trains nothing more."""
+    import re
+
+    text = (ROOT / "docs" / "distributed.md").read_text()
+    section = text[text.index("## Surviving a dead worker"):text.index("## Messages and the ordering rule")]
+    (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    script = tmp_path / "loop.py"
+    script.write_text(block + "print('step', pipe.minibatches)\n")
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_outside_any_rank(),
+                              capture_output=True, text=True, timeout=WAIT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        manifest = tmp_path / "checkpoints" / "train_elastic" / "manifest.json"
+        assert json.loads(manifest.read_text())["extra"] == {"step": 300}
+    assert proc.stdout == "step 0\n"  # the second run found step 300 committed and gave no mini-batch

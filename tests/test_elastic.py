@@ -33,7 +33,8 @@ SMALL = ["--hidden", "32", "--batch-size", "32", "--no-progress"]
 
 def _outside_any_rank() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") and not k.startswith("TORCHELASTIC")}
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+           and not k.startswith("TORCHELASTIC")}
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -184,3 +185,25 @@ def test_the_loop_in_the_docs_runs_saves_its_progress_and_resumes_at_the_end(tmp
         manifest = tmp_path / "checkpoints" / "train_elastic" / "manifest.json"
         assert json.loads(manifest.read_text())["extra"] == {"step": 300}
     assert proc.stdout == "step 0\n"  # the second run found step 300 committed and gave no mini-batch
+
+
+def test_a_rank_whose_peer_never_joins_is_told_why_in_one_line(tmp_path: Path) -> None:
+    """Rank 0 of 2 alone (rank 1 died before joining): building the pipeline raises a PeerError after its
+    timeout that names the group, the backend's reason and what to do."""
+    from _ranks import free_port
+
+    script = ("import pipecore\nfrom torch import nn\n"
+              "model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))\n"
+              "try:\n"
+              "    pipecore.Pipeline(model, 2, '1f1b', 2, loss_fn=nn.CrossEntropyLoss(), timeout=2)\n"
+              "except pipecore.PeerError as error:\n"
+              "    print(error)\n")
+    env = {**_outside_any_rank(), "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "TORCHELASTIC_RESTART_COUNT": "0"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=WAIT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (line,) = proc.stdout.splitlines()
+    assert line.startswith("rank 0: could not connect to the other ranks while creating the default process group ("
+                           ), line
+    assert "another rank died or never got here" in line, line

@@ -129,7 +129,8 @@ class Report:
         if resumed is not None:
             epoch, step = resumed
             # --resume auto found the --save file.
-            source = f"--resume auto: resumed from {args.save}" if args.resume == "auto" else f"resumed from {args.resume}"
+            source = (f"--resume auto: resumed from {args.save}" if args.resume == "auto"
+                      else f"resumed from {args.resume}")
             if step:  # saved part way through the next epoch (a signal, --save-every-steps)
                 say(f"{source} in epoch {epoch + 1}, after step {step} of {steps_per_epoch}")
             else:

@@ -516,7 +516,8 @@ def _agree_on_checkpoint(pipe: Any, path: str, found: tuple[int, int] | None) ->
     its epoch and step here, or None); a rank that sees another would train from elsewhere."""
     seen = pipe._gather(found)
     if any(s != seen[0] for s in seen):
-        where = ", ".join(f"rank {r}: {'none' if s is None else f'epoch {s[0]} step {s[1]}'}" for r, s in enumerate(seen))
+        where = ", ".join(f"rank {r}: {'none' if s is None else f'epoch {s[0]} step {s[1]}'}"
+                          for r, s in enumerate(seen))
         raise ValueError(f"--resume auto: the ranks find different checkpoints at {path} ({where}); --save must "
                          "be on a file system that every rank sees")
 

@@ -23,7 +23,7 @@ _EXPORTS: dict[str, str] = {
     "algorithm_names": ".algorithms", "get_algorithm": ".algorithms", "register_algorithm": ".algorithms",
     "SGD": ".engine", "AdamW": ".engine", "NAdam": ".engine", "CaptureError": ".engine", "NonFiniteLoss": ".engine",
     "Pipeline": ".engine",
-    "PeerError": ".runtime.link",
+    "PeerError": ".runtime.link", "init_process_group": ".runtime.elastic",
     "Action": ".schedule", "Schedule": ".schedule", "ScheduleError": ".schedule", "validate": ".schedule",
     "simulate": ".simulate",
     "Plan": ".planning", "plan": ".planning", "profile": ".planning",
@@ -31,7 +31,7 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
-    "AdamW", "NAdam", "CaptureError", "checkpoint", "Plan", "plan", "profile", "NonFiniteLoss", "PeerError", "Pipeline", "SGD", "Action", "Schedule", "ScheduleError", "Trace", "algorithm_names", "get_algorithm", "register_algorithm", "simulate", "validate",
+    "AdamW", "NAdam", "CaptureError", "checkpoint", "Plan", "plan", "profile", "NonFiniteLoss", "PeerError", "Pipeline", "SGD", "Action", "Schedule", "ScheduleError", "Trace", "algorithm_names", "get_algorithm", "init_process_group", "register_algorithm", "simulate", "validate",
 ]
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from .algorithms import algorithm_names, get_algorithm, register_algorithm
     from .engine import SGD, AdamW, CaptureError, NAdam, NonFiniteLoss, Pipeline
     from .planning import Plan, plan, profile
+    from .runtime.elastic import init_process_group
     from .runtime.link import PeerError
     from .schedule import Action, Schedule, ScheduleError, validate
     from .simulate import simulate

@@ -17,6 +17,11 @@ With one process per stage, ``save`` is collective: every rank calls it with the
 must be on a file system that every rank sees. It returns on every rank once the checkpoint is complete,
 or raises the same error on every rank (a rank with backwards in flight, a failed write, a stage file that
 rank 0 cannot see), so no rank is left waiting for another.
+
+A training loop that must survive a dead worker (``torchrun --max-restarts``) passes its progress as ``extra``
+(``save(pipe, directory, extra={"step": 120})``: committed with the stages, in the manifest) and starts with
+:func:`resume`, which loads the checkpoint if one was committed and returns that ``extra``, or None to start from
+the beginning.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import json
 import os
 import re
 import secrets
-from typing import Any, BinaryIO, Callable, Iterable, Iterator
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -47,26 +52,36 @@ def _stage_file(stage: int, token: str) -> str:
     return f"stage{stage:03d}-{token}.pt"
 
 
-def save(pipe: Pipeline, directory: str | os.PathLike) -> None:
+def save(pipe: Pipeline, directory: str | os.PathLike, extra: Mapping[str, Any] | None = None) -> None:
     """Write the pipeline's stages to ``directory``: this process's stage files, then (from the process
     that owns stage 0) the manifest that commits them. Collective with one process per stage (see the
     module docstring). Raises :class:`CheckpointError` if nothing was committed.
 
+    ``extra``: what the caller needs to resume (where its loop is, e.g. ``{"epoch": 3, "step": 120}``), plain
+    JSON values, stored in the manifest so that it commits with the stages; :func:`load` and :func:`resume`
+    return it. Rank 0's is the one kept.
+
     With several replicas of the pipeline (``data_parallel``), which hold the same weights, replica 0 writes;
     every process returns once the save is committed, or raises if it was not."""
+    extra = dict(extra or {})
+    try:
+        json.dumps(extra)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"checkpoint.save(): extra must hold plain JSON values (numbers, strings, lists, dicts): "
+                        f"{error}") from None
     if pipe.data_parallel > 1:
-        _save_replicated(pipe, directory)
+        _save_replicated(pipe, directory, extra)
         return
-    _save(pipe, directory)
+    _save(pipe, directory, extra)
 
 
-def _save_replicated(pipe: Pipeline, directory: str | os.PathLike) -> None:
+def _save_replicated(pipe: Pipeline, directory: str | os.PathLike, extra: dict[str, Any]) -> None:
     from .engine.data_parallel import sum_over
 
     error: CheckpointError | None = None
     if pipe.replica == 0:
         try:
-            _save(pipe, directory)
+            _save(pipe, directory, extra)
         except CheckpointError as exc:
             error = exc
     # Every replica of this pipeline rank learns whether replica 0 committed (a sum over its "dp" group).
@@ -77,7 +92,7 @@ def _save_replicated(pipe: Pipeline, directory: str | os.PathLike) -> None:
         raise CheckpointError("checkpoint not saved: replica 0, which writes it, failed (its error says why)")
 
 
-def _save(pipe: Pipeline, directory: str | os.PathLike) -> None:
+def _save(pipe: Pipeline, directory: str | os.PathLike, extra: dict[str, Any]) -> None:
     directory = os.fspath(directory)
     agree = _agreement(pipe)
     state, error = None, None
@@ -104,7 +119,7 @@ def _save(pipe: Pipeline, directory: str | os.PathLike) -> None:
     error = None
     if 0 in pipe.stages:
         try:
-            _commit(directory, pipe, token, meta)
+            _commit(directory, pipe, token, meta, extra)
         except (OSError, CheckpointError) as exc:
             error = str(exc)
     with _discarding_on_failure(written):
@@ -124,7 +139,7 @@ def _discarding_on_failure(written: list[str]) -> Iterator[None]:
         raise
 
 
-def _commit(directory: str, pipe: Pipeline, token: str, meta: dict[str, Any]) -> None:
+def _commit(directory: str, pipe: Pipeline, token: str, meta: dict[str, Any], extra: dict[str, Any]) -> None:
     """Check that every stage file of this save is there, replace the manifest, delete older stage files."""
     files = [_stage_file(s, token) for s in range(pipe.num_stages)]
     present = set(os.listdir(directory))
@@ -142,6 +157,7 @@ def _commit(directory: str, pipe: Pipeline, token: str, meta: dict[str, Any]) ->
         "n_microbatches": meta["n_microbatches"],
         "stage_layers": meta["stage_layers"],
         "files": files,
+        "extra": extra,
     }
     write_atomically(os.path.join(directory, MANIFEST), lambda f: f.write(json.dumps(manifest, indent=2).encode()))
     # Committed: the files of earlier saves (and of saves killed part way) are garbage now.
@@ -219,16 +235,46 @@ class _NoAnswer(CheckpointError):
     """A rank did not take part in the save: the ranks may disagree on how far it got."""
 
 
-def load(pipe: Pipeline, directory: str | os.PathLike) -> None:
+def load(pipe: Pipeline, directory: str | os.PathLike) -> dict[str, Any]:
     """Read a checkpoint written by :func:`save` (by any number of processes) into ``pipe``: this process's
     stages when ``pipe`` has the checkpoint's stages and partition, else every stage file, mapped by parameter
     name into ``pipe``'s stages (another number of stages, partition, micro-batches or algorithm; see
-    :meth:`Pipeline.load_state_dict`)."""
+    :meth:`Pipeline.load_state_dict`). Returns the ``extra`` the save was given (``{}`` without one)."""
     manifest = _read_manifest(directory, pipe.rank is not None)
     same = (manifest["num_stages"] == pipe.num_stages and manifest["stage_layers"] == pipe.stage_layers
             and manifest["algorithm"] == pipe.algorithm.name)
     stages = list(pipe.stages) if same else range(manifest["num_stages"])
     pipe.load_state_dict(merge_state_dicts(_read_stages(directory, manifest, stages)))
+    return dict(manifest.get("extra", {}))
+
+
+def resume(pipe: Pipeline, directory: str | os.PathLike) -> dict[str, Any] | None:
+    """Load the checkpoint committed in ``directory`` into ``pipe`` if there is one, and return its ``extra``
+    (see :func:`save`); None if nothing was committed there yet (also no directory): start from the beginning.
+    A save that was killed part way left the previous checkpoint, which is the one loaded.
+
+    With one process per stage it is collective: every rank calls it, and a rank that finds a checkpoint where
+    another finds none (a directory that is not on a file system every rank sees) is a
+    :class:`CheckpointError` on every rank, rather than ranks that train from different points.
+
+    Example, a loop that survives ``torchrun --max-restarts``::
+
+        done = checkpoint.resume(pipe, "ckpt")
+        for step in range(0 if done is None else done["step"], steps):
+            pipe.step(*batch(step))
+            if (step + 1) % 50 == 0:
+                pipe.flush()
+                checkpoint.save(pipe, "ckpt", extra={"step": step + 1})
+    """
+    manifest = os.path.join(os.fspath(directory), MANIFEST)
+    found = os.path.exists(manifest)
+    if pipe.rank is not None:
+        seen = pipe._gather(found)
+        if len(set(seen)) > 1:
+            ranks = [r for r, s in enumerate(seen) if s]
+            raise CheckpointError(f"rank(s) {ranks} find a checkpoint in {os.fspath(directory)} and the others do "
+                                  "not: the directory must be on a file system that every rank sees")
+    return load(pipe, directory) if found else None
 
 
 def load_state(path: str | os.PathLike) -> dict[str, Any]:

@@ -180,3 +180,38 @@ def test_write_atomically_replaces_a_file_whole_or_not_at_all(tmp_path, monkeypa
     with pytest.raises(OSError, match="read-only"):
         checkpoint.write_atomically(path, lambda f: f.write(b"newer"))
     assert path.read_bytes() == b"new" and files(tmp_path) == ["state.bin"]
+
+
+def test_resume_loads_the_last_committed_checkpoint_and_returns_what_the_save_was_given(tmp_path):
+    pipe = make_pipeline()
+    train(pipe, 2, seed=1)
+    checkpoint.save(pipe, tmp_path, extra={"step": 2, "epoch": 0})
+    resumed = make_pipeline()
+    assert checkpoint.resume(resumed, tmp_path) == {"step": 2, "epoch": 0}
+    assert_same(weights(resumed), weights(pipe))
+    # Training on from there ends where the pipeline that was never restarted ends.
+    train(pipe, 2, seed=2)
+    train(resumed, 2, seed=2)
+    assert_same(weights(resumed), weights(pipe))
+
+
+def test_resume_with_nothing_committed_starts_from_the_beginning(tmp_path, monkeypatch):
+    pipe = make_pipeline()
+    before = weights(pipe)
+    assert checkpoint.resume(pipe, tmp_path / "not-yet") is None
+    # A first save that failed left no manifest: still nothing to resume.
+    failing_after(1, monkeypatch)
+    with pytest.raises(CheckpointError):
+        checkpoint.save(pipe, tmp_path, extra={"step": 1})
+    assert checkpoint.resume(pipe, tmp_path) is None
+    assert_same(weights(pipe), before)
+
+
+def test_a_save_without_extra_loads_as_an_empty_one_and_extra_must_be_json(tmp_path):
+    pipe = make_pipeline()
+    train(pipe, 1, seed=1)
+    checkpoint.save(pipe, tmp_path)
+    assert checkpoint.load(make_pipeline(), tmp_path) == {}
+    with pytest.raises(TypeError, match="extra must hold plain JSON values"):
+        checkpoint.save(pipe, tmp_path / "other", extra={"weights": torch.ones(2)})
+    assert not (tmp_path / "other").exists()

@@ -16,6 +16,7 @@ import torch
 import pipecore
 from pipecore.cli import main
 from pipecore.cli import train as train_command
+from pipecore.cli.checkpoints import read_checkpoint, write_checkpoint
 from pipecore.cli.report import layers_cell
 from pipecore.cli.tasks import build_mlp, epoch_batches, held_out_windows, resolve_defaults, stage_partition
 
@@ -275,6 +276,9 @@ def test_threads_are_set_and_restored(capsys: pytest.CaptureFixture[str]) -> Non
     (["--stages", "5"], "--stages 5 needs at least 5 Linear layers, the MLP has 4 (--depth 3); raise --depth to 4 "
                         "or more, or lower --stages"),
     (["--save-every", "2"], "--save-every 2 needs --save PATH"),
+    (["--save-every-steps", "5"], "--save-every-steps 5 needs --save PATH"),
+    (["--save-every-steps", "0"], "argument --save-every-steps: must be an integer >= 1, got '0'"),
+    (["--resume", "auto"], "--resume auto resumes from the --save checkpoint when there is one: give --save PATH"),
     (["--epochs", "0"], "must be an integer >= 1"),
     (["--lr", "-1"], "must be a positive number"),
     (["--resume", "does-not-exist.pt"], "no such file"),
@@ -403,6 +407,108 @@ def test_save_every_saves_after_every_n_epochs(capsys: pytest.CaptureFixture[str
         f"saved checkpoint (epoch {e}) to {ckpt}" for e in (2, 4, 5)]
     assert train(capsys, "--epochs", "2", *SMALL, "--save", str(straight))[0] == 0
     assert_same(written[0]["pipeline"], load(straight)["pipeline"])  # the epoch-2 save is a 2-epoch run's
+
+
+def test_resume_auto_without_a_checkpoint_starts_from_the_beginning_and_says_so(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    ckpt, straight = tmp_path / "ckpt.pt", tmp_path / "straight.pt"
+    code, out, err = train(capsys, "--epochs", "1", *SMALL, "--save", str(ckpt), "--resume", "auto")
+    assert code == 0, err
+    assert f"--resume auto: no checkpoint at {ckpt} yet; training from the start" in out.splitlines()
+    assert "resumed from" not in out and [e[0] for e in epochs_of(out)] == [1]
+    assert train(capsys, "--epochs", "1", *SMALL, "--save", str(straight))[0] == 0
+    assert_same(load(ckpt)["pipeline"], load(straight)["pipeline"])
+
+
+def test_resume_auto_with_a_checkpoint_resumes_from_it_and_says_so(capsys: pytest.CaptureFixture[str],
+                                                                   tmp_path: Path) -> None:
+    ckpt, straight = tmp_path / "ckpt.pt", tmp_path / "straight.pt"
+    assert train(capsys, "--epochs", "1", *SMALL, "--save", str(ckpt))[0] == 0
+    code, out, err = train(capsys, "--epochs", "2", *SMALL, "--save", str(ckpt), "--resume", "auto")
+    assert code == 0, err
+    assert f"--resume auto: resumed from {ckpt} at epoch 1" in out.splitlines()
+    assert "no checkpoint" not in out
+    assert train(capsys, "--epochs", "2", *SMALL, "--save", str(straight))[0] == 0
+    a, b = load(ckpt), load(straight)
+    assert_same(a["pipeline"], b["pipeline"])
+    assert a["history"] == b["history"] and a["epoch"] == 2
+
+
+def test_resume_auto_from_a_finished_run_trains_nothing_and_succeeds(capsys: pytest.CaptureFixture[str],
+                                                                     tmp_path: Path) -> None:
+    """A worker killed after the last save is restarted by torchrun: the run is complete, which is no error."""
+    ckpt = tmp_path / "ckpt.pt"
+    assert train(capsys, "--epochs", "1", *SMALL, "--save", str(ckpt))[0] == 0
+    saved = ckpt.read_bytes()
+    code, out, err = train(capsys, "--epochs", "1", *SMALL, "--save", str(ckpt), "--resume", "auto")
+    assert code == 0, err
+    assert out == f"--resume auto: {ckpt} holds the end of the run (1 epoch); nothing left to train\n"
+    assert ckpt.read_bytes() == saved
+
+
+def test_save_every_steps_saves_at_step_boundaries_and_a_resumed_run_equals_an_uninterrupted_one(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """44 steps an epoch, a save every 30 steps of the run: after step 30 of epoch 1, step 16 of epoch 2, and at
+    the end. pipedream is drained at each save; a run resumed from the mid-epoch one drains at the same steps, so
+    it ends with the uninterrupted run's weights, optimizer state and history, bit for bit."""
+    ckpt, resumed = tmp_path / "ckpt.pt", tmp_path / "resumed.pt"
+    args = ["-a", "pipedream", "--epochs", "2", *SMALL, "--save-every-steps", "30"]
+    written = []
+    real = train_command.write_checkpoint
+
+    def keep(path: str, state: dict) -> None:
+        real(path, state)
+        written.append(Path(path).read_bytes())
+
+    monkeypatch.setattr(train_command, "write_checkpoint", keep)
+    code, out, err = train(capsys, *args, "--save", str(ckpt))
+    assert code == 0, err
+    states = [torch.load(io.BytesIO(data), weights_only=False) for data in written]
+    assert [(c["epoch"], c["step"], len(c["losses"])) for c in states] == [(0, 30, 30), (1, 16, 16), (2, 0, 0)]
+    assert [line for line in out.splitlines() if line.startswith("saved checkpoint")] == [
+        f"saved checkpoint (epoch 1, step 30 of 44) to {ckpt}", f"saved checkpoint (epoch 2, step 16 of 44) to {ckpt}",
+        f"saved checkpoint (epoch 2) to {ckpt}"]
+    resumed.write_bytes(written[1])  # as if the run had been killed after its second save
+    code, out, err = train(capsys, *args, "--save", str(resumed), "--resume", "auto")
+    assert code == 0, err
+    assert f"--resume auto: resumed from {resumed} in epoch 2, after step 16 of 44" in out.splitlines()
+    a, b = load(resumed), states[-1]
+    assert_same(a["pipeline"], b["pipeline"])
+    assert a["history"] == b["history"]
+
+
+def test_a_run_killed_while_saving_leaves_the_previous_checkpoint_and_the_next_save_clears_the_rest(
+        tmp_path: Path) -> None:
+    """A real process dies (SIGKILL) half way through writing a checkpoint's bytes: the file it replaces is the
+    complete previous checkpoint, which --resume reads; the partial temporary file is removed by the next save."""
+    ckpt = tmp_path / "ckpt.pt"
+    script = f"""
+import io, os, signal
+import torch
+from pipecore.cli.checkpoints import write_checkpoint
+
+write_checkpoint({str(ckpt)!r}, {{"pipeline": {{"w": torch.ones(50_000)}}, "epoch": 1, "args": {{}}}})
+real = torch.save
+
+def dying(obj, f):
+    buffer = io.BytesIO()
+    real(obj, buffer)
+    f.write(buffer.getvalue()[:len(buffer.getvalue()) // 2])
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+torch.save = dying
+write_checkpoint({str(ckpt)!r}, {{"pipeline": {{"w": torch.zeros(50_000)}}, "epoch": 2, "args": {{}}}})
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert run.returncode == -9, run.stdout + run.stderr
+    leftovers = [p for p in tmp_path.iterdir() if p != ckpt]
+    assert len(leftovers) == 1 and leftovers[0].name.startswith("ckpt.pt.") and leftovers[0].suffix == ".tmp"
+    assert 0 < leftovers[0].stat().st_size
+    state = read_checkpoint(str(ckpt))
+    assert state["epoch"] == 1 and torch.equal(state["pipeline"]["w"], torch.ones(50_000))
+    write_checkpoint(str(ckpt), {"pipeline": {"w": torch.zeros(3)}, "epoch": 2, "args": {}})
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
 
 
 def test_partition_gives_every_stage_a_linear_layer() -> None:

@@ -1,11 +1,14 @@
 """The checkpoint files of ``pipecore train --save``: what they hold (the pipeline's state, where training
-stopped, the run's settings and its history so far), writing one, reading one for ``--resume`` and checking it
-against the run's settings, and the command line that resumes a stopped run.
+stopped, the run's settings and its history so far), writing one, reading one for ``--resume`` (or finding it,
+for ``--resume auto``) and checking it against the run's settings, and the command line that resumes a stopped
+run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import shlex
 from typing import Any
 
@@ -49,6 +52,20 @@ def read_checkpoint(path: str) -> dict[str, Any]:
     return ckpt
 
 
+def find_checkpoint(args: argparse.Namespace) -> tuple[dict[str, Any] | None, str | None]:
+    """The checkpoint ``--resume`` names, and with ``--resume auto`` the line that says there is none yet: then the
+    ``--save`` file when it exists, else None, to start from the beginning."""
+    if args.resume != AUTO:
+        return (read_checkpoint(args.resume) if args.resume else None), None
+    if not os.path.exists(args.save):
+        return None, f"--resume auto: no checkpoint at {args.save} yet; training from the start"
+    return read_checkpoint(args.save), None
+
+
+#: ``--resume auto``: resume from the ``--save`` file when it holds a checkpoint, else start from the beginning.
+AUTO = "auto"
+
+
 def check_resume(settings: dict[str, Any], saved: dict[str, Any], epochs: int, epoch: int) -> list[str]:
     """Errors for settings a checkpoint fixes; notes for the ones that merely change the trajectory."""
     # Checkpoints from before --model trained the MLP; from before --lr-schedule, --clip and --bf16, at a
@@ -79,6 +96,14 @@ def write_checkpoint(path: str, ckpt: dict[str, Any]) -> None:
         write_atomically(path, lambda f: torch.save(ckpt, f))
     except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
         raise ValueError(f"cannot write {path}: {getattr(error, 'strerror', None) or error}") from None
+    # A run killed while saving left its temporary file (write_atomically's PATH.<8 hex>.tmp) behind.
+    directory, name = os.path.split(os.path.abspath(path))
+    staged = re.compile(re.escape(name) + r"\.[0-9a-f]{8}\.tmp")
+    for leftover in (n for n in os.listdir(directory) if staged.fullmatch(n)):
+        try:
+            os.remove(os.path.join(directory, leftover))
+        except OSError:
+            pass  # another process removed it, or cannot: the next save tries again
 
 
 def resume_command(given: dict[str, Any], args: argparse.Namespace, torchrun: bool) -> str:

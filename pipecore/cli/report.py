@@ -128,10 +128,13 @@ class Report:
             say(note)
         if resumed is not None:
             epoch, step = resumed
-            if step:  # saved where a signal stopped training, part way through the next epoch
-                say(f"resumed from {args.resume} in epoch {epoch + 1}, after step {step} of {steps_per_epoch}")
+            # --resume auto found the --save file.
+            source = (f"--resume auto: resumed from {args.save}" if args.resume == "auto"
+                      else f"resumed from {args.resume}")
+            if step:  # saved part way through the next epoch (a signal, --save-every-steps)
+                say(f"{source} in epoch {epoch + 1}, after step {step} of {steps_per_epoch}")
             else:
-                say(f"resumed from {args.resume} at epoch {epoch}")
+                say(f"{source} at epoch {epoch}")
         if pipe.rank is not None:
             replicas = f" x {pipe.data_parallel} replicas" if pipe.data_parallel > 1 else ""
             say(f"one process per rank: {pipe.num_ranks} ranks{replicas} ({torch.distributed.get_backend()}); "
@@ -155,9 +158,10 @@ class Report:
         if self.leader:
             print(self.task.line(record, f"{seconds:.2f}s"), flush=True)
 
-    def saved(self, epoch: int) -> None:
-        """A --save-every checkpoint was saved."""
-        self.say(f"saved checkpoint (epoch {epoch}) to {self.args.save}", flush=True)
+    def saved(self, epoch: int, step: int = 0) -> None:
+        """A --save-every or --save-every-steps checkpoint was saved: ``epoch`` epochs and ``step`` steps done."""
+        where = f"epoch {epoch + 1}, step {step} of {self.task.steps_per_epoch}" if step else f"epoch {epoch}"
+        self.say(f"saved checkpoint ({where}) to {self.args.save}", flush=True)
 
     def results(self, result: dict[str, float], stats: list[dict[str, Any]], elapsed: float, trained: int,
                 start_epoch: int) -> None:

@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ._args import OPTIMIZERS, ConfigurationError, algorithm_option, positive_int
-from .checkpoints import check_resume, read_checkpoint, resume_command, run_settings, write_checkpoint
+from .checkpoints import AUTO, check_resume, find_checkpoint, resume_command, run_settings, write_checkpoint
 from .profile import DEFAULT_PROFILE_STEPS, Profile, check_profile_args, rank_path
-from .report import Report
+from .report import Report, plural
 from .tasks import (DEFAULT_LR, MODELS, WARMUP_EPOCHS, add_model_arguments, resolve_defaults,
                     stages_per_rank, task_for)
 
@@ -71,7 +71,13 @@ Asynchronous algorithms are flushed at the end of every epoch, so evaluation and
 consistent weight version per stage. --resume continues from a --save checkpoint; --epochs is the total,
 and the result equals an uninterrupted run. A checkpoint also resumes with another --stages, --microbatches
 or --algorithm: weights and optimizer state are mapped by parameter name. --save-every N also saves after
-every N epochs.
+every N epochs, --save-every-steps N after every N training steps (mid-epoch; each such save drains an
+asynchronous pipeline first, as the end of an epoch does). Every save is atomic: a run killed while saving
+leaves the previous checkpoint.
+
+--resume auto resumes from the --save file when it holds a checkpoint and starts from the beginning when it
+does not (one line says which): under torchrun --max-restarts a killed worker then costs only the steps since
+the last save, and the run ends with the weights of an uninterrupted one.
 
 Ctrl-C (SIGINT) or SIGTERM stops training after the current step: with --save the checkpoint is saved there
 (mid-epoch; --resume continues from that step), and one line says where it is and the command that resumes;
@@ -92,6 +98,7 @@ examples:
   pipecore train --epochs 5 --save ckpt.pt && pipecore train --epochs 10 --resume ckpt.pt
   pipecore train --epochs 20 --save ckpt.pt --save-every 5
   pipecore train --epochs 10 --resume ckpt.pt --stages 2 --save ckpt2.pt
+  torchrun --nproc-per-node 4 --max-restarts 3 -m pipecore train --save ckpt.pt --resume auto --save-every-steps 20
   pipecore train --model resnet --stages 2 --epochs 5
   pipecore train --model gpt --epochs 3
   pipecore train --model gpt --layers 6 --embd 96 --heads 6 --block-size 128 --steps-per-epoch 100
@@ -178,9 +185,13 @@ def _add_run_arguments(parser: argparse.ArgumentParser, gpt: "argparse._Argument
                              "SIGTERM stops training")
     parser.add_argument("--save-every", type=positive_int, metavar="N",
                         help="with --save: also save after every N epochs")
+    parser.add_argument("--save-every-steps", type=positive_int, metavar="N",
+                        help="with --save: also save after every N training steps, counted from the run's start "
+                             "(mid-epoch; asynchronous algorithms are drained first, as at an epoch's end)")
     parser.add_argument("--resume", metavar="PATH",
                         help="continue from a --save checkpoint (also with another --stages, --microbatches or "
-                             "--algorithm: the checkpoint maps by parameter name)")
+                             "--algorithm: the checkpoint maps by parameter name); 'auto': from the --save file "
+                             "if it holds one, else from the start (for torchrun --max-restarts)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar (it is also off when stderr is not a terminal)")
     parser.add_argument("--device", metavar="DEV",
@@ -326,6 +337,10 @@ def _check_flags(args: argparse.Namespace) -> tuple[dict[str, Any], int, int, "t
     resolve_defaults(args)
     if args.save_every is not None and not args.save:
         raise ValueError(f"--save-every {args.save_every} needs --save PATH (where to save the checkpoint)")
+    if args.save_every_steps is not None and not args.save:
+        raise ValueError(f"--save-every-steps {args.save_every_steps} needs --save PATH (where to save the checkpoint)")
+    if args.resume == AUTO and not args.save:
+        raise ValueError("--resume auto resumes from the --save checkpoint when there is one: give --save PATH")
     check_profile_args(args)  # fail before loading data and training, not after
     if args.batch_size < args.microbatches:
         raise ValueError(
@@ -405,10 +420,18 @@ def _train(args: argparse.Namespace, interrupts: Interrupts | None = None, given
         notes.append(f"cosine learning rate over {total_updates} updates per stage")
 
     settings = run_settings(args)
-    ckpt = read_checkpoint(args.resume) if args.resume else None
+    auto = args.resume == AUTO
+    ckpt, fresh = find_checkpoint(args)
+    if fresh is not None:
+        notes.append(fresh)
     start_epoch, history = 0, []
     if ckpt is not None:
         start_epoch = int(ckpt["epoch"])
+        if auto and start_epoch >= args.epochs:  # a restart after the last save: nothing is left to do
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"--resume auto: {args.save} holds the end of the run ({plural(args.epochs, 'epoch')}); "
+                      "nothing left to train")
+            return 0
         notes += check_resume(settings, ckpt["args"], args.epochs, start_epoch)
         history = list(ckpt.get("history", []))
 
@@ -417,7 +440,9 @@ def _train(args: argparse.Namespace, interrupts: Interrupts | None = None, given
     name = task.name(model)
     joined_here = not _process_group_initialized()
     if processes > 1 and device.type == "cpu" and joined_here and torch.cuda.is_available():
-        torch.distributed.init_process_group("gloo")  # the pipeline would pick NCCL, which needs GPU stages
+        from ..runtime.elastic import init_process_group
+
+        init_process_group("gloo")  # the pipeline would pick NCCL, which needs GPU stages
     try:
         pipe = pipecore.Pipeline(
             model, args.stages, algorithm=args.algorithm, n_microbatches=args.microbatches,
@@ -480,6 +505,23 @@ def _too_many_stages(args: argparse.Namespace, message: str) -> str:
             f"modules); lower --stages or {more}")
 
 
+def _step_save_due(args: argparse.Namespace, steps: int) -> bool:
+    """Whether --save-every-steps saves after the run's ``steps``-th training step (counted from epoch 1, so that
+    a resumed run saves where an uninterrupted one does)."""
+    return bool(args.save_every_steps) and steps % args.save_every_steps == 0
+
+
+def _agree_on_checkpoint(pipe: Any, path: str, found: tuple[int, int] | None) -> None:
+    """With one process per stage, ``--resume auto`` must find the same checkpoint on every rank (``found``:
+    its epoch and step here, or None); a rank that sees another would train from elsewhere."""
+    seen = pipe._gather(found)
+    if any(s != seen[0] for s in seen):
+        where = ", ".join(f"rank {r}: {'none' if s is None else f'epoch {s[0]} step {s[1]}'}"
+                          for r, s in enumerate(seen))
+        raise ValueError(f"--resume auto: the ranks find different checkpoints at {path} ({where}); --save must "
+                         "be on a file system that every rank sees")
+
+
 def _process_group_initialized() -> bool:
     import torch.distributed as dist
 
@@ -504,6 +546,8 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
         if leader and path and not Path(path).resolve().parent.is_dir():
             raise ValueError(f"{flag}: the directory of {path} does not exist")
     start_step, start_losses = 0, []
+    if args.resume == AUTO and pipe.rank is not None:
+        _agree_on_checkpoint(pipe, args.save, None if ckpt is None else (ckpt["epoch"], ckpt.get("step", 0)))
     if ckpt is not None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", CheckpointNote)
@@ -561,6 +605,12 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
                     profile.step_done(ends_epoch=i + 1 == steps_per_epoch)
                     losses.append(loss)
                     bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                    if _step_save_due(args, epoch * steps_per_epoch + i + 1) and i + 1 < steps_per_epoch:
+                        interrupts.mode = "hold"  # a signal meanwhile lets the save finish
+                        pipe.flush()  # one consistent version per stage, as at the end of an epoch
+                        save(epoch, i + 1, losses)
+                        report.saved(epoch, i + 1)
+                        interrupts.mode = "after step"
                     signum = interrupts.stop(pipe)
                     if signum is not None:
                         break
@@ -584,7 +634,8 @@ def _run_pipeline(args: argparse.Namespace, pipe: Any, task: Any, name: str, alg
                       **{k: v for k, v in metrics.items() if k != "correct"}}
             history.append(record)
             report.epoch(record, time.perf_counter() - t0)
-            if args.save_every and (epoch + 1) % args.save_every == 0 and epoch + 1 < args.epochs:
+            every_epochs = args.save_every and (epoch + 1) % args.save_every == 0
+            if (every_epochs or _step_save_due(args, (epoch + 1) * steps_per_epoch)) and epoch + 1 < args.epochs:
                 save(epoch + 1)
                 report.saved(epoch + 1)
             signum = interrupts.stop(pipe)

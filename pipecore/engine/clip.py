@@ -224,6 +224,7 @@ class DistributedGlobalNorm(GlobalNorm):
 
         import torch.distributed as dist
 
+        from ..runtime.elastic import new_group
         from ..runtime.link import TRAILER_BYTES, Links
 
         self.rank, self.num_stages = rank, num_stages
@@ -233,8 +234,7 @@ class DistributedGlobalNorm(GlobalNorm):
         # i), created by every process in the same order; ranks here are pipeline ranks.
         rows = [list(range(dist.get_world_size()))] if grid is None else [list(row) for row in grid]
         for i, row in enumerate(rows):
-            group = dist.new_group(row, backend="gloo", timeout=wait) if grid is not None else \
-                dist.new_group(backend="gloo", timeout=wait)
+            group = new_group(row if grid is not None else None, "the gradient norms' exchange", wait, backend="gloo")
             if i == replica:
                 mine, in_group = group, {r: dist.get_group_rank(group, g) for r, g in enumerate(row)}
         size = 8 + 8 + TRAILER_BYTES  # the squared norm, the update's index, the trailer

@@ -76,8 +76,10 @@ def join(num_stages: int, num_ranks: int, timeout: float, data_parallel: int | N
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "RANK" not in os.environ:
             return _single(data_parallel)
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        from ..runtime.elastic import init_process_group
+
+        # Not torch's env:// as such: under torchrun --max-restarts its keys would outlive a dead round.
+        init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout)
     world = dist.get_world_size()
     if world == 1:
         return _single(data_parallel)
@@ -178,11 +180,12 @@ class GradientSum:
 
 def dp_groups(topology: Topology, timeout: float) -> Any:
     """Every pipeline rank's ``"dp"`` group (created by every process, in the same order); this process's."""
-    import torch.distributed as dist
+    from ..runtime.elastic import new_group
 
     mine = None
     for r in range(topology.num_ranks):
-        group = dist.new_group(list(topology.dp_ranks(r)), timeout=datetime.timedelta(seconds=timeout))
+        group = new_group(list(topology.dp_ranks(r)), "the replicas' gradient sums",
+                          datetime.timedelta(seconds=timeout))
         if r == topology.rank:
             mine = group
     return mine

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from .. import _C
 
 from ..schedule.ir import B, F, Kind
+from .elastic import new_group
 from .link import TRAILER, Incoming, Links, Outgoing, PeerError, first_line
 from .payload import describe, unpack, write
 from .worker import Message
@@ -91,7 +92,7 @@ def _link_groups(me: int, placement: tuple[int, ...], grid: tuple[tuple[int, ...
             if pair[0] == pair[1]:
                 continue
             for kind in (F, B):
-                group = dist.new_group(sorted(pair), timeout=timeout)
+                group = new_group(sorted(pair), f"the link of stages {b} and {b + 1}", timeout)
                 if me in pair:
                     other = pair[1] if me == pair[0] else pair[0]
                     links[kind, b] = (group, dist.get_group_rank(group, other))

@@ -62,6 +62,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .elastic import new_group
 from .link import TRAILER, TRAILER_BYTES, Incoming, Links, Outgoing, PeerError, padded
 
 # Each group carries one tie's messages from one sender, so one tag is enough (NCCL ignores tags and matches
@@ -341,7 +342,8 @@ class DistributedTiedGradients:
             # One group per sending owner and replica (see the module docstring), created by every process in
             # the same order.
             for i, row in enumerate(grid):
-                groups = {sender: dist.new_group([row[o] for o in owners], timeout=self.timeout) for sender in owners}
+                groups = {sender: new_group([row[o] for o in owners], f"the exchange of tied weight {name!r}",
+                                            self.timeout) for sender in owners}
                 if i == replica and rank in owners:
                     self._ties[name] = self._tie(name, owners, row, groups, (shapes or {}).get(name))
         # update group -> tie -> this rank's own gradient (a view into a buffer it sent).

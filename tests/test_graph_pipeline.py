@@ -327,10 +327,15 @@ class _GatedModel(nn.Module):
 
 
 def test_a_forward_that_cannot_be_captured_names_the_construct_and_the_fallback():
+    # Without example_input the torch.export fallback waits for the first step, which reports both failures.
+    pipe = Pipeline(_Branchy(), 2, "1f1b", M, loss_fn=nn.CrossEntropyLoss())
     with pytest.raises(CaptureError) as info:
-        Pipeline(_Branchy(), 2, "1f1b", M, loss_fn=nn.CrossEntropyLoss())
+        pipe.step(torch.randn(8, 4), torch.randint(0, 2, (8,)))
     message = str(info.value)
     assert "control flow" in message and "if h.sum() > 0" in message and "leaf_modules" in message
+    assert "neither capture works" in message and "torch.export failed" in message
+    with pytest.raises(CaptureError, match="control flow"):  # with fx alone, at construction
+        Pipeline(_Branchy(), 2, "1f1b", M, loss_fn=nn.CrossEntropyLoss(), capture="fx")
 
 
 def test_leaf_modules_keep_uncapturable_code_whole():

@@ -53,8 +53,19 @@ def test_gpt2_without_an_example_trains_like_the_plain_model_and_like_with_an_ex
         torch.testing.assert_close(state[key], value, rtol=1e-10, atol=1e-12, msg=key)
         assert torch.equal(state[key], eager_state[key]), key
     assert [g.nodes for g in lazy.stage_graphs] == [g.nodes for g in eager.stage_graphs]
+    # print(pipe) names each stage's blocks by module path, as with example_input.
+    runs = _runs(lazy)
+    assert runs == _runs(eager)
+    assert all(f"transformer.h.{s}" in runs[s] for s in range(4)), runs
+    assert runs[-1][-1] == "lm_head" and "transformer.ln_f" in runs[-1], runs
     lazy.close()
     eager.close()
+
+
+def _runs(pipe):
+    """What print(pipe) says each stage runs."""
+    return [line.split(":", 1)[1].strip().split(", ") for line in str(pipe).splitlines()
+            if line.startswith("  runs:")]
 
 
 def _hooks(model):

@@ -117,8 +117,8 @@ class Pipeline(Assembly):
         capture: how the forward becomes a graph: ``"fx"`` (``torch.fx`` symbolic tracing: modules stay nodes,
             no example needed), ``"export"`` (``torch.export``, non-strict, with the batch and sequence dimensions
             of ``example_input`` dynamic: captures what fx cannot, such as Hugging Face models and masks built
-            from traced lengths; from ``example_input``, or at the first step) or ``"auto"`` (default: fx, and export where fx cannot
-            capture the forward). See docs/models.md, "Two captures".
+            from traced lengths; from ``example_input``, or at the first step) or ``"auto"`` (default: fx, and
+            export where fx cannot capture the forward). See docs/models.md, "Two captures".
         data_parallel: under torchrun, ``W`` replicas of the pipeline with ``WORLD_SIZE = W x`` its ranks: process
             ``(i, r)`` (global rank ``i * ranks + r``) runs pipeline rank ``r`` of replica ``i``; each replica
             trains on its ``1/W`` of every mini-batch (see :meth:`step`) and each stage's gradients are summed
@@ -412,9 +412,9 @@ class Pipeline(Assembly):
         return introspection.stats(self._parts, all_stages, self.synchronize)
 
     def describe(self) -> str:
-        """Each stage's modules, compute nodes (indices into the captured graph), parameters and the values
-        that cross its cuts (with shapes and dtypes when an ``example_input`` was given); before a first step
-        that captures the model, that it waits for it."""
+        """Each stage's compute nodes (indices into the captured graph), parameters, what it runs by module path
+        and the values that cross its cuts, with the modules computing them (and shapes and dtypes when an
+        ``example_input`` was given); before a first step that captures the model, that it waits for it."""
         return introspection.describe(self._parts) if self._built() else self._waiting().describe()
 
     def __repr__(self) -> str:

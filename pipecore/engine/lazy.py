@@ -5,8 +5,9 @@ can capture.
 input, which a Hugging Face model built without ``example_input`` has first at :meth:`Pipeline.step` (or
 :meth:`Pipeline.predict`). Until then the pipeline holds its :class:`~.parts.Settings` and a :class:`Lazy`:
 the first call with an input captures the model from that mini-batch's first micro-batch exactly as
-``example_input`` would have at construction (fake tensors: no parameter, buffer, mode or random number of
-the model or of torch changes), builds the stages (:func:`~.build.assemble`) and applies what was asked of the
+``example_input`` would have at construction (export runs on fake tensors, the check of the values crossing
+the cuts puts back the buffers it updates, and the random state is put back: no parameter, buffer, mode, hook
+or random number changes), builds the stages (:func:`~.build.assemble`) and applies what was asked of the
 pipeline meanwhile (``load_state_dict``, ``set_lr``), in order. It all happens on the calling thread, before
 any stage thread exists. What needs the graph before then (``stats()``, ``state_dict()``, ``pipe.stages``)
 raises :class:`NotCaptured`, which says what to do; ``print(pipe)`` says the capture is still to come.
@@ -20,7 +21,7 @@ import torch
 
 from .build import assemble
 from .graph import CapturedModel, NeedsExample
-from .inputs import split_batch
+from .inputs import split_batch, to_device
 from .parts import Parts, Settings
 from .recovery import Recovery
 from .stepping import Steps
@@ -77,6 +78,9 @@ class Lazy:
     def _assemble(self, x: Any) -> Parts:
         s = self.settings
         example = first_microbatch(x, s.n_microbatches)
+        # Where the model is (a CPU batch for a model on a GPU: the stages move it there, the capture must too).
+        first = next(s.module.parameters(), None)
+        example = example if first is None else to_device(example, first.device)
         # As at construction: with gradients (predict() may be called under no_grad), and no random number of
         # the caller's drawn (the check of the boundaries runs the graph once; dropout would draw).
         cuda = sorted({t.device.index or 0 for t in _tensors(example, s.module) if t.device.type == "cuda"})

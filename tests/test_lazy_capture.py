@@ -95,11 +95,11 @@ def test_the_capture_at_the_first_step_leaves_the_model_as_it_was(mode):
 class _Scaled(nn.Module):
     """A small model torch.fx cannot capture (torch.ones of a traced size), with BatchNorm and dropout."""
 
-    def __init__(self, width: int = 8):
+    def __init__(self, width: int = 8, dropout: float = 0.5):
         super().__init__()
         self.a = nn.Linear(4, width)
         self.bn = nn.BatchNorm1d(width)
-        self.drop = nn.Dropout(0.5)
+        self.drop = nn.Dropout(dropout)
         self.b = nn.Linear(width, 2)
 
     def forward(self, x):
@@ -133,6 +133,24 @@ def test_the_capture_draws_no_random_number_and_counts_no_batch():
     assert int(state["bn.num_batches_tracked"]) == 2 * M
     for key, value in eager_state.items():
         assert torch.equal(state[key], value), key
+
+
+def test_with_stage_threads_and_overlapping_steps_the_capture_happens_before_the_threads_start():
+    """concurrent=True with overlap_steps: the first step captures on the calling thread, then the stage threads
+    train as one thread in turn does, bit for bit."""
+    torch.manual_seed(0)
+    model = _Scaled(dropout=0.0).double()
+    twin = copy.deepcopy(model)
+    threaded = _scaled_pipeline(model, concurrent=True, overlap_steps=True)
+    in_turn = _scaled_pipeline(twin, concurrent=False, example_input=_scaled_data(0)[0])
+    for step in range(3):
+        x, y = _scaled_data(step)
+        assert threaded.step(x, y) == in_turn.step(x, y), step
+    assert threaded.execution == "stage threads"
+    threaded.synchronize()
+    for key, value in _model_state(in_turn).items():
+        assert torch.equal(_model_state(threaded)[key], value), key
+    threaded.close()
 
 
 def test_print_before_the_first_step_says_it_waits_for_a_first_step_or_an_example():
@@ -236,7 +254,7 @@ def test_predict_before_any_step_captures_and_equals_the_model():
     model = make("gpt2", 2)
     ref = copy.deepcopy(model).eval()
     pipe = Pipeline(model, 2, "1f1b", M, optimizer=SGD(lr=LR), loss_fn=_hf.lm_loss).eval()
-    x, _ = batch("gpt2", n=6)
+    x, _ = batch("gpt2", n=3)  # fewer samples than micro-batches: predict() takes them, and so does the capture
     with torch.no_grad():
         out = pipe.predict(x)
         expected = ref(**x)
@@ -252,8 +270,9 @@ def test_the_first_microbatch_keeps_the_structure_and_the_options():
     assert torch.equal(got["input_ids"], ids[:3])
     a, flag = first_microbatch((ids, True), 5)
     assert torch.equal(a, ids[:2]) and flag is True
-    with pytest.raises(ValueError, match="smaller than n_microbatches=4"):
-        first_microbatch(ids[:3], 4)
+    assert torch.equal(first_microbatch(ids[:3], 4), ids[:1])  # as predict() splits a small batch
+    with pytest.raises(ValueError, match="different batch sizes"):
+        first_microbatch((ids, ids[:5]), 4)
 
 
 def test_under_torchrun_a_model_that_needs_an_example_asks_for_example_input(monkeypatch):

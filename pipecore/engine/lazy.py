@@ -99,17 +99,19 @@ class Lazy:
 
 
 def first_microbatch(x: Any, n_microbatches: int) -> Any:
-    """The first micro-batch of ``x`` as ``step()`` would split it, in ``x``'s structure (a tensor, or a tuple or
-    dict whose tensors are split and whose other values, options such as ``use_cache=False``, are kept)."""
+    """The first micro-batch of ``x`` as ``step()`` or ``predict()`` would split it, in ``x``'s structure (a
+    tensor, or a tuple or dict whose tensors are split and whose other values, options such as
+    ``use_cache=False``, are kept). Fewer samples than micro-batches give one sample, as ``predict()`` takes them
+    (a step says that such a batch is too small after the capture, as with ``example_input``)."""
     if isinstance(x, torch.Tensor):
-        return split_batch(x, n_microbatches, "x").chunks[0][0]
+        return split_batch(x, n_microbatches, "x", uneven=True).chunks[0][0]
     if isinstance(x, dict):
         keys = [k for k, v in x.items() if isinstance(v, torch.Tensor)]
-        chunk = split_batch([x[k] for k in keys], n_microbatches, "x").chunks[0] if keys else ()
+        chunk = split_batch([x[k] for k in keys], n_microbatches, "x", uneven=True).chunks[0] if keys else ()
         return {**x, **dict(zip(keys, chunk))}
     if isinstance(x, (tuple, list)):
         where = [i for i, v in enumerate(x) if isinstance(v, torch.Tensor)]
-        chunk = split_batch([x[i] for i in where], n_microbatches, "x").chunks[0] if where else ()
+        chunk = split_batch([x[i] for i in where], n_microbatches, "x", uneven=True).chunks[0] if where else ()
         out = list(x)
         for i, t in zip(where, chunk):
             out[i] = t

@@ -241,8 +241,10 @@ def load(pipe: Pipeline, directory: str | os.PathLike) -> dict[str, Any]:
     name into ``pipe``'s stages (another number of stages, partition, micro-batches or algorithm; see
     :meth:`Pipeline.load_state_dict`). Returns the ``extra`` the save was given (``{}`` without one)."""
     manifest = _read_manifest(directory, pipe.rank is not None)
-    same = (manifest["num_stages"] == pipe.num_stages and manifest["stage_layers"] == pipe.stage_layers
-            and manifest["algorithm"] == pipe.algorithm.name)
+    # Before a first step that captures the model, its stages are not known: every stage file is read, and the
+    # state is held until the capture (see Pipeline.load_state_dict).
+    same = (pipe._built() and manifest["num_stages"] == pipe.num_stages
+            and manifest["stage_layers"] == pipe.stage_layers and manifest["algorithm"] == pipe.algorithm.name)
     stages = list(pipe.stages) if same else range(manifest["num_stages"])
     pipe.load_state_dict(merge_state_dicts(_read_stages(directory, manifest, stages)))
     return dict(manifest.get("extra", {}))

@@ -278,6 +278,45 @@ def test_partition_by_module_names_and_by_node_indices():
     assert str(by_name) == text
 
 
+def test_print_names_what_each_stage_runs_by_module_path_with_ranges_of_siblings():
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
+                        nn.Linear(8, 2))
+    pipe = Pipeline(mlp, 3, "1f1b", 2, loss_fn=nn.CrossEntropyLoss(), partition=[2, 5], example_input=torch.randn(6, 4))
+    assert str(pipe) == "\n".join([
+        "Pipeline: Sequential as 3 stages, 1f1b, 2 micro-batches; inputs input",
+        "stage 0: nodes 0-1 (2), 40 parameters",
+        "  runs:     0-1",
+        "  sends:    _1 from 1 (6, 8) float32",
+        "stage 1: nodes 2-4 (3), 144 parameters",
+        "  runs:     2-4",
+        "  receives: _1 from 1 (6, 8) float32",
+        "  sends:    _4 from 4 (6, 8) float32",
+        "stage 2: nodes 5-6 (2), 18 parameters",
+        "  runs:     5-6",
+        "  receives: _4 from 4 (6, 8) float32",
+    ])
+
+
+def _runs(pipe):
+    return [line.split(":", 1)[1].strip().split(", ") for line in str(pipe).splitlines()
+            if line.startswith("  runs:")]
+
+
+def test_print_names_a_module_split_by_a_cut_as_a_part_and_the_forward_s_own_nodes_by_name():
+    model = gpt()
+    assert _runs(Pipeline(model, 3, "1f1b", M, loss_fn=lm_loss, partition=["blocks.1", "blocks.2"])) == [
+        ["getattr_1", "getitem", "getattr_2", "arange", "tok_emb", "pos_emb", "add", "drop", "blocks.0"],
+        ["blocks.1"], ["blocks.2", "ln_f", "head"]]
+    captured = Pipeline(gpt(), 1, "1f1b", M, loss_fn=lm_loss).captured
+    cut = next(i for i, n in enumerate(captured.nodes) if n.target == "blocks.0.ln2")
+    inside = Pipeline(gpt(), 2, "1f1b", M, loss_fn=lm_loss, partition=[cut])
+    runs = _runs(inside)
+    assert runs[0][-3:] == ["blocks.0.ln1", "blocks.0.attn", "blocks.0 (part)"]
+    assert runs[1] == ["blocks.0.ln2", "blocks.0.mlp", "blocks.0 (part)", "blocks.1-blocks.2", "ln_f", "head"]
+    assert "  sends:    add_1 from blocks.0" in str(inside).splitlines()
+
+
 def test_a_cut_inside_a_block_sends_every_live_value():
     # Cutting between attention and MLP of block 0: the residual stream crosses, with gradients.
     model = gpt()
@@ -327,10 +366,15 @@ class _GatedModel(nn.Module):
 
 
 def test_a_forward_that_cannot_be_captured_names_the_construct_and_the_fallback():
+    # Without example_input the torch.export fallback waits for the first step, which reports both failures.
+    pipe = Pipeline(_Branchy(), 2, "1f1b", M, loss_fn=nn.CrossEntropyLoss())
     with pytest.raises(CaptureError) as info:
-        Pipeline(_Branchy(), 2, "1f1b", M, loss_fn=nn.CrossEntropyLoss())
+        pipe.step(torch.randn(8, 4), torch.randint(0, 2, (8,)))
     message = str(info.value)
     assert "control flow" in message and "if h.sum() > 0" in message and "leaf_modules" in message
+    assert "neither capture works" in message and "torch.export failed" in message
+    with pytest.raises(CaptureError, match="control flow"):  # with fx alone, at construction
+        Pipeline(_Branchy(), 2, "1f1b", M, loss_fn=nn.CrossEntropyLoss(), capture="fx")
 
 
 def test_leaf_modules_keep_uncapturable_code_whole():

@@ -1,14 +1,18 @@
 """Building a pipeline: capture the model, cut it into stages, place them, and connect them.
 
-:func:`build` takes :class:`~pipecore.Pipeline`'s arguments and returns the :class:`~.parts.Parts` the pipeline
-holds: the captured graph and its stages, the devices, the stages this process runs (with their optimizers,
-ties, clipping and data-parallel sums), the transport between them, and the threads that run them. What
-depends on whether every stage is in this process or only a rank's is asked of the :class:`~.locality.Locality`
-chosen here, once.
+Two halves. :func:`prepare` takes :class:`~pipecore.Pipeline`'s arguments, checks them and returns its
+:class:`~.parts.Settings` (the algorithm, where the stages run, which run here) and the captured model.
+:func:`assemble` returns the :class:`~.parts.Parts` the pipeline holds: the captured graph and its stages, the
+devices, the stages this process runs (with their optimizers, ties, clipping and data-parallel sums), the
+transport between them, and the threads that run them. A model that only ``torch.export`` can capture, given
+no ``example_input``, is assembled at the first step from its first micro-batch (``engine/lazy.py``). What
+depends on whether every stage is in this process or only a rank's is asked of the
+:class:`~.locality.Locality` chosen here, once.
 """
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -25,7 +29,8 @@ from .clip import GlobalNorm, GradClip, check_max_norm, flushes_every_minibatch
 from .data_parallel import GradientSum, dp_groups, join as join_topology
 from .devices import check_offload_devices, stage_devices
 from .flat import FlatLayout
-from .graph import CapturedModel, StageGraph, state_aliases, tied_parameters
+from .export_capture import unwrap_compiled
+from .graph import CaptureError, CapturedModel, NeedsExample, StageGraph, state_aliases, tied_parameters
 from .inputs import LossTarget, as_model_inputs
 from .locality import Locality
 from .lr import LrSchedule
@@ -33,7 +38,7 @@ from .offload import offload_segments
 from .one_process import OneProcess
 from .optim import SGD, build_optimizer, check_optimizer
 from ..planning.cuts import stage_starts
-from .parts import Parts
+from .parts import Parts, Settings
 from .rank_of_group import RankOfGroup
 from .recompute import recompute_segments
 from .stage import TensorStage
@@ -43,15 +48,18 @@ from .tied import StageTies
 _NONFINITE = ("raise", "skip")
 
 
-def build(model: nn.Module | Sequence[nn.Module], num_stages: int, *, algorithm: str, n_microbatches: int,
-          optimizer: Any, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
-          partition: Sequence[int | str] | Plan | None, on_nonfinite: str, timeout: float, split_backward: bool,
-          example_input: Any, leaf_modules: Sequence[type | str],
-          devices: Sequence[str | torch.device] | str | torch.device | None, concurrent: bool | None,
-          overlap_steps: bool, threads_per_stage: int | None, lr_scheduler: Callable[..., Any] | None,
-          clip_grad_norm: float | None, autocast: torch.dtype | None, recover: bool, track_memory: bool,
-          capture: str, data_parallel: int | None, mesh: Any, options: dict[str, Any]) -> Parts:
-    """The parts of a pipeline, as :class:`~pipecore.Pipeline`'s arguments describe it (see there)."""
+def prepare(model: nn.Module | Sequence[nn.Module], num_stages: int, *, algorithm: str, n_microbatches: int,
+            optimizer: Any, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+            partition: Sequence[int | str] | Plan | None, on_nonfinite: str, timeout: float, split_backward: bool,
+            example_input: Any, leaf_modules: Sequence[type | str],
+            devices: Sequence[str | torch.device] | str | torch.device | None, concurrent: bool | None,
+            overlap_steps: bool, threads_per_stage: int | None, lr_scheduler: Callable[..., Any] | None,
+            clip_grad_norm: float | None, autocast: torch.dtype | None, recover: bool, track_memory: bool,
+            capture: str, data_parallel: int | None, mesh: Any, options: dict[str, Any]
+            ) -> tuple[Settings, CapturedModel | NeedsExample]:
+    """The first half of building a pipeline: its arguments checked, the algorithm and where the stages run, and
+    the captured model, or why it can only be captured from an input (:class:`~.graph.NeedsExample`: then the
+    pipeline captures it at its first step). :func:`assemble` builds the stages from the graph."""
     if concurrent is not None and not isinstance(concurrent, bool):
         raise TypeError(f"concurrent must be True, False or None (the default), got {concurrent!r}")
     if not isinstance(overlap_steps, bool):
@@ -71,19 +79,26 @@ def build(model: nn.Module | Sequence[nn.Module], num_stages: int, *, algorithm:
         raise ValueError("loss_fn is required, e.g. torch.nn.CrossEntropyLoss()")
     if optimizer is not None:
         check_optimizer(optimizer)  # before capture and partitioning, which take a while
+    max_norm = check_max_norm(clip_grad_norm)
     chosen = get_algorithm(algorithm, num_stages, n_microbatches, **options)
     layout_schedule = chosen.schedule(1)
     placement, num_ranks = layout_schedule.placement, layout_schedule.num_ranks
-    captured = CapturedModel(model, leaf_modules, example_input, capture)
-    graphs = captured.split(stage_starts(captured, num_stages, partition))
-    if isinstance(partition, Plan) and any(partition.recomputed):
-        _recompute_planned(chosen, captured, partition, graphs)
-    model_keys = set(captured.model.state_dict())
-    aliases = state_aliases(graphs, captured.model)
-    aliased = {a for names in aliases for a in names}
-    stage_keys = [[k for k in g.module.state_dict() if k in model_keys and k not in aliased] for g in graphs]
-    boundary_meta = _boundary_meta(captured, graphs, example_input) if example_input is not None else None
+    module = unwrap_compiled(model)  # (once: the capture at a first step finds it unwrapped)
+    if isinstance(module, (list, tuple, nn.ModuleList)):
+        module = nn.Sequential(*module)
+    captured: CapturedModel | NeedsExample
+    try:
+        captured = CapturedModel(module, leaf_modules, example_input, capture)
+    except NeedsExample as needs:
+        captured = needs
     topology = join_topology(num_stages, num_ranks, timeout, data_parallel, mesh)
+    if topology is not None and isinstance(captured, NeedsExample):
+        # Every rank must capture the same graph before a message can travel between ranks (the links follow
+        # from the stages' devices), and only the first stage's rank will have the first step's input.
+        raise CaptureError(
+            f"{captured.reason}, and under torchrun the pipeline cannot capture it at the first step() (only the first "
+            "stage's rank has that input, and every rank needs the graph): pass example_input=... (a mini-batch as "
+            "step() takes it, the same on every rank) to Pipeline(...)") from captured
     locality: Locality = OneProcess(timeout) if topology is None else RankOfGroup(topology, placement, timeout)
     width = 1 if topology is None else topology.data_parallel
     if width > 1:
@@ -95,12 +110,46 @@ def build(model: nn.Module | Sequence[nn.Module], num_stages: int, *, algorithm:
                          "agree on which updates to skip; use on_nonfinite='raise'")
     owned = locality.stages_here(num_stages, placement)
     on_threads = locality.concurrent_by_default(num_stages) if concurrent is None else concurrent
-    stage_device = stage_devices(devices, graphs, placement, locality.nccl_rank)
+    ranks_here = len({placement[s] for s in owned})
+    threads_per_stage = default_threads_per_stage(ranks_here) if threads_per_stage is None else threads_per_stage
+    if overlap_steps and not (on_threads and ranks_here > 1):
+        raise ValueError(
+            "overlap_steps=True needs a worker thread per stage: concurrent=True with more than one stage in "
+            f"this process (this process runs {len(owned)} stage(s), concurrent={on_threads})"
+        )
+    settings = Settings(
+        model=model, module=module, algorithm=chosen, num_stages=num_stages, n_microbatches=n_microbatches,
+        on_nonfinite=on_nonfinite, placement=placement, num_ranks=num_ranks, topology=topology, locality=locality,
+        data_parallel=width, replica=0 if topology is None else topology.replica, recover=recover,
+        concurrent=on_threads, owned=owned, threads_per_stage=threads_per_stage, overlap_steps=overlap_steps,
+        lr_scheduler=lr_scheduler, autocast=autocast, clip_grad_norm=max_norm, optimizer=optimizer, loss_fn=loss_fn,
+        partition=partition, leaf_modules=leaf_modules, capture=capture, device_choice=devices,
+        concurrent_choice=concurrent, split_backward=split_backward, track_memory=track_memory, timeout=timeout,
+    )
+    return settings, captured
+
+
+def assemble(settings: Settings, captured: CapturedModel, example_input: Any) -> Parts:
+    """The second half of building a pipeline: cut the captured graph, place the stages, build the ones this
+    process runs and connect them (``example_input``, if any, describes the values that cross the cuts)."""
+    s_ = settings
+    chosen, num_stages, n_microbatches, partition = s_.algorithm, s_.num_stages, s_.n_microbatches, s_.partition
+    placement, owned, topology, locality = s_.placement, s_.owned, s_.topology, s_.locality
+    graphs = captured.split(stage_starts(captured, num_stages, partition))
+    if isinstance(partition, Plan) and any(partition.recomputed):
+        _recompute_planned(chosen, captured, partition, graphs)
+    model_keys = set(captured.model.state_dict())
+    aliases = state_aliases(graphs, captured.model)
+    aliased = {a for names in aliases for a in names}
+    stage_keys = [[k for k in g.module.state_dict() if k in model_keys and k not in aliased] for g in graphs]
+    boundary_meta = _boundary_meta(captured, graphs, example_input) if example_input is not None else None
+    stage_device = stage_devices(s_.device_choice, graphs, placement, locality.nccl_rank)
     if isinstance(partition, Plan) and any(partition.offloaded):
         _offload_planned(chosen, captured, partition, graphs, stage_device, owned)
     # The ring of each stage holds exactly the versions the algorithm needs; the simulator says how many.
     sizing = simulate(chosen, num_stages, n_microbatches, n_minibatches=chosen.warmup_minibatches)
-    optimizer = optimizer if optimizer is not None else SGD(lr=0.01)
+    optimizer = s_.optimizer if s_.optimizer is not None else SGD(lr=0.01)
+    layout_schedule = chosen.schedule(1)
     targets: dict[int, LossTarget] = {}
     stages: dict[int, TensorStage] = {}
     for s in owned:
@@ -112,26 +161,26 @@ def build(model: nn.Module | Sequence[nn.Module], num_stages: int, *, algorithm:
         stage_optimizer = build_optimizer(optimizer, layout, device)
         stages[s] = TensorStage(
             chosen, s, graphs[s], stage_optimizer,
-            sizing.weight_versions(s), sizing.derived_weights(s), loss_fn, targets.pop, on_nonfinite,
-            device=device, state_keys=stage_keys[s], track_memory=track_memory, autocast=autocast,
-            split_backward=split_backward and s > 0,  # stage 0 sends no input gradient
+            sizing.weight_versions(s), sizing.derived_weights(s), s_.loss_fn, targets.pop, s_.on_nonfinite,
+            device=device, state_keys=stage_keys[s], track_memory=s_.track_memory, autocast=s_.autocast,
+            split_backward=s_.split_backward and s > 0,  # stage 0 sends no input gradient
             # Zero-bubble schedules run each backward's weight gradients as an action of its own (W).
             weight_actions=layout_schedule.splits_backward(s),
-            lr_schedule=None if lr_scheduler is None else LrSchedule(lr_scheduler, stage_optimizer.lr),
+            lr_schedule=None if s_.lr_scheduler is None else LrSchedule(s_.lr_scheduler, stage_optimizer.lr),
         )
     locality.release_other_stages(captured.model, [graphs[s].module for s in owned])
     ties = tied_parameters(graphs, captured.model)
     tie_sync, tie_exchange = _tie_stages(chosen, ties, stages, stage_device, locality) if ties else (None, None)
-    max_norm = check_max_norm(clip_grad_norm)
+    max_norm = s_.clip_grad_norm
     global_norm: GlobalNorm | None = None
     if max_norm is not None and flushes_every_minibatch(chosen.schedule(2), n_microbatches, chosen.update_every):
         global_norm = locality.build_global_norm(stages)
     transport = locality.build_transport(chosen, stage_device, owned)
     # With several replicas: each stage's gradients summed over its replicas before every update.
     dp_group: Any = None
-    if width > 1:
+    if s_.data_parallel > 1:
         assert topology is not None
-        dp_group = dp_groups(topology, timeout)
+        dp_group = dp_groups(topology, s_.timeout)
     for st in stages.values():
         st.connect(gradient_sum=None if dp_group is None else GradientSum(dp_group, chosen.update_every,
                                                                           topology.describe()),
@@ -139,29 +188,20 @@ def build(model: nn.Module | Sequence[nn.Module], num_stages: int, *, algorithm:
     # Worker threads, one per rank (a rank runs its stages' actions in one list), kept from step to step
     # (one process, several ranks, concurrent).
     ranks_here = len({placement[s] for s in stages})
-    threads_per_stage = default_threads_per_stage(ranks_here) if threads_per_stage is None else threads_per_stage
-    threads = StageThreads(thread_setup(threads_per_stage)) if on_threads and ranks_here > 1 else None
-    if overlap_steps and threads is None:
-        raise ValueError(
-            "overlap_steps=True needs a worker thread per stage: concurrent=True with more than one stage in "
-            f"this process (this process runs {len(stages)} stage(s), concurrent={on_threads})"
-        )
-    plain = _place_streams(stages, placement, threads is not None, threads_per_stage)
+    on_threads = s_.concurrent and ranks_here > 1
+    threads = StageThreads(thread_setup(s_.threads_per_stage)) if on_threads else None
+    plain = _place_streams(stages, placement, threads is not None, s_.threads_per_stage)
     # The default with every stage on the CPU: stage threads if the first steps time them clearly faster, else
     # in turn, probed again later (see runtime/choice.py); concurrent=True, overlap_steps or a GPU keep the
     # threads.
-    choice = (ThreadsOrInTurn() if concurrent is None and threads is not None and plain and not overlap_steps
-              else None)
+    choice = (ThreadsOrInTurn() if s_.concurrent_choice is None and threads is not None and plain
+              and not s_.overlap_steps else None)
     return Parts(
-        model=model, algorithm=chosen, num_stages=num_stages, n_microbatches=n_microbatches,
-        on_nonfinite=on_nonfinite, placement=placement, num_ranks=num_ranks, captured=captured, stage_graphs=graphs,
+        **{f.name: getattr(settings, f.name) for f in fields(Settings)}, captured=captured, stage_graphs=graphs,
         stage_layers=[list(g.modules) for g in graphs], stage_keys=stage_keys, aliases=aliases,
-        boundary_meta=boundary_meta, topology=topology, locality=locality, data_parallel=width,
-        replica=0 if topology is None else topology.replica, recover=recover, concurrent=on_threads,
-        devices=stage_device, stages=stages, inputs={}, targets=targets, lr_scheduler=lr_scheduler, ties=ties,
-        tie_sync=tie_sync, tie_exchange=tie_exchange, autocast=autocast, clip_grad_norm=max_norm,
-        global_norm=global_norm, transport=transport, dp_group=dp_group, threads_per_stage=threads_per_stage,
-        threads=threads, overlap_steps=overlap_steps, choice=choice,
+        boundary_meta=boundary_meta, devices=stage_device, stages=stages, inputs={}, targets=targets, ties=ties,
+        tie_sync=tie_sync, tie_exchange=tie_exchange, global_norm=global_norm, transport=transport,
+        dp_group=dp_group, threads=threads, choice=choice,
     )
 
 

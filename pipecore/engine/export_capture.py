@@ -88,6 +88,11 @@ def _model_output(spec: pytree.TreeSpec):
     return model_output
 
 
+def rebuilds_output(target: Any) -> bool:
+    """Whether a node's target is the capture's own function that returns the output as the model does."""
+    return getattr(target, "__name__", None) == "model_output" and getattr(target, "__module__", None) == __name__
+
+
 def _example_arguments(model: nn.Module, example_input: Any, signature: inspect.Signature
                        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``example_input`` as (args, kwargs) of the forward, as ``Pipeline.step`` reads it."""

@@ -37,6 +37,15 @@ class CaptureError(TypeError):
     """The model's forward cannot be captured as a graph."""
 
 
+class NeedsExample(CaptureError):
+    """The forward can only be captured with ``torch.export``, which runs it on an input, and none was given: a
+    pipeline then captures it at its first step (see ``engine/lazy.py``). ``reason`` says why, in a few words."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class StageGraph:
     """One stage's generated module and what crosses its boundaries."""
@@ -126,13 +135,15 @@ class CapturedModel:
                     raise
                 fx_failure = exc
                 if example_input is None:
-                    raise CaptureError(
+                    first = str(exc).splitlines()[0].partition(": ")[2]
+                    raise NeedsExample(
                         f"{exc}\nOr give the pipeline example_input=... (a mini-batch as step() takes it): with it, "
-                        "capture='auto' (the default) captures what torch.fx cannot with torch.export") from exc
+                        "capture='auto' (the default) captures what torch.fx cannot with torch.export",
+                        f"torch.fx cannot capture {type(model).__name__}.forward ({first})") from exc
         if capture == "export" or fx_failure is not None:
             if example_input is None:
-                raise ValueError("capture='export' needs example_input=... (a mini-batch as step() takes it): "
-                                 "torch.export runs the forward on it to record the graph")
+                raise NeedsExample("capture='export' needs example_input=... (a mini-batch as step() takes it): "
+                                   "torch.export runs the forward on it to record the graph", "capture='export'")
             try:
                 gm, self.rematerialized = captured_from_export(model, example_input, signature)
             except Exception as exc:  # noqa: BLE001 - reported with the fx failure, if any

@@ -82,7 +82,8 @@ def as_model_inputs(x: Batch, captured: "CapturedModel") -> tuple[torch.Tensor, 
     specialised = [k for k in given if k in captured.specialised and given[k] is not None]
     if specialised:
         raise ValueError(f"x gives {specialised}, which the pipeline captured as their defaults (they were not in "
-                         f"example_input); pass example_input with them to Pipeline(...) so the graph reads them")
+                         f"example_input, or in the first step's x); pass example_input with them to Pipeline(...) so "
+                         f"the graph reads them")
     read = list(dict.fromkeys(captured.input_paths.get(name, (name, ()))[0] for name in names))
     missing = [argument for argument in read if argument not in given]
     if missing:

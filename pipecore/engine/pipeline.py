@@ -13,6 +13,7 @@ one process and a rank of ``torchrun`` is a :class:`~pipecore.engine.locality.Lo
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import torch
@@ -20,13 +21,12 @@ from torch import nn
 
 from ..planning.planner import Plan
 from . import introspection, prediction, state_io
-from .build import build
+from .build import prepare
 from .inputs import Batch
-from .recovery import Recovery
-from .stepping import Steps
+from .lazy import Assembly
 
 
-class Pipeline:
+class Pipeline(Assembly):
     """Train ``model`` as ``num_stages`` pipeline stages with a staleness-aware algorithm.
 
     Args:
@@ -61,7 +61,10 @@ class Pipeline:
             ``autograd.grad`` call per parameter group. Default False.
         example_input: optional inputs as :meth:`step` takes them. Forward arguments with a default that
             it does not give are captured as constants (their defaults); with it, every value that crosses
-            a cut is checked to be a tensor at construction, and :meth:`describe` shows shapes.
+            a cut is checked to be a tensor at construction, and :meth:`describe` shows shapes. Without it, a
+            model that only ``torch.export`` captures is captured at the first :meth:`step` (or :meth:`predict`)
+            from its first micro-batch, with the same result; until then what needs the stages raises, except
+            :meth:`load_state_dict` and :meth:`set_lr`, applied after the capture. Under torchrun it needs one.
         leaf_modules: module types or names whose forward is not traced (kept as one node): the fallback
             for code ``torch.fx`` cannot capture, such as Python control flow on tensor values.
         devices: one device per stage (``["cuda:0", "cuda:1", ...]``, the same device for every stage, or
@@ -114,8 +117,8 @@ class Pipeline:
         capture: how the forward becomes a graph: ``"fx"`` (``torch.fx`` symbolic tracing: modules stay nodes,
             no example needed), ``"export"`` (``torch.export``, non-strict, with the batch and sequence dimensions
             of ``example_input`` dynamic: captures what fx cannot, such as Hugging Face models and masks built
-            from traced lengths; needs ``example_input``) or ``"auto"`` (default: fx, and export where fx cannot
-            capture the forward). See docs/models.md, "Two captures".
+            from traced lengths; from ``example_input``, or at the first step) or ``"auto"`` (default: fx, and
+            export where fx cannot capture the forward). See docs/models.md, "Two captures".
         data_parallel: under torchrun, ``W`` replicas of the pipeline with ``WORLD_SIZE = W x`` its ranks: process
             ``(i, r)`` (global rank ``i * ranks + r``) runs pipeline rank ``r`` of replica ``i``; each replica
             trains on its ``1/W`` of every mini-batch (see :meth:`step`) and each stage's gradients are summed
@@ -160,37 +163,22 @@ class Pipeline:
         mesh: Any = None,
         **options: Any,
     ):
-        parts = build(model, num_stages, algorithm=algorithm, n_microbatches=n_microbatches, optimizer=optimizer,
-                      loss_fn=loss_fn, partition=partition, on_nonfinite=on_nonfinite, timeout=timeout,
-                      split_backward=split_backward, example_input=example_input, leaf_modules=leaf_modules,
-                      devices=devices, concurrent=concurrent, overlap_steps=overlap_steps,
-                      threads_per_stage=threads_per_stage, lr_scheduler=lr_scheduler, clip_grad_norm=clip_grad_norm,
-                      autocast=autocast, recover=recover, track_memory=track_memory, capture=capture,
-                      data_parallel=data_parallel, mesh=mesh, options=options)
-        self.model, self.num_stages, self.n_microbatches = model, num_stages, n_microbatches
-        self.algorithm, self.on_nonfinite, self.lr_scheduler = parts.algorithm, on_nonfinite, lr_scheduler
-        #: The rank (worker thread, or process) of every stage: several stages share one with ``stages_per_rank``.
-        self.placement, self.num_ranks = parts.placement, parts.num_ranks
-        self.captured, self.stage_graphs, self.stage_layers = parts.captured, parts.stage_graphs, parts.stage_layers
-        #: Where this process is among the pipeline's replicas and ranks (None: everything in this process).
-        self.topology = parts.topology
-        #: This process's pipeline rank (None: one process runs every stage); with ``data_parallel``, within its
-        #: replica (``replica``).
-        self.rank = parts.rank
-        self.data_parallel, self.replica, self.recover = parts.data_parallel, parts.replica, parts.recover
-        self.concurrent, self.devices, self.stages = parts.concurrent, parts.devices, parts.stages
-        self.ties, self.autocast, self.clip_grad_norm = parts.ties, autocast, parts.clip_grad_norm
-        self.threads_per_stage, self.overlap_steps = parts.threads_per_stage, overlap_steps
-        self._parts = parts
-        self._steps = Steps(parts)
-        self._recovery = Recovery(parts, self._steps)
+        settings, captured = prepare(
+            model, num_stages, algorithm=algorithm, n_microbatches=n_microbatches, optimizer=optimizer,
+            loss_fn=loss_fn, partition=partition, on_nonfinite=on_nonfinite, timeout=timeout,
+            split_backward=split_backward, example_input=example_input, leaf_modules=leaf_modules, devices=devices,
+            concurrent=concurrent, overlap_steps=overlap_steps, threads_per_stage=threads_per_stage,
+            lr_scheduler=lr_scheduler, clip_grad_norm=clip_grad_norm, autocast=autocast, recover=recover,
+            track_memory=track_memory, capture=capture, data_parallel=data_parallel, mesh=mesh, options=options)
         self._closed = False
+        # The settings as attributes (placement, rank, ...), and the stages: now, or at the first step.
+        self._assemble(settings, captured, example_input)
 
     @property
     def process_rank(self) -> int | None:
         """This process's global rank under ``torch.distributed`` (``rank`` is its pipeline rank within its
         replica; the two differ with ``data_parallel``), or None in one process."""
-        return self._parts.locality.process_rank
+        return self._settings.locality.process_rank
 
     def step(self, x: Batch | None, y: Batch | None, *, local: bool = False) -> float:
         """Train on one mini-batch; returns its mean loss (the mean over its samples).
@@ -217,6 +205,7 @@ class Pipeline:
         dropped, and training can continue (one process; see docs/training.md, "When a step fails").
         """
         self._check_open("step")
+        self._ready("step()", x)
         return self._steps.step(x, y, local, self._recovery)
 
     @property
@@ -226,6 +215,7 @@ class Pipeline:
         ``concurrent`` and every stage on the CPU times steps both ways: over its first steps (it then keeps the
         stage threads only if they save at least 10% of a step's wall time), and again after 100 steps, 200
         more, and so on (see ``pipecore/runtime/choice.py``)."""
+        self._ready("Pipeline.execution")
         return self._steps.execution
 
     @property
@@ -234,7 +224,7 @@ class Pipeline:
         :meth:`step`). A loop that gives ``data[pipe.minibatches]`` at each step resumes where a failure struck,
         giving the undone mini-batches again; with one process per stage it keeps every rank's data in step,
         whichever call raised on each rank."""
-        return self._steps.kept
+        return self._steps.kept if self._built() else 0
 
     def set_lr(self, lr: float) -> None:
         """Use learning rate ``lr`` for every stage's updates from now on (each stage's next update; with
@@ -245,21 +235,26 @@ class Pipeline:
                                "update; use one or the other")
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
             raise ValueError(f"set_lr(): the learning rate must be a finite number >= 0, got {lr!r}")
+        if not self._hold("set_lr", partial(self._set_lr, float(lr))):
+            self._set_lr(float(lr))
+
+    def _set_lr(self, lr: float) -> None:
         self.synchronize()
         for st in self.stages.values():
-            st.optimizer.set_lr(float(lr))
+            st.optimizer.set_lr(lr)
 
     def synchronize(self) -> None:
         """Wait until the stage threads have run all the work given so far (with ``overlap_steps``, a step's
         remaining backwards and updates), and raise the first error they met (after taking the pipeline back
         as a failed step does). Afterwards the model's parameters hold the live weights. Does nothing without
         ``overlap_steps``: every call returns settled."""
-        self._recovery.guarded(self._steps.executor.settle)
+        if self._built():
+            self._recovery.guarded(self._steps.executor.settle)
 
     def flush(self) -> None:
         """Run every in-flight backward and update; afterwards no micro-batch is in flight on any rank."""
         self._check_open("flush")
-        if self._steps.fed == 0:
+        if not self._built() or self._steps.fed == 0:
             return
         self.synchronize()  # the drain below changes the tied weights' sync, which stage threads read
         self._recovery.guarded(self._recovery.drain)
@@ -282,7 +277,8 @@ class Pipeline:
 
     def _release(self, deliver: bool) -> None:
         self._closed = True
-        self._parts.release(deliver)
+        if self._built():
+            self._parts.release(deliver)
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -301,13 +297,13 @@ class Pipeline:
     def in_flight(self) -> int:
         """Micro-batches whose backward has not run yet, summed over this process's stages."""
         self.synchronize()
-        return self._steps.in_flight()
+        return self._steps.in_flight() if self._built() else 0
 
     @property
     def training(self) -> bool:
         """Whether the model is in training mode: set by :meth:`train` and :meth:`eval`; at first, the mode
         of the model given to the pipeline (``model.training``)."""
-        return self.captured.model.training
+        return self._settings.module.training
 
     def train(self, mode: bool = True) -> "Pipeline":
         """Put every stage module this process holds (and the model given to the pipeline) in training mode,
@@ -321,8 +317,8 @@ class Pipeline:
         if not isinstance(mode, bool):
             raise TypeError(f"train(mode): mode must be True or False, got {mode!r}")
         self.synchronize()
-        self.captured.model.train(mode)
-        for st in self.stages.values():
+        self._settings.module.train(mode)  # (the stages made at a first step's capture take its mode)
+        for st in self.stages.values() if self._built() else ():
             st.module.train(mode)  # a stage may hold private copies of modules (tied weights); set them too
         return self
 
@@ -357,6 +353,7 @@ class Pipeline:
         a rank that passes the other value follows rank 0's, so that no rank is left waiting, and raises
         ValueError afterwards. A rank that does not take part is reported after the pipeline's ``timeout``."""
         self._check_open("predict")
+        self._ready("predict()", x)
         return prediction.predict(self._parts, x, broadcast, self.synchronize)
 
     def state_dict(self) -> dict[str, Any]:
@@ -364,6 +361,7 @@ class Pipeline:
         (versions and optimizer state per stage, and the names and shapes of the parameters each stage's flat
         buffers hold, in order, so that :meth:`load_state_dict` can map it to any other pipeline of the model).
         In one process that is the whole model."""
+        self._ready("state_dict()")
         return state_io.state_dict(self._parts, self.in_flight)
 
     def full_state_dict(self) -> dict[str, Any]:
@@ -372,6 +370,7 @@ class Pipeline:
         one process per stage it is collective (every rank calls it; a rank that does not is reported by
         name after the pipeline's timeout). For evaluating or saving the whole model on one rank; each
         rank's share of it is one stage's weights and optimizer state."""
+        self._ready("full_state_dict()")
         return state_io.full_state_dict(self._parts, self.in_flight)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -385,13 +384,18 @@ class Pipeline:
         (it must then hold every stage that holds a parameter of this process's stages, as a full state does).
         A checkpoint holds the live weights only (flush semantics); the buffers an algorithm declares map by name
         where both pipelines keep them, are dropped where this pipeline does not keep them and start at zero where
-        the checkpoint does not hold them, each with a warning. See docs/training.md, "Universal checkpoints"."""
+        the checkpoint does not hold them, each with a warning. See docs/training.md, "Universal checkpoints".
+        Before a first step that captures the model, the state is held and loaded right after the capture."""
+        if not self._hold("load_state_dict", partial(self._load, state_io.check_state(state))):
+            self._load(state)
+
+    def _load(self, state: dict[str, Any]) -> None:
         state_io.load_state_dict(self._parts, state, self.in_flight)
         self._recovery.restart()
 
     def _gather(self, obj: Any) -> list[Any]:
         """``obj`` from every process, in rank order (collective with one process per stage)."""
-        return self._parts.locality.gather(obj)
+        return self._settings.locality.gather(obj)
 
     def stats(self, all_stages: bool = False) -> list[dict[str, Any]]:
         """Per stage of this process (with ``all_stages``, of every stage, in stage order, on every process;
@@ -404,12 +408,14 @@ class Pipeline:
         the CPU the stage's account of what it allocates and what its micro-batches in flight keep, see
         ``pipecore.engine.memory``, kept with ``track_memory=True``; None without it), and the median seconds of the stage's
         recent actions of each kind."""
+        self._ready("stats()")
         return introspection.stats(self._parts, all_stages, self.synchronize)
 
     def describe(self) -> str:
-        """Each stage's modules, compute nodes (indices into the captured graph), parameters and the values
-        that cross its cuts (with shapes and dtypes when an ``example_input`` was given)."""
-        return introspection.describe(self._parts)
+        """Each stage's compute nodes (indices into the captured graph), parameters, what it runs by module path
+        and the values that cross its cuts, with the modules computing them (and shapes and dtypes when an
+        ``example_input`` was given); before a first step that captures the model, that it waits for it."""
+        return introspection.describe(self._parts) if self._built() else self._waiting().describe()
 
     def __repr__(self) -> str:
         return self.describe()

@@ -66,14 +66,20 @@ def full_state_dict(parts: Parts, in_flight: int) -> dict[str, Any]:
     return merge_state_dicts(parts.locality.gather(_on_cpu(state_dict(parts, in_flight))))
 
 
-def load_state_dict(parts: Parts, state: dict[str, Any], in_flight: int) -> None:
-    """:meth:`Pipeline.load_state_dict` into the stages here (``in_flight``: their micro-batches in flight,
-    settled); the pipeline then begins a fresh schedule."""
-    if "pipecore" not in state:
+def check_state(state: dict[str, Any]) -> dict[str, Any]:
+    """``state``, checked to be a pipeline's state (what can be said of it without the stages)."""
+    if not isinstance(state, dict) or "pipecore" not in state:
         raise KeyError(
             "load_state_dict: the state has no 'pipecore' entry: it is a plain model's state_dict, not a "
             "Pipeline.state_dict(); load it into the model before building the pipeline "
             "(model.load_state_dict(...)), which then starts with a new optimizer state")
+    return state
+
+
+def load_state_dict(parts: Parts, state: dict[str, Any], in_flight: int) -> None:
+    """:meth:`Pipeline.load_state_dict` into the stages here (``in_flight``: their micro-batches in flight,
+    settled); the pipeline then begins a fresh schedule."""
+    check_state(state)
     stages = parts.stages
     own = {k for s in stages for k in parts.stage_keys[s]} | {"pipecore"}
     known = {k for keys in parts.stage_keys for k in keys} | {"pipecore"} | {a for d in parts.aliases for a in d}

@@ -1,5 +1,6 @@
 """Every pipecore module imports on its own, first, in a fresh interpreter (no import cycle depends on order); no
-module imports itself back through others, however it imports; no source file runs over 700 lines.
+module imports itself back through others, however it imports; no source file runs over 700 lines; the Pipeline class
+stays under 400 and the shared modules name no algorithm's buffer.
 
 ``import pipecore.planning`` once failed with a circular import (planning -> engine -> planner -> planning)
 while the test suite, which imports ``pipecore.engine`` first, passed; bench/offload.py hit it on a GPU.
@@ -7,7 +8,9 @@ while the test suite, which imports ``pipecore.engine`` first, passed; bench/off
 
 from __future__ import annotations
 
+import ast
 import pkgutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -125,3 +128,19 @@ def test_no_source_file_of_the_package_runs_over_700_lines():
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 700}
     assert not long, f"files over 700 lines: {long}"
+
+
+def test_the_pipeline_class_only_composes_in_under_400_lines():
+    """``Pipeline`` composes building, stepping, recovery, prediction and state I/O from their own modules; a
+    class that grows past 400 lines is taking their work back."""
+    tree = ast.parse((PACKAGE / "engine" / "pipeline.py").read_text())
+    (cls,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Pipeline"]
+    assert cls.end_lineno - cls.lineno + 1 < 400
+
+
+def test_no_shared_module_names_an_algorithms_own_state():
+    """An algorithm's buffers (PipeMare's velocity, SpecTrain's next direction) are declared by the algorithm and
+    handled by the shared machinery without their names: the engine, the runtime and the planner name none."""
+    named = [str(p.relative_to(PACKAGE)) for part in ("engine", "runtime", "planning")
+             for p in (PACKAGE / part).rglob("*.py") if re.search(r"velocity|next_direction", p.read_text())]
+    assert not named, f"modules that name an algorithm's buffer: {named}"

@@ -125,7 +125,7 @@ def run_record(job: Job, record: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_report(tasks: Sequence[Task], seeds: Sequence[int], plan: Plan, records: dict[tuple, dict],
-                 quick: bool, workers: int, elapsed: float, cost_sources: Sequence[dict],
+                 args: argparse.Namespace, elapsed: float, cost_sources: Sequence[dict],
                  cost_errors: Sequence[dict]) -> dict[str, Any]:
     """The JSON result: machine, settings, skipped ablations, per-group aggregates (``runs``: indices into the
     report's ``runs``) with their gaps, this machine's stage costs (``convergence_costs``, the section a cost
@@ -145,12 +145,13 @@ def build_report(tasks: Sequence[Task], seeds: Sequence[int], plan: Plan, record
     for task in tasks:
         add_gaps(task, groups)
     ttq = time_to_quality(tasks, groups, targets, cost_sources, AT_SEQUENTIAL)
-    best = {f"{t.name}|{m}": {"lr": plan.group(t, m, BEST).lr, "optimizer_options": plan.group(t, m, BEST).optimizer_options}
-            for t in tasks if t.grid for m in methods(t) if plan.group(t, m, BEST)}
+    best = {f"{g.task}|{g.method}": {"lr": g.lr, "optimizer_options": g.optimizer_options}
+            for g in plan.groups.values() if g.setting == BEST}
     return jsonable({
         "benchmark": "convergence", "device": "cpu", "dtype": "float32", "machine": machine(),
         "settings": {
-            "quick": quick, "workers": workers, "threads_per_worker": 1, "seeds": list(seeds), "grid_seed": GRID_SEED,
+            "quick": args.quick, "epochs": args.epochs, "workers": args.workers, "threads_per_worker": 1,
+            "seeds": list(seeds), "grid_seed": GRID_SEED,
             "digits_split_seed": SPLIT_SEED, "algorithms": pipecore.algorithm_names(),
             "tasks": {t.name: {**asdict(t), "description": t.describe(), "steps_per_epoch": steps_per_epoch(t),
                                "methods": methods(t)} for t in tasks},
@@ -171,7 +172,8 @@ def build_report(tasks: Sequence[Task], seeds: Sequence[int], plan: Plan, record
 def all_tables(tasks: Sequence[Task], report: dict[str, Any]) -> str:
     groups = aggregates_by_group(report)
     targets = report["settings"]["targets"]
-    parts = [f"## Convergence study ({'quick' if report['settings']['quick'] else 'full'}; seeds "
+    kind = "quick" if report["settings"]["quick"] else "partial" if report["settings"]["epochs"] else "full"
+    parts = [f"## Convergence study ({kind}; seeds "
              f"{report['settings']['seeds']}; {report['wall_s'] / 60:.1f} min on {report['settings']['workers']} "
              f"workers)"]
     parts += [task_table(task, groups, targets[task.name]) for task in tasks]
@@ -226,8 +228,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "a time-to-quality table and plot per task for them (repeatable)")
     parser.add_argument("--calibrate", metavar="TASK", help="run sequential training (update per mini-batch, seed "
                         "0) on TASK for --epochs evaluations and print where its held-out loss flattens")
-    parser.add_argument("--epochs", type=positive_int, help="with --calibrate: evaluations to run (default 3x the "
-                        "task's)")
+    parser.add_argument("--epochs", type=positive_int, help="with --calibrate: evaluations to run (default the "
+                        "task's if its lr decays, else 3x); otherwise a partial study, every chosen task cut to N "
+                        "epochs (to time it)")
     parser.add_argument("--out", default=default_out("convergence-cpu.json"),
                         help=f"{OUT_HELP}; the PNGs and convergence.md go next to it")
     args = parser.parse_args(argv)
@@ -252,6 +255,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                 catalogue[t] = with_optimizer(catalogue[t], optimizer)
         except ValueError as error:
             parser.error(f"--optimizer {spec}: {error}")
+    if args.epochs and not args.calibrate:
+        catalogue = {name: replace(task, epochs=min(task.epochs, args.epochs)) for name, task in catalogue.items()}
     if args.calibrate and args.calibrate not in catalogue:
         parser.error(f"--calibrate: unknown task {args.calibrate!r}; choose from {', '.join(TASKS)}")
     args.catalogue = catalogue
@@ -308,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.calibrate:
         task = args.catalogue[args.calibrate]
-        return calibrate(task, args.epochs or 3 * task.epochs)
+        return calibrate(task, args.epochs or (task.epochs if task.cosine_to is not None else 3 * task.epochs))
     out = Path(args.out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -338,8 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     errors = [m for m in measured if m["error"]]
     here = {"device": f"this machine's CPU ({machine()['cpu']}), one thread per device", "path": None,
             "rounds": rounds, "steps": steps, "tasks": combine_costs(measured)}
-    report = build_report(tasks, seeds, plan, records, args.quick, args.workers, time.perf_counter() - started,
-                          [here, *cost_sources], errors)
+    report = build_report(tasks, seeds, plan, records, args, time.perf_counter() - started, [here, *cost_sources],
+                          errors)
     print(write_outputs(tasks, plan, records, report, out))
     failed = [r for r in report["runs"] if r["error"]]
     for r in failed:

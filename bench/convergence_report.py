@@ -40,8 +40,9 @@ def task_target(task: Task, plan: Plan, records: dict[tuple, dict]) -> dict[str,
     if task.target_rule == "final":
         values = [c[-1][task.metric] for c in curves if len(c) == task.epochs]
         value = statistics.fmean(values) * (1 + task.target_margin) if values else None
+        seeds = f"{len(values)} seed{'s' if len(values) != 1 else ''}"
         return {"value": value, "metric": task.metric, "rule": f"held-out loss <= {1 + task.target_margin:g} x the "
-                f"mean final loss of {method_label(task, reference)} ({len(values)} seed{'s' if len(values) != 1 else ''})"}
+                f"mean final loss of {method_label(task, reference)} ({seeds})"}
     half = math.ceil(task.epochs / 2)
     values = [c[half - 1][task.metric] for c in curves if len(c) >= half]
     return {"value": statistics.fmean(values) if values else None, "metric": task.metric,
@@ -254,9 +255,12 @@ def task_table(task: Task, groups: dict[str, dict[str, Any]], target: dict[str, 
     goal = fmt_metric(task, target["value"])
     worse = "points below" if task.higher_is_better else "% above"
     best = best_sequential(task, groups)
-    best_text = "-" if best is None else (f"{method_label(task, groups[best]['algorithm'])} "
-                                          f"({'its best grid point' if groups[best]['setting'] == BEST else 'task hyper-parameters'}, "
-                                          f"{fmt_metric(task, groups[best]['final']['mean'])})")
+    if best is None:
+        best_text = "-"
+    else:
+        where = "its best grid point" if groups[best]["setting"] == BEST else "task hyper-parameters"
+        best_text = (f"{method_label(task, groups[best]['algorithm'])} ({where}, "
+                     f"{fmt_metric(task, groups[best]['final']['mean'])})")
     header = ["method", "update every", f"final {'test accuracy' if task.higher_is_better else 'held-out loss'}",
               "vs matched sequential", "vs best sequential", f"epochs to {goal}", "steps to target",
               "updates to target", "best grid point", "final at best", "wall s", "weight-version bytes"]
@@ -292,8 +296,9 @@ def ablation_tables(tasks: Sequence[Task], groups: dict[str, dict[str, Any]]) ->
             default_lam = pipecore.get_algorithm("i-timeprest", task.stages, task.microbatches).options["lam"]
             lams = [(lam_label(lam) + (" (default)" if lam == default_lam else ""),
                      f"{task.name}|i-timeprest|ablation {lam_label(lam)}") for lam in LAMBDAS]
+            table = markdown(header, ablation_rows(task, groups, lams))
             out.append(f"### Ablation: I-TiMePReSt lam on {task.name} (P={task.stages}; alpha(d) = exp(-lam*d): "
-                       f"0 reads the stash, inf the live weights)\n\n{markdown(header, ablation_rows(task, groups, lams))}")
+                       f"0 reads the stash, inf the live weights)\n\n{table}")
     return out
 
 

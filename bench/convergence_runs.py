@@ -24,8 +24,8 @@ from torch import nn
 import pipecore
 from pipecore.cli.tasks import WARMUP_EPOCHS, stage_partition
 from convergence_tasks import (
-    TASKS, Diverged, Options, Task, build_model, loss_function, make_optimizer, options_tuple, steps_per_epoch,
-    test_metrics, train_batches,
+    TASKS, Diverged, Options, Task, build_model, loss_function, lr_schedule, make_optimizer, options_tuple,
+    steps_per_epoch, test_metrics, train_batches,
 )
 
 #: Sequential methods are named ``sequential/<k>``: an update after every ``k`` micro-batches.
@@ -153,17 +153,17 @@ class Trainer:
         every = update_every(task, job.method, job.options)
         # Linear scaling: lr is per mini-batch; an update over k of the m micro-batches takes lr * k / m.
         optimizer = make_optimizer(task, job.lr * every / task.microbatches, job.optimizer_options)
+        common = {"optimizer": optimizer, "loss_fn": loss_function(task), "concurrent": False,
+                  "lr_scheduler": lr_schedule(task, every)}
         if is_sequential(job.method):
             # One stage, k micro-batches per pipeline step, m/k steps per mini-batch.
             self.pieces = task.microbatches // every
-            self.pipe = pipecore.Pipeline(model, 1, ONE_STAGE_ALGORITHM, every, optimizer=optimizer,
-                                          loss_fn=loss_function(task), concurrent=False)
+            self.pipe = pipecore.Pipeline(model, 1, ONE_STAGE_ALGORITHM, every, **common)
         else:
             self.pieces = 1
             partition = stage_partition(model, task.stages) if task.model == "mlp" else None
-            self.pipe = pipecore.Pipeline(model, task.stages, job.method, task.microbatches, optimizer=optimizer,
-                                          loss_fn=loss_function(task), partition=partition, concurrent=False,
-                                          **dict(job.options))
+            self.pipe = pipecore.Pipeline(model, task.stages, job.method, task.microbatches, partition=partition,
+                                          **common, **dict(job.options))
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One mini-batch; its mean loss."""

@@ -40,6 +40,9 @@ class Task:
     batches of random windows for the GPT tasks. ``target`` is a fixed test accuracy, or None for a target
     derived from sequential training (``target_rule``: ``"halfway"``, the mean held-out loss sequential training
     reaches after half its epochs; ``"final"``, its mean final held-out loss times ``1 + target_margin``).
+    ``cosine_to``: the learning rate decays along a cosine, by the fraction of the training's mini-batches done,
+    to this fraction of ``lr`` at the end (the same for every method: an algorithm that updates after every
+    micro-batch moves along it m times per mini-batch); None keeps it constant.
     ``exact_seeds``: how many of the evaluation seeds run the algorithms that compute exactly what their matched
     sequential baseline computes (no staleness, no delay, no derived weights in the simulator: the synchronous
     schedules); None runs them on every seed. Their results are their baseline's up to float rounding, which the
@@ -63,6 +66,7 @@ class Task:
     target_margin: float = 0.0
     grid: tuple[tuple[float, Options], ...] = ()  # (lr, optimizer options) points
     exact_seeds: int | None = None
+    cosine_to: float | None = None  # None: a constant lr; else cosine decay to this fraction of it by the end
 
     @property
     def metric(self) -> str:
@@ -78,13 +82,14 @@ class Task:
         depth. Two tasks that differ only in ``stages`` (``gpt-large-p4``, ``gpt-large-p8``) share their
         sequential runs and so their derived target."""
         return (self.model, tuple(sorted(self.sizes.items())), self.microbatches, self.batch_size, self.epochs,
-                self.steps_per_epoch, self.optimizer, self.init)
+                self.steps_per_epoch, self.optimizer, self.init, self.cosine_to)
 
     def describe_optimizer(self, lr: float | None = None, options: Options | None = None) -> str:
         opts = dict(self.optimizer_options if options is None else options)
         extra = "".join(f", {k.replace('_', ' ')} {v:g}" if isinstance(v, (int, float)) else f", {k} {v}"
                         for k, v in sorted(opts.items()))
-        return f"{self.optimizer} lr {self.lr if lr is None else lr:g}{extra}"
+        decay = "" if self.cosine_to is None else f" (cosine decay to {self.cosine_to:g}x)"
+        return f"{self.optimizer} lr {self.lr if lr is None else lr:g}{decay}{extra}"
 
     def describe(self) -> str:
         """One line: model, shape, hyper-parameters."""
@@ -178,6 +183,26 @@ def check_optimizer(task: Task, options: Options | None = None) -> None:
     if unknown:
         raise ValueError(f"task {task.name}: pipecore.{task.optimizer} takes no option(s) {unknown}; it takes "
                          f"{', '.join(p for p in accepted)}")
+
+
+class CosineDecay:
+    """The multiplier of a stage's ``u``-th update (``Pipeline(lr_scheduler=...)``, counted from 0): a cosine from
+    1 to ``floor`` over the training's mini-batches, read at the mini-batch the update belongs to in the data
+    (``u / updates_per_minibatch``), so that every method follows the same schedule in data seen."""
+
+    def __init__(self, minibatches: int, updates_per_minibatch: float, floor: float) -> None:
+        self.minibatches, self.updates_per_minibatch, self.floor = minibatches, updates_per_minibatch, floor
+
+    def __call__(self, update: int) -> float:
+        done = min(update / self.updates_per_minibatch / self.minibatches, 1.0)
+        return self.floor + (1 - self.floor) * 0.5 * (1 + math.cos(math.pi * done))
+
+
+def lr_schedule(task: Task, every: int) -> CosineDecay | None:
+    """The task's schedule for a method that updates after every ``every`` micro-batches (None: constant)."""
+    if task.cosine_to is None:
+        return None
+    return CosineDecay(task.epochs * steps_per_epoch(task), task.microbatches / every, task.cosine_to)
 
 
 def make_optimizer(task: Task, lr: float, options: Options) -> Any:

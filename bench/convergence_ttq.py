@@ -262,8 +262,8 @@ def plot_ttq(task: Task, plan: Plan, records: dict[tuple, dict], entry: dict[str
         if group is None:
             continue
         i = order.index(r["method"])
-        style = ({"color": "black", "linewidth": 2.2, "linestyle": "--" if i == 0 else ":"} if is_sequential(r["method"])
-                 else {"color": colors(i % 20), "linewidth": 1.3})
+        style = ({"color": "black", "linewidth": 2.2, "linestyle": "--" if i == 0 else ":"}
+                 if is_sequential(r["method"]) else {"color": colors(i % 20), "linewidth": 1.3})
         curves = [records[k]["curve"] for k in group.keys]
         label = f"{method_label(task, r['method'])} ({r['devices']} device{'s' if r['devices'] > 1 else ''})"
         plot_spread(ax, curves, task.metric, scale, label, style, x_scale=r["step_s"])

@@ -312,3 +312,20 @@ def test_flattening_is_less_than_the_tolerance_over_the_window(study):
     flat_epoch = study["convergence"].flat_epoch
     assert flat_epoch([3.0, 2.5, 2.2, 2.0, 1.9, 1.88, 1.875, 1.87], window=2, tolerance=0.01) == 8
     assert flat_epoch([3.0, 2.0, 1.0], window=2, tolerance=0.01) is None
+
+
+def test_a_decaying_learning_rate_follows_the_data_seen_whatever_the_update_frequency(study):
+    tasks, runs = study["tasks"], study["runs"]
+    task = replace(tiny(study), cosine_to=0.1)  # 2 epochs of 22 mini-batches, m = 4
+    per_minibatch, per_microbatch = tasks.lr_schedule(task, 4), tasks.lr_schedule(task, 1)
+    assert per_minibatch(0) == 1.0 and per_minibatch(44) == pytest.approx(0.1)
+    assert per_minibatch(22) == pytest.approx(0.55)
+    for u in range(44):
+        assert per_microbatch(4 * u) == pytest.approx(per_minibatch(u))
+    assert tasks.lr_schedule(tiny(study), 4) is None
+    trainer = runs.Trainer(job(study, task, "pipedream"), tasks.build_model(task))
+    for x, y in list(tasks.train_batches(task, 0, 0))[:11]:
+        trainer.step(x, y)
+    trainer.flush()
+    assert trainer.updates == 44
+    assert trainer.pipe.stats()[0]["lr"] == pytest.approx(task.lr / 4 * per_minibatch(11))

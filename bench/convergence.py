@@ -150,7 +150,7 @@ def build_report(tasks: Sequence[Task], seeds: Sequence[int], plan: Plan, record
     return jsonable({
         "benchmark": "convergence", "device": "cpu", "dtype": "float32", "machine": machine(),
         "settings": {
-            "quick": args.quick, "epochs": args.epochs, "workers": args.workers, "threads_per_worker": 1,
+            "quick": args.quick, "epochs": args.epochs, "constant_lr": args.constant_lr, "workers": args.workers, "threads_per_worker": 1,
             "seeds": list(seeds), "grid_seed": GRID_SEED,
             "digits_split_seed": SPLIT_SEED, "algorithms": pipecore.algorithm_names(),
             "tasks": {t.name: {**asdict(t), "description": t.describe(), "steps_per_epoch": steps_per_epoch(t),
@@ -226,6 +226,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--costs", action="append", default=[], metavar="PATH",
                         help="per-stage costs measured elsewhere (a JSON with a convergence_costs section): adds "
                              "a time-to-quality table and plot per task for them (repeatable)")
+    parser.add_argument("--constant-lr", action="store_true",
+                        help="keep the learning rate constant on every task (no task's cosine decay)")
     parser.add_argument("--calibrate", metavar="TASK", help="run sequential training (update per mini-batch, seed "
                         "0) on TASK for --epochs evaluations and print where its held-out loss flattens")
     parser.add_argument("--epochs", type=positive_int, help="with --calibrate: evaluations to run (default the "
@@ -255,6 +257,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                 catalogue[t] = with_optimizer(catalogue[t], optimizer)
         except ValueError as error:
             parser.error(f"--optimizer {spec}: {error}")
+    if args.constant_lr:
+        catalogue = {name: replace(task, cosine_to=None) for name, task in catalogue.items()}
     if args.epochs and not args.calibrate:
         catalogue = {name: replace(task, epochs=min(task.epochs, args.epochs)) for name, task in catalogue.items()}
     if args.calibrate and args.calibrate not in catalogue:

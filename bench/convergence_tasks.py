@@ -114,9 +114,9 @@ GRID = sgd_grid((0.0125, 0.025, 0.05, 0.1), (0.0, 0.9))
 
 _GPT_SMALL = {"layers": 4, "heads": 4, "embd": 64, "block_size": 64, "eval_windows": 64}
 _GPT_LARGE = {"layers": 6, "heads": 4, "embd": 128, "block_size": 64, "eval_windows": 64}
-_LARGE = dict(model="gpt", sizes=_GPT_LARGE, microbatches=8, batch_size=16, epochs=16, optimizer="AdamW", lr=1e-3,
+_LARGE = dict(model="gpt", sizes=_GPT_LARGE, microbatches=8, batch_size=32, epochs=30, optimizer="AdamW", lr=1e-3,
               optimizer_options=(("weight_decay", 0.01),), steps_per_epoch=50, target_rule="final",
-              target_margin=0.02, exact_seeds=1)
+              target_margin=0.02, exact_seeds=1, cosine_to=0.1)
 
 TASKS: dict[str, Task] = {
     "mlp4": Task("mlp4", "mlp", {"hidden": 96, "depth": 3}, 4, 4, 64, 15, "SGD", 0.05, (("momentum", 0.9),),

@@ -34,8 +34,8 @@ GPU_RESULTS = "gpu-*.json"
 #: This machine's costs: every method of a task trains COST_STEPS mini-batches from a fresh model, in
 #: COST_ROUNDS rounds (every method once per round, so a burst of other load falls on different methods in
 #: different rounds); a stage's cost of an action kind is the least of its rounds' medians.
-COST_ROUNDS = 3
-COST_STEPS = 20
+COST_ROUNDS = 6
+COST_STEPS = 8
 #: Steps trained before the measured ones (first calls, graph capture): the stages' medians (over their last
 #: 1,024 actions of each kind) then rest on the measured steps' actions, which outnumber these several times.
 COST_WARMUP_STEPS = 3
@@ -135,8 +135,9 @@ def steady_state(algorithm: Any, costs: dict[str, list[float]]) -> tuple[float, 
 
 def predicted_step(task: Task, method: str, options: dict[str, Any],
                    stage_costs: Sequence[dict[str, float]]) -> dict[str, Any]:
-    """The predicted seconds per mini-batch of the task, the devices, and the bubble: the share of the devices'
-    time per mini-batch that no action uses."""
+    """The predicted seconds per mini-batch of the task, the devices, the work (every action's time per
+    mini-batch, summed over stages) and the bubble: the share of the devices' time per mini-batch that no action
+    uses."""
     algorithm, steps_per_minibatch = configured(task, method, options)
     if len(stage_costs) != algorithm.num_stages:
         raise ValueError(f"{task.name} {method}: costs for {len(stage_costs)} stages, the method has "
@@ -146,7 +147,7 @@ def predicted_step(task: Task, method: str, options: dict[str, Any],
     updates_per_step = algorithm.n_microbatches / algorithm.update_every
     busy = sum(algorithm.n_microbatches * (f + b + w) + updates_per_step * u
                for f, b, w, u in zip(costs["forward"], costs["backward"], costs["weight"], costs["update"]))
-    return {"step_s": step * steps_per_minibatch, "devices": devices,
+    return {"step_s": step * steps_per_minibatch, "devices": devices, "work_s": busy * steps_per_minibatch,
             "bubble": 1 - busy / (devices * step) if step > 0 else 0.0}
 
 
@@ -171,12 +172,20 @@ def ttq_rows(task: Task, groups: dict[str, dict[str, Any]], costs: dict[str, lis
         step = predicted_step(task, method, group["options"], costs[method])
         source = steps_source(task, group, groups)
         steps = source["steps_to_target"]
-        rows.append({"method": method, **step, "update_every": group["update_every"], "steps_to_target": steps,
+        rows.append({"method": method, **step, "update_every": group["update_every"], "exact": group.get("exact"),
+                     "steps_to_target": steps,
                      "reached": source["reached_target"], "seeds": source["seeds"], "steps_from": source["from"],
                      "time_to_target_s": None if steps is None else steps * step["step_s"]})
     rows.sort(key=lambda r: (r["time_to_target_s"] is None, r["reached"] < r["seeds"],
                              r["time_to_target_s"] or 0.0))
     return rows
+
+
+def noise_floor(rows: list[dict[str, Any]]) -> float | None:
+    """How far apart the measured work of the exact (synchronous) algorithms is, max / min - 1: they run the same
+    forwards, backwards and updates, so this is what measurement alone makes of equal costs."""
+    work = [r["work_s"] for r in rows if r.get("exact")]
+    return max(work) / min(work) - 1 if len(work) > 1 and min(work) > 0 else None
 
 
 def winner(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -216,7 +225,8 @@ def time_to_quality(tasks: Sequence[Task], groups: dict[str, dict[str, Any]], ta
             rows = ttq_rows(task, groups, costs, setting)
             best = winner(rows)
             out.append({"task": task.name, "device": source["device"], "costs_path": source["path"],
-                        "stages": task.stages, "rows": rows, "first": None if best is None else best["method"]})
+                        "stages": task.stages, "rows": rows, "first": None if best is None else best["method"],
+                        "noise_floor": noise_floor(rows)})
     return out
 
 
@@ -233,16 +243,20 @@ def ttq_table(task: Task, entry: dict[str, Any], target: dict[str, Any]) -> str:
         ratio = ("-" if r["time_to_target_s"] is None or best is None
                  else f"{r['time_to_target_s'] / best['time_to_target_s']:.2f}x")
         lines.append([method_label(task, r["method"]), str(r["devices"]), str(r["update_every"]),
-                      f"{1e3 * r['step_s']:.1f}", f"{r['bubble']:.2f}", steps, ttq, ratio])
-    header = ["method", "devices", "update every", "predicted step (ms)", "bubble", "steps to target",
-              "predicted time to target (s)", "vs first"]
+                      f"{1e3 * r['work_s']:.1f}", f"{1e3 * r['step_s']:.1f}", f"{r['bubble']:.2f}", steps, ttq, ratio])
+    header = ["method", "devices", "update every", "work per mini-batch (ms)", "predicted step (ms)", "bubble",
+              "steps to target", "predicted time to target (s)", "vs first"]
+    floor = entry.get("noise_floor")
+    noise = ("" if floor is None else f" The exact algorithms do the same work, measured {100 * floor:.0f}% apart at "
+             "most: differences of that size between predictions are the measurement's, not the algorithms'.")
     first = ("no method reached the target on every seed" if best is None else
              f"**first to the target with P={task.stages}: {method_label(task, best['method'])}** "
              f"({best['time_to_target_s']:.1f} s predicted)")
     return (f"### Time to quality: {task.name} (P={task.stages}; {entry['device']})\n\n"
             f"Target {fmt_metric(task, target['value'])} ({target['rule']}); {first}. Predicted step: the simulator's "
             f"steady state with the measured per-stage costs; steps to target: mean over the seeds that reached it "
-            f"(reached/seeds).\n\n{markdown(header, lines)}")
+            f"(reached/seeds); work: every action's measured time per mini-batch, summed over stages.{noise}\n\n"
+            f"{markdown(header, lines)}")
 
 
 def plot_ttq(task: Task, plan: Plan, records: dict[tuple, dict], entry: dict[str, Any], target: float | None,

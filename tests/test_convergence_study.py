@@ -240,6 +240,7 @@ def test_the_predicted_step_is_the_simulators_steady_state_with_the_measured_cos
     gpipe = ttq.predicted_step(task, "gpipe", {}, costs)
     assert gpipe["step_s"] == pytest.approx((4 + 4 - 1) * 3 + 0.5)
     assert gpipe["devices"] == 4
+    assert gpipe["work_s"] == pytest.approx(4 * (4 * 3 + 0.5))
     assert gpipe["bubble"] == pytest.approx(1 - (4 * 3 + 0.5) / (7 * 3 + 0.5))
     # An asynchronous 1F1B in its steady state has no bubble: m forwards, backwards and updates per mini-batch.
     pipedream = ttq.predicted_step(task, "pipedream", {}, costs)
@@ -257,6 +258,7 @@ def test_the_predicted_step_is_the_simulators_steady_state_with_the_measured_cos
     # Sequential training: one device, m forwards and backwards and m / k updates per mini-batch.
     whole = [{"F": 4.0, "B": 8.0, "U": 2.0}]
     assert ttq.predicted_step(task, "sequential/4", {}, whole) == {"step_s": 4 * 12 + 2.0, "devices": 1,
+                                                                    "work_s": 4 * 12 + 2.0,
                                                                     "bubble": pytest.approx(0.0, abs=1e-9)}
     assert ttq.predicted_step(task, "sequential/1", {}, whole)["step_s"] == pytest.approx(4 * 12 + 4 * 2.0)
 
@@ -288,6 +290,10 @@ def test_time_to_quality_is_steps_to_target_times_the_predicted_step(study):
     ordered = ttq.ttq_rows(task, groups, costs, runs.AT_SEQUENTIAL)
     assert ttq.winner(ordered)["method"] == "pipedream"
     assert [r["method"] for r in ordered][-1] == "spectrain"
+    # The exact algorithms' work is equal when their costs are: no spread to report as measurement noise.
+    assert ttq.noise_floor(ordered) is None  # one exact algorithm only
+    assert ttq.noise_floor([{"exact": True, "work_s": 10.0}, {"exact": True, "work_s": 12.0},
+                            {"exact": False, "work_s": 30.0}]) == pytest.approx(0.2)
 
 
 def test_the_costs_of_a_stage_are_the_least_of_its_rounds_medians(study):

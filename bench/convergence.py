@@ -91,14 +91,14 @@ from convergence_report import (  # noqa: E402
 )
 from convergence_runs import (  # noqa: E402
     AT_SEQUENTIAL, BEST, GRID_SEED, ONE_STAGE_ALGORITHM, Job, Plan, estimate_seconds, init_worker, is_exact,
-    is_sequential, methods, plan_best, plan_first_phase, run_all, run_job, sequential_method,
+    is_sequential, methods, plan_best, plan_first_phase, run_all, run_job, seconds_per_step, sequential_method,
 )
 from convergence_tasks import (  # noqa: E402
     SPLIT_SEED, TASK_FAMILIES, TASKS, Task, check_optimizer, quick_tasks, steps_per_epoch, with_optimizer,
 )
 from convergence_ttq import (  # noqa: E402
-    COST_ROUNDS, COST_STEPS, combine_costs, load_cost_sources, measure_costs, plan_cost_jobs, plot_ttq,
-    time_to_quality, ttq_table,
+    COST_ROUNDS, COST_STEPS, COST_WARMUP_STEPS, combine_costs, load_cost_sources, measure_costs, plan_cost_jobs,
+    plot_ttq, time_to_quality, ttq_table,
 )
 
 #: ``--calibrate``: the loss is flat once it improved by less than this fraction over FLAT_WINDOW evaluations.
@@ -150,8 +150,8 @@ def build_report(tasks: Sequence[Task], seeds: Sequence[int], plan: Plan, record
     return jsonable({
         "benchmark": "convergence", "device": "cpu", "dtype": "float32", "machine": machine(),
         "settings": {
-            "quick": args.quick, "epochs": args.epochs, "constant_lr": args.constant_lr, "workers": args.workers, "threads_per_worker": 1,
-            "seeds": list(seeds), "grid_seed": GRID_SEED,
+            "quick": args.quick, "epochs": args.epochs, "constant_lr": args.constant_lr, "workers": args.workers,
+            "threads_per_worker": 1, "seeds": list(seeds), "grid_seed": GRID_SEED,
             "digits_split_seed": SPLIT_SEED, "algorithms": pipecore.algorithm_names(),
             "tasks": {t.name: {**asdict(t), "description": t.describe(), "steps_per_epoch": steps_per_epoch(t),
                                "methods": methods(t)} for t in tasks},
@@ -302,15 +302,18 @@ def calibrate(task: Task, epochs: int) -> int:
     return 0
 
 
-def announce(tasks: Sequence[Task], seeds: Sequence[int], plan: Plan, first: list[Job], workers: int) -> None:
-    """The study's size and its estimated duration."""
+def announce(tasks: Sequence[Task], seeds: Sequence[int], first: list[Job], costs: list[Any], workers: int) -> None:
+    """The study's size and its estimated duration (``SECONDS_PER_EPOCH``: a machine as loaded as the one that
+    measured them; other load slows it down)."""
     later = [Job(t, m, s, t.lr, t.optimizer_options) for t in tasks if t.grid for m in methods(t) for s in seeds]
     first_min = estimate_seconds(first) / workers / 60
     later_min = estimate_seconds(later) / workers / 60
+    cost_min = sum(seconds_per_step(c.task, c.method) * (c.steps + COST_WARMUP_STEPS) for c in costs) / workers / 60
     print(f"{len(first)} runs on {workers} workers ({', '.join(t.name for t in tasks)}; seeds {list(seeds)}; "
           f"algorithms {', '.join(pipecore.algorithm_names())}): estimated {first_min:.1f} min, then up to "
           f"{len(later)} runs at best grid points (at most {later_min:.1f} min more; fewer where the best is the "
-          f"task's own hyper-parameters)", file=sys.stderr)
+          f"task's own hyper-parameters), then {len(costs)} cost measurements ({cost_min:.1f} min)",
+          file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -335,15 +338,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     seeds = list(range(args.seeds))
     plan = Plan()
     first = plan_first_phase(plan, tasks, seeds)
-    announce(tasks, seeds, plan, first, args.workers)
-    started = time.perf_counter()
     rounds, steps = (1, 4) if args.quick else (COST_ROUNDS, COST_STEPS)
+    cost_jobs = plan_cost_jobs(tasks, plan, rounds, steps)
+    announce(tasks, seeds, first, cost_jobs, args.workers)
+    started = time.perf_counter()
     with multiprocessing.get_context("spawn").Pool(args.workers, initializer=init_worker) as pool:
         records = {r["key"]: r for r in run_all(pool, first, "runs")}
         second = plan_best(plan, tasks, seeds, records)
         if second:
             records.update((r["key"], r) for r in run_all(pool, second, "best grid points"))
-        measured = list(pool.imap(measure_costs, plan_cost_jobs(tasks, plan, rounds, steps), chunksize=1))
+        measured = list(pool.imap(measure_costs, cost_jobs, chunksize=1))
     errors = [m for m in measured if m["error"]]
     here = {"device": f"this machine's CPU ({machine()['cpu']}), one thread per device", "path": None,
             "rounds": rounds, "steps": steps, "tasks": combine_costs(measured)}

@@ -268,7 +268,23 @@ def task_table(task: Task, groups: dict[str, dict[str, Any]], target: dict[str, 
             f"[min, max] over seeds. \"vs matched sequential\": {worse} sequential training with the same optimizer "
             f"and update frequency, mean over the seeds both ran [per-seed range]; best sequential: {best_text}. "
             f"Epochs, steps (mini-batches, interpolated between evaluations) and updates to target: mean over the "
-            f"seeds that reached it.\n\n{markdown(header, rows)}")
+            f"seeds that reached it.{closest_line(task, groups)}\n\n{markdown(header, rows)}")
+
+
+def closest(task: Task, groups: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The algorithm that is not exact (it has staleness) whose mean final metric is nearest its matched
+    sequential baseline's, at the task's hyper-parameters."""
+    candidates = [g for g in groups.values() if g["task"] == task.name and g["setting"] == AT_SEQUENTIAL
+                  and not is_sequential(g["algorithm"]) and not g.get("exact") and g.get("gap_to_matched")]
+    return min(candidates, key=lambda g: g["gap_to_matched"]["gap"], default=None)
+
+
+def closest_line(task: Task, groups: dict[str, dict[str, Any]]) -> str:
+    best = closest(task, groups)
+    if best is None:
+        return ""
+    return (f" Closest to its matched sequential baseline among the algorithms with staleness: "
+            f"**{best['algorithm']}**, {fmt_gap(task, best['gap_to_matched'])}.")
 
 
 def ablation_rows(task: Task, groups: dict[str, dict[str, Any]], names: Sequence[tuple[str, str]]) -> list[list[str]]:

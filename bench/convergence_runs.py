@@ -416,18 +416,22 @@ def selection_score(task: Task, record: dict[str, Any]) -> float:
     return value if task.higher_is_better else -value
 
 
+def seconds_per_step(task: Task, method: str) -> float:
+    """One mini-batch of a method on a task, from ``SECONDS_PER_EPOCH`` (a GPT task of another size scaled by
+    its tokens and width)."""
+    name = task.name if task.name in SECONDS_PER_EPOCH else "gpt"
+    sequential, pipeline = SECONDS_PER_EPOCH[name]
+    per_epoch = sequential if is_sequential(method) else pipeline
+    reference = TASKS[name]
+    if task.model == "gpt":
+        per_epoch *= _tokens(task) / _tokens(reference)
+    return per_epoch / steps_per_epoch(reference)
+
+
 def estimate_seconds(jobs: Iterable[Job]) -> float:
-    """Worker-seconds the jobs take, from ``SECONDS_PER_EPOCH`` (scaled by GPT batches per epoch)."""
-    total = 0.0
-    for job in jobs:
-        name = job.task.name if job.task.name in SECONDS_PER_EPOCH else "gpt"
-        sequential, pipeline = SECONDS_PER_EPOCH[name]
-        per_epoch = sequential if is_sequential(job.method) else pipeline
-        if job.task.model == "gpt":
-            per_epoch *= steps_per_epoch(job.task) / TASKS[name].steps_per_epoch
-            per_epoch *= _tokens(job.task) / _tokens(TASKS[name])
-        total += SECONDS_PER_RUN + per_epoch * job.task.epochs
-    return total
+    """Worker-seconds the jobs take."""
+    return sum(SECONDS_PER_RUN + seconds_per_step(j.task, j.method) * steps_per_epoch(j.task) * j.task.epochs
+               for j in jobs)
 
 
 def _tokens(task: Task) -> float:

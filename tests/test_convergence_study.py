@@ -226,6 +226,7 @@ def test_a_derived_target_and_the_gaps_to_sequential(study):
     assert pipedream["gap_to_best_sequential"]["gap"] == pytest.approx(2.09 / 1.9 - 1)
     assert (pipedream["gap_to_matched"]["min"], pipedream["gap_to_matched"]["max"]) == pytest.approx(
         (2.09 / 1.9 - 1, 2.09 / 1.9 - 1))
+    assert report.closest(task, groups) is pipedream
 
 
 def uniform_costs(stages, forward=1.0, backward=2.0, update=0.5):

@@ -144,6 +144,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("out"), py::arg("w"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("wd_factor"),
       py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("step_size"), py::arg("bias_correction2_sqrt"));
+  m.def(
+      "nadam_step",
+      [](const at::Tensor& out, const at::Tensor& w, const at::Tensor& grad, const at::Tensor& exp_avg,
+         const at::Tensor& exp_avg_sq, double grad_decay, double wd_factor, double beta1, double beta2, double eps,
+         double bias_correction2, double grad_step, double exp_avg_step) {
+        pipecore::cpu::check_nadam_step(out, w, grad, exp_avg, exp_avg_sq);
+        pipecore::without_gil([&] {
+          pipecore::cpu::nadam_step(out, w, grad, exp_avg, exp_avg_sq, grad_decay, wd_factor, beta1, beta2, eps,
+                                    bias_correction2, grad_step, exp_avg_step);
+        });
+      },
+      py::arg("out"), py::arg("w"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grad_decay"),
+      py::arg("wd_factor"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("bias_correction2"),
+      py::arg("grad_step"), py::arg("exp_avg_step"));
   m.def("_args_ok", &pipecore::cpu::args_ok, py::arg("tensors"), py::arg("n_weights"), py::arg("written_mask"),
         py::arg("out_index"), py::arg("alias_mask"));
   m.def("_streaming_threshold", &pipecore::cpu::streaming_threshold);

@@ -246,6 +246,45 @@ PC_CLONES void adamw_range(int64_t n, bool stream, raw_t<T>* out, const raw_t<T>
   });
 }
 
+template <typename M>
+struct NadamScalars {
+  M grad_decay, wd_factor, beta1_weight, beta2, one_minus_beta2, eps, bias_correction2, grad_step, exp_avg_step;
+};
+
+// torch's single-tensor NAdam, in its order: each addcdiv_(t, denom, value=c) is p + (c * t) / denom. The weight
+// decay flags are template parameters so that a disabled term is never evaluated (0 * inf would be NaN).
+template <typename T, bool LERP_SMALL, bool L2_DECAY, bool DECOUPLED_DECAY>
+PC_CLONES void nadam_range(int64_t n, bool stream, raw_t<T>* out, const raw_t<T>* w, const raw_t<T>* grad,
+                           math_t<T>* m, math_t<T>* v, NadamScalars<math_t<T>> s) {
+  using C = Cvt<T>;
+  using M = math_t<T>;
+  drive(n, out, stream, [&](int64_t i0, int64_t len, raw_t<T>* dst) PC_LAMBDA_INLINE {
+    const raw_t<T>* wp = w + i0;
+    const raw_t<T>* gp = grad + i0;
+    M* mp = m + i0;
+    M* vp = v + i0;
+    const M one = M(1);
+    PC_IVDEP
+    for (int64_t i = 0; i < len; ++i) {
+      M p = C::ld(wp[i]);
+      M g = C::ld(gp[i]);
+      if constexpr (L2_DECAY) g = g + p * s.grad_decay;
+      if constexpr (DECOUPLED_DECAY) p = p * s.wd_factor;
+      const M mi = mp[i];
+      M mn;
+      if constexpr (LERP_SMALL) mn = mi + s.beta1_weight * (g - mi);
+      else mn = g - (g - mi) * (one - s.beta1_weight);
+      const M vn = vp[i] * s.beta2 + (g * s.one_minus_beta2) * g;
+      mp[i] = mn;
+      vp[i] = vn;
+      const M denom = std::sqrt(vn / s.bias_correction2) + s.eps;
+      p = p + (g * s.grad_step) / denom;
+      p = p + (mn * s.exp_avg_step) / denom;
+      dst[i] = C::st(p);
+    }
+  });
+}
+
 // Size of the last-level cache this CPU sees. sysfs first: under virtualization sysconf may report
 // the whole host's cache.
 int64_t llc_bytes() {
@@ -505,6 +544,68 @@ void adamw_step(const at::Tensor& out, const at::Tensor& w, const at::Tensor& gr
       if (small) adamw_range<scalar_t, true>(n, st, o + b, wp + b, gp + b, m + b, v + b, s);
       else adamw_range<scalar_t, false>(n, st, o + b, wp + b, gp + b, m + b, v + b, s);
     });
+  });
+}
+
+void check_nadam_step(const at::Tensor& out, const at::Tensor& w, const at::Tensor& grad, const at::Tensor& exp_avg,
+                      const at::Tensor& exp_avg_sq) {
+  const char* op = "nadam_step";
+  check_weight_dtype(op, w);
+  const auto sd = state_dtype(w.scalar_type());
+  check_flat(op, "w", w, w, w.scalar_type());
+  check_flat(op, "grad", grad, w, w.scalar_type());
+  check_flat(op, "out", out, w, w.scalar_type());
+  check_flat(op, "exp_avg", exp_avg, w, sd);
+  check_flat(op, "exp_avg_sq", exp_avg_sq, w, sd);
+  check_no_overlap(op, {{"out", &out, true, false}, {"w", &w, false, true}, {"grad", &grad, false, false},
+                        {"exp_avg", &exp_avg, true, false}, {"exp_avg_sq", &exp_avg_sq, true, false}});
+}
+
+namespace {
+
+template <typename T, bool LERP_SMALL>
+void nadam_launch(bool l2_decay, bool decoupled_decay, bool st, int64_t numel, raw_t<T>* o, const raw_t<T>* w,
+                  const raw_t<T>* g, math_t<T>* m, math_t<T>* v, const NadamScalars<math_t<T>>& s) {
+  parallel(numel, [&](int64_t b, int64_t n) {
+    if (l2_decay && decoupled_decay) {
+      nadam_range<T, LERP_SMALL, true, true>(n, st, o + b, w + b, g + b, m + b, v + b, s);
+    } else if (l2_decay) {
+      nadam_range<T, LERP_SMALL, true, false>(n, st, o + b, w + b, g + b, m + b, v + b, s);
+    } else if (decoupled_decay) {
+      nadam_range<T, LERP_SMALL, false, true>(n, st, o + b, w + b, g + b, m + b, v + b, s);
+    } else {
+      nadam_range<T, LERP_SMALL, false, false>(n, st, o + b, w + b, g + b, m + b, v + b, s);
+    }
+  });
+}
+
+}  // namespace
+
+void nadam_step(const at::Tensor& out, const at::Tensor& w, const at::Tensor& grad, const at::Tensor& exp_avg,
+                const at::Tensor& exp_avg_sq, double grad_decay, double wd_factor, double beta1, double beta2,
+                double eps, double bias_correction2, double grad_step, double exp_avg_step) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, w.scalar_type(), "pipecore_nadam_step", [&] {
+    using M = math_t<scalar_t>;
+    // torch computes 1 - beta1 and 1 - beta2 in double and rounds them to the math type.
+    const double weight = 1.0 - beta1;
+    NadamScalars<M> s{static_cast<M>(grad_decay),      static_cast<M>(wd_factor),   static_cast<M>(weight),
+                      static_cast<M>(beta2),           static_cast<M>(1.0 - beta2), static_cast<M>(eps),
+                      static_cast<M>(bias_correction2), static_cast<M>(grad_step),   static_cast<M>(exp_avg_step)};
+    // pipecore.ops passes one kind of weight decay at most: L2 (added to the gradient) or decoupled (a factor
+    // on the weights); a disabled one is skipped, as torch skips it.
+    const bool l2_decay = grad_decay != 0.0;
+    const bool decoupled_decay = wd_factor != 1.0;
+    auto* o = ptr<scalar_t>(out);
+    const auto* wp = ptr<scalar_t>(w);
+    const auto* gp = ptr<scalar_t>(grad);
+    M* m = state_ptr<scalar_t>(exp_avg);
+    M* v = state_ptr<scalar_t>(exp_avg_sq);
+    const bool st = use_streaming(3 * w.nbytes() + 4 * exp_avg.nbytes());
+    if (std::abs(static_cast<M>(weight)) < M(0.5)) {
+      nadam_launch<scalar_t, true>(l2_decay, decoupled_decay, st, w.numel(), o, wp, gp, m, v, s);
+    } else {
+      nadam_launch<scalar_t, false>(l2_decay, decoupled_decay, st, w.numel(), o, wp, gp, m, v, s);
+    }
   });
 }
 

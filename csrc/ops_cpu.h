@@ -46,6 +46,17 @@ void adamw_step(const at::Tensor& out, const at::Tensor& w, const at::Tensor& gr
                 const at::Tensor& exp_avg_sq, double wd_factor, double beta1, double beta2, double eps,
                 double step_size, double bias_correction2_sqrt);
 
+// torch.optim.NAdam step from w into out; updates exp_avg and exp_avg_sq. The step-dependent scalars are
+// passed precomputed (pipecore/ops/_checks.py, nadam_scalars): grad_decay (L2 weight decay added to the
+// gradient, 0 for none), wd_factor = 1 - lr*weight_decay (decoupled weight decay, 1 for none),
+// bias_correction2 = 1 - beta2^step, grad_step = -lr*(1 - mu_t)/(1 - mu_product) and
+// exp_avg_step = -lr*mu_{t+1}/(1 - mu_product*mu_{t+1}).
+void check_nadam_step(const at::Tensor& out, const at::Tensor& w, const at::Tensor& grad, const at::Tensor& exp_avg,
+                      const at::Tensor& exp_avg_sq);
+void nadam_step(const at::Tensor& out, const at::Tensor& w, const at::Tensor& grad, const at::Tensor& exp_avg,
+                const at::Tensor& exp_avg_sq, double grad_decay, double wd_factor, double beta1, double beta2,
+                double eps, double bias_correction2, double grad_step, double exp_avg_step);
+
 // Cheap validity test for the Python layer's argument checks: true when all tensors are defined,
 // contiguous, element-aligned, of one shape and device, the first n_weights share a float64/float32/bfloat16/float16
 // dtype and the rest have the matching state dtype, and no tensor whose bit is set in written_mask

@@ -5,6 +5,6 @@ they skip argument checks. On a machine without a GPU the kernels can still be r
 with ``TRITON_INTERPRET=1`` set before Triton is first imported (this is how the tests run them).
 """
 
-from .fused import adamw_step, block_size, interpolate, predict, sgd_step
+from .fused import adamw_step, block_size, interpolate, nadam_step, predict, sgd_step
 
-__all__ = ["adamw_step", "block_size", "interpolate", "predict", "sgd_step"]
+__all__ = ["adamw_step", "block_size", "interpolate", "nadam_step", "predict", "sgd_step"]

@@ -187,6 +187,9 @@ def ptx_fma_counts(device: torch.device | str = "cuda") -> dict[str, int | None]
                                                 nesterov=True, first_step=False, delta_decay=0.5))
         out[f"adamw {name}"] = fma_count(adamw_step(o, w, g, a, c.abs(), wd_factor=0.999, beta1=0.9, beta2=0.999,
                                                     eps=1e-8, step_size=0.01, bias_correction2_sqrt=0.1))
+        out[f"nadam {name}"] = fma_count(nadam_step(o, w, g, a, c.abs(), grad_decay=0.01, wd_factor=1.0, beta1=0.9,
+                                                    beta2=0.999, eps=1e-8, bias_correction2=0.01, grad_step=-0.01,
+                                                    exp_avg_step=-0.09))
     return out
 
 
@@ -311,6 +314,52 @@ def _adamw_kernel(out_ptr, w_ptr, grad_ptr, m_ptr, v_ptr, scal_ptr, wd_factor, b
     tl.store(out_ptr + offs, _to_storage(p + neg_step_size * upd, out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _nadam_kernel(out_ptr, w_ptr, grad_ptr, m_ptr, v_ptr, scal_ptr, grad_decay, wd_factor, beta1_weight,
+                  one_minus_beta1_weight, beta2, one_minus_beta2, eps, bias_correction2, grad_step, exp_avg_step, n,
+                  BLOCK: tl.constexpr, MATH: tl.constexpr, SCAL_PTR: tl.constexpr, LERP_SMALL: tl.constexpr,
+                  L2_DECAY: tl.constexpr, DECOUPLED_DECAY: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    if SCAL_PTR:
+        grad_decay = tl.load(scal_ptr + 0)
+        wd_factor = tl.load(scal_ptr + 1)
+        beta1_weight = tl.load(scal_ptr + 2)
+        one_minus_beta1_weight = tl.load(scal_ptr + 3)
+        beta2 = tl.load(scal_ptr + 4)
+        one_minus_beta2 = tl.load(scal_ptr + 5)
+        eps = tl.load(scal_ptr + 6)
+        bias_correction2 = tl.load(scal_ptr + 7)
+        grad_step = tl.load(scal_ptr + 8)
+        exp_avg_step = tl.load(scal_ptr + 9)
+    p = tl.load(w_ptr + offs, mask=mask).to(MATH)
+    g = tl.load(grad_ptr + offs, mask=mask).to(MATH)
+    # The order of pipecore.ops.reference.nadam_step (torch's single-tensor NAdam).
+    if L2_DECAY:
+        g = g + p * grad_decay
+    if DECOUPLED_DECAY:
+        p = p * wd_factor
+    m = tl.load(m_ptr + offs, mask=mask)
+    v = tl.load(v_ptr + offs, mask=mask)
+    if LERP_SMALL:
+        m = m + beta1_weight * (g - m)
+    else:
+        m = g - (g - m) * one_minus_beta1_weight
+    v = v * beta2 + (g * one_minus_beta2) * g
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+    # IEEE-rounded sqrt and division, as torch uses (Triton's defaults are approximate for fp32).
+    if MATH == tl.float64:
+        denom = tl.sqrt(v / bias_correction2) + eps
+        p = p + (g * grad_step) / denom
+        p = p + (m * exp_avg_step) / denom
+    else:
+        denom = tl.sqrt_rn(tl.div_rn(v, bias_correction2)) + eps
+        p = p + tl.div_rn(g * grad_step, denom)
+        p = p + tl.div_rn(m * exp_avg_step, denom)
+    tl.store(out_ptr + offs, _to_storage(p, out_ptr.dtype.element_ty), mask=mask)
+
+
 # FMA contraction is disabled so GPU results round like the C++ kernels and the torch reference.
 _FUSION = dict(enable_fp_fusion=False)
 
@@ -389,6 +438,18 @@ def sgd_step(out: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, momentum_bu
         return launch(out, momentum_buf, delta, warps, vectors)
 
 
+def _lerp_weights(beta1: float, dtype: torch.dtype) -> tuple[float, float, bool]:
+    """torch's lerp weight ``1 - beta1``, its complement and whether the weight is under 0.5 (which of lerp's two
+    formulas runs), rounded in the math dtype of weights stored as ``dtype``."""
+    if dtype == torch.float64:
+        weight = 1.0 - beta1
+        complement = 1.0 - weight
+    else:
+        weight = float(np.float32(1.0 - beta1))
+        complement = float(np.float32(1.0) - np.float32(weight))
+    return weight, complement, abs(weight) < 0.5
+
+
 def adamw_step(out: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, *, wd_factor: float, beta1: float, beta2: float, eps: float,
                step_size: float, bias_correction2_sqrt: float) -> Any:
@@ -400,14 +461,7 @@ def adamw_step(out: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, exp_avg: 
         return None
     dt, dev = w.dtype, w.device
     md = _tl_math(dt)
-    # torch's lerp weight and its complement, rounded in the math dtype (the test for the branch as well).
-    if dt == torch.float64:
-        weight = 1.0 - beta1
-        complement = 1.0 - weight
-    else:
-        weight = float(np.float32(1.0 - beta1))
-        complement = float(np.float32(1.0) - np.float32(weight))
-    small = abs(weight) < 0.5
+    weight, complement, small = _lerp_weights(beta1, dt)
     scal, args, sp = _scalar_args([wd_factor, weight, complement, beta2, 1.0 - beta2, eps, -step_size,
                                    bias_correction2_sqrt], dt, dev, out)
 
@@ -421,4 +475,33 @@ def adamw_step(out: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, exp_avg: 
 
     with _on(dev):
         warps, vectors = _config("adamw", n, dt, dev, scratch)
+        return launch(out, exp_avg, exp_avg_sq, warps, vectors)
+
+
+def nadam_step(out: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+               exp_avg_sq: torch.Tensor, *, grad_decay: float, wd_factor: float, beta1: float, beta2: float,
+               eps: float, bias_correction2: float, grad_step: float, exp_avg_step: float) -> Any:
+    """torch.optim.NAdam step from ``w`` into ``out``, with the per-step scalars of
+    ``pipecore.ops._checks.nadam_scalars`` (``grad_decay``: L2 weight decay, 0 for none; ``wd_factor``: decoupled
+    weight decay's ``1 - lr*weight_decay``, 1 for none); returns Triton's launch handle."""
+    n = w.numel()
+    if n == 0:
+        return None
+    dt, dev = w.dtype, w.device
+    md = _tl_math(dt)
+    weight, complement, small = _lerp_weights(beta1, dt)
+    scal, args, sp = _scalar_args([grad_decay, wd_factor, weight, complement, beta2, 1.0 - beta2, eps,
+                                   bias_correction2, grad_step, exp_avg_step], dt, dev, out)
+    flags = dict(LERP_SMALL=small, L2_DECAY=grad_decay != 0.0, DECOUPLED_DECAY=wd_factor != 1.0)
+
+    def launch(dst: torch.Tensor, m: torch.Tensor, v: torch.Tensor, warps: int, vectors: int) -> Any:
+        block = block_size(dt, warps, vectors)
+        return _nadam_kernel[_grid(n, block)](dst, w, grad, m, v, scal, *args, n, BLOCK=block, MATH=md, SCAL_PTR=sp,
+                                              **flags, num_warps=warps, **_FUSION)
+
+    def scratch() -> Callable[[int, int], Any]:
+        return _scratch(launch, torch.empty_like(out), exp_avg.clone(), exp_avg_sq.clone())
+
+    with _on(dev):
+        warps, vectors = _config("nadam", n, dt, dev, scratch)
         return launch(out, exp_avg, exp_avg_sq, warps, vectors)

@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 #: Public name -> the submodule that defines it.
 _EXPORTS: dict[str, str] = {
     "algorithm_names": ".algorithms", "get_algorithm": ".algorithms", "register_algorithm": ".algorithms",
-    "SGD": ".engine", "AdamW": ".engine", "CaptureError": ".engine", "NonFiniteLoss": ".engine",
+    "SGD": ".engine", "AdamW": ".engine", "NAdam": ".engine", "CaptureError": ".engine", "NonFiniteLoss": ".engine",
     "Pipeline": ".engine",
     "PeerError": ".runtime.link",
     "Action": ".schedule", "Schedule": ".schedule", "ScheduleError": ".schedule", "validate": ".schedule",
@@ -31,13 +31,13 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
-    "AdamW", "CaptureError", "checkpoint", "Plan", "plan", "profile", "NonFiniteLoss", "PeerError", "Pipeline", "SGD", "Action", "Schedule", "ScheduleError", "Trace", "algorithm_names", "get_algorithm", "register_algorithm", "simulate", "validate",
+    "AdamW", "NAdam", "CaptureError", "checkpoint", "Plan", "plan", "profile", "NonFiniteLoss", "PeerError", "Pipeline", "SGD", "Action", "Schedule", "ScheduleError", "Trace", "algorithm_names", "get_algorithm", "register_algorithm", "simulate", "validate",
 ]
 
 if TYPE_CHECKING:
     from . import checkpoint
     from .algorithms import algorithm_names, get_algorithm, register_algorithm
-    from .engine import SGD, AdamW, CaptureError, NonFiniteLoss, Pipeline
+    from .engine import SGD, AdamW, CaptureError, NAdam, NonFiniteLoss, Pipeline
     from .planning import Plan, plan, profile
     from .runtime.link import PeerError
     from .schedule import Action, Schedule, ScheduleError, validate

@@ -37,6 +37,9 @@ class BookMark(NamedTuple):
     # (micro-batch, its in-flight forward read before, after; None: none): a forward sets one (and pins its
     # version), a backward takes one away (and unpins it).
     changes: list[tuple[int, WeightRead | None, WeightRead | None]]
+    # The versions held for updates to read (micro-batch -> version) and those the last update read, when the
+    # algorithm's update reads the weights its gradients were computed at; None otherwise.
+    awaiting: tuple[dict[int, int], tuple[int, ...]] | None
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,14 @@ class VersionBook:
         # The algorithm's oldest_needed(stage, live, latest_tag), and the (live, latest_tag) it was asked for.
         self._needed = 0
         self._needed_for: tuple[int, int | None] | None = None
+        # An update that reads the weights its gradients were computed at (a gradient transform such as delay
+        # compensation): each backward's version stays held (one more pin) until the update that applies its
+        # gradient has run. ``awaiting``: micro-batch -> version, until that update; ``update_reads``: the versions
+        # the latest update's gradients were computed at (still held until the book's next action).
+        transform = algorithm.gradient_transform(stage)
+        self._hold_for_update = transform is not None and transform.reads_gradient_weights
+        self.awaiting: dict[int, int] = {}
+        self.update_reads: tuple[int, ...] = ()
 
     def restart(self) -> None:
         """Start a new schedule (after a flush): micro-batch numbering and version offsets begin again."""
@@ -107,6 +118,7 @@ class VersionBook:
         self.updates = updates
         self.held = {live}
         self.pins.clear()
+        self.awaiting, self.update_reads = {}, ()
         self._changes = None  # the state was replaced: no mark can be gone back to
 
     def _check_held(self, read: WeightRead, what: str) -> None:
@@ -230,6 +242,10 @@ class VersionBook:
             else:
                 del pins[version]  # a long run would otherwise keep one entry per version
                 self._unpinned.append(version)  # it may now be dropped (see _refresh)
+        if self._hold_for_update:  # held until the update that applies this gradient has read it
+            pins = self.pins
+            pins[read.version] = pins.get(read.version, 0) + 1
+            self.awaiting[microbatch] = read.version
         return read, forward_read
 
     def release_backward(self) -> None:
@@ -241,6 +257,8 @@ class VersionBook:
         index = self.updates
         lr_scale = 1.0 if self._unscaled else self.algorithm.lr_scale(self.stage, index)
         previous = self.live
+        if self._hold_for_update:
+            reads = self._take_awaiting(previous)
         self.live += 1
         self.updates += 1
         held = self.held
@@ -249,7 +267,31 @@ class VersionBook:
         if settled is not None and settled[0] is held and self.live >= settled[1]:
             self._settled = (self.held, settled[1])  # what _refresh knew of the held versions still holds
         self._refresh()
-        return UpdateInfo(self.live, previous in self.held, lr_scale, index)
+        info = UpdateInfo(self.live, previous in self.held, lr_scale, index)
+        if self._hold_for_update:
+            # Counted above (the ring holds them while the update writes the new version); the next refresh drops
+            # them, after the stage's update has read them.
+            self._release(v for v in reads if v != previous)
+        return info
+
+    def _take_awaiting(self, previous: int) -> tuple[int, ...]:
+        """The versions the gradients of the update about to run were computed at (every backward since the last
+        update), now :attr:`update_reads`. A hold of the live version ``previous`` goes at once: the update reads
+        the live weights before its step overwrites them, so that version need not outlive it."""
+        reads = tuple(self.awaiting.values())
+        self.awaiting, self.update_reads = {}, reads
+        self._release(v for v in reads if v == previous)
+        return reads
+
+    def _release(self, versions) -> None:
+        pins = self.pins
+        for v in versions:
+            left = pins.get(v, 0) - 1
+            if left > 0:
+                pins[v] = left
+            else:
+                pins.pop(v, None)
+                self._unpinned.append(v)
 
     def mark(self) -> BookMark:
         """The state now, for :meth:`rewind` (which goes back to the latest mark only)."""
@@ -258,7 +300,8 @@ class VersionBook:
         # pins are journaled from here on rather than copied (a stage may have dozens of micro-batches in flight).
         changes: list[tuple[int, WeightRead | None, WeightRead | None]] = []
         self._changes = changes
-        return _new_tuple(BookMark, (self.live, self.updates, self.held, self.latest_tag, changes))
+        awaiting = (dict(self.awaiting), self.update_reads) if self._hold_for_update else None
+        return _new_tuple(BookMark, (self.live, self.updates, self.held, self.latest_tag, changes, awaiting))
 
     def rewind(self, mark: BookMark) -> None:
         """Go back to ``mark``, the latest (an action that failed before it changed anything else is undone this
@@ -281,6 +324,15 @@ class VersionBook:
                     pins[version] = count
                 else:
                     pins.pop(version, None)
+        if mark.awaiting is not None:  # the holds for updates as they were: put back those released, drop newer ones
+            awaiting, self.update_reads = mark.awaiting
+            for k, v in self.awaiting.items():
+                if awaiting.get(k) != v:
+                    self._release((v,))
+            for k, v in awaiting.items():
+                if self.awaiting.get(k) != v:
+                    pins[v] = pins.get(v, 0) + 1
+            self.awaiting = dict(awaiting)
         mark.changes.clear()
 
     def discard(self, first: int, live: int, updates: int, latest_tag: int | None) -> None:
@@ -289,6 +341,10 @@ class VersionBook:
         self.forward_reads = {k: r for k, r in self.forward_reads.items() if k < first}
         self.pins = Counter(r.version for r in self.forward_reads.values()) if self.algorithm.pins_forward_weights \
             else Counter()
+        if self._hold_for_update:  # the earlier micro-batches' gradients still wait for their update
+            self.awaiting = {k: v for k, v in self.awaiting.items() if k < first}
+            self.pins.update(self.awaiting.values())
+            self.update_reads = ()
         self.live, self.updates, self.latest_tag = live, updates, latest_tag
         self.held = {v for v in self.held if v <= live} | {live}
         self._changes = None  # the state was replaced: no mark can be gone back to

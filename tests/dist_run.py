@@ -7,6 +7,7 @@ reference in the test, so both runs see identical models and data.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -100,16 +101,26 @@ def poisoned_batches():
     return data
 
 
+#: What a ``+variant`` after an algorithm's name adds to its options.
+VARIANTS = {"slack": {"slack": 1}, "adaptive": {"adaptive": True}}
+
+
 def make_pipeline(num_stages: int, algorithm: str, **kwargs) -> pipecore.Pipeline:
-    """``algorithm`` may end in ``+slack``: the same algorithm with the option ``slack=1``."""
+    """``algorithm`` may end in variants: ``+slack`` (the option ``slack=1``), ``+adaptive`` (``adaptive=True``),
+    ``+nadam`` (torch's NAdam with decoupled weight decay instead of SGD with momentum)."""
     m = MICROBATCHES
-    algorithm, plus, variant = algorithm.partition("+")
-    if plus:
-        if variant != "slack":
-            raise SystemExit(f"unknown variant +{variant}; only +slack")
-        kwargs = {**kwargs, "slack": 1}
+    algorithm, *variants = algorithm.split("+")
+    optimizer = pipecore.SGD(lr=0.1, momentum=0.9)
+    for variant in variants:
+        if variant == "nadam":
+            optimizer = functools.partial(torch.optim.NAdam, lr=0.01, betas=(0.99, 0.999), momentum_decay=0.004,
+                                          decoupled_weight_decay=True, weight_decay=0.01)
+        elif variant in VARIANTS:
+            kwargs = {**kwargs, **VARIANTS[variant]}
+        else:
+            raise SystemExit(f"unknown variant +{variant}; one of {sorted(VARIANTS) + ['nadam']}")
     return pipecore.Pipeline(make_model(num_stages), num_stages, algorithm, m,
-                             optimizer=pipecore.SGD(lr=0.1, momentum=0.9), loss_fn=nn.CrossEntropyLoss(), **kwargs)
+                             optimizer=optimizer, loss_fn=nn.CrossEntropyLoss(), **kwargs)
 
 
 class TiedMLP(nn.Module):

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from pipecore import _C  # noqa: E402
 from pipecore.ops import reference  # noqa: E402
+from pipecore.ops._checks import nadam_scalars  # noqa: E402
 
 JOIN_S = 60.0
 
@@ -183,6 +184,13 @@ def progress(seconds: float, threads: int) -> Counter:
     return counts
 
 
+NADAM_ARGS = dict(step=2, mu_product=0.5, lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01,
+                  momentum_decay=0.004, decoupled_weight_decay=False)
+#: nadam_scalars' arguments for NADAM_ARGS, in order.
+NADAM_SCALARS = tuple(NADAM_ARGS[k] for k in ("step", "mu_product", "lr", "beta1", "beta2", "weight_decay",
+                                                "momentum_decay", "decoupled_weight_decay"))
+
+
 def kernels(seconds: float, threads: int) -> Counter:
     """Half the threads run the fused kernels on tensors large enough for at::parallel_for to split (and to
     stream their stores), checking each result against the plain-torch reference; the other half call them
@@ -213,7 +221,15 @@ def kernels(seconds: float, threads: int) -> Counter:
                 # torch's add(alpha=) may fuse the multiply-add: to round-off, as tests/test_ops.py compares.
                 torch.testing.assert_close(out, expected, rtol=1e-13, atol=1e-14)
                 assert torch.equal(mine, theirs), "sgd_step's momentum differs"
-                count["kernel_calls"] += 3
+                m_mine, v_mine = grad.clone(), buf.abs()
+                m_theirs, v_theirs = m_mine.clone(), v_mine.clone()
+                _C.nadam_step(out, live, grad, m_mine, v_mine, **nadam_scalars(*NADAM_SCALARS), beta1=0.9, beta2=0.99,
+                              eps=1e-8)
+                expected = reference.nadam_step(live, grad, m_theirs, v_theirs, **NADAM_ARGS,
+                                                out=torch.empty_like(live))
+                assert torch.equal(out, expected), "nadam_step differs"
+                assert torch.equal(m_mine, m_theirs) and torch.equal(v_mine, v_theirs), "nadam_step's moments differ"
+                count["kernel_calls"] += 4
                 if time.monotonic() >= deadline:
                     break
         return body
@@ -227,6 +243,8 @@ def kernels(seconds: float, threads: int) -> Counter:
                              False, 0.0), "argument 'momentum_buf' is required"),
         (lambda: _C.adamw_step(torch.zeros(10), torch.ones(10), torch.ones(10), torch.zeros(10, dtype=torch.float64),
                                torch.zeros(10), 1.0, 0.9, 0.99, 1e-8, 0.1, 1.0), "argument 'exp_avg' has dtype"),
+        (lambda: _C.nadam_step(torch.zeros(10), torch.ones(10), torch.ones(10), torch.zeros(10), torch.zeros(9), 0.0,
+                               1.0, 0.9, 0.99, 1e-8, 0.01, -0.01, -0.09), "argument 'exp_avg_sq' has 9 elements"),
         (lambda: _C.interpolate(torch.zeros(4, 4).t(), torch.ones(4, 4), torch.ones(4, 4), 0.5),
          "argument 'out' must be contiguous"),
     ]

@@ -364,6 +364,6 @@ def test_tied_weights_under_t1_with_a_torch_optimizer_say_what_to_use():
     pipe = Pipeline(TiedShifts(), 4, "pipemare", 2, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                     loss_fn=linear_loss, partition=["middle", "other", "last"])
     x, y = constant_gradient_batches(1, 4)[0]
-    with pytest.raises(ValueError, match="use pipecore.SGD or pipecore.AdamW, or turn the scaling off"):
+    with pytest.raises(ValueError, match="use pipecore.SGD, pipecore.AdamW or pipecore.NAdam, or turn the scaling off"):
         pipe.step(x, y)
         pipe.flush()

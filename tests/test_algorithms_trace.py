@@ -67,7 +67,7 @@ def test_aliases_and_case():
     assert get_spec("ZB1P").name == "zb-h1"
     assert algorithm_names() == [
         "gpipe", "1f1b", "pipedream", "2bw", "pipemare", "spectrain", "timeprest", "v-timeprest", "i-timeprest",
-        "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-v", "dualpipe-v",
+        "pipedream-dc", "nesterov-async", "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-v", "dualpipe-v",
     ]
 
 

@@ -280,7 +280,7 @@ def test_a_torch_optimizer_instance_gets_one_line_saying_what_to_pass():
     message = str(raised.value)
     assert "\n" not in message
     assert message == ("optimizer is a torch.optim.SGD instance; each stage builds its own optimizer over its "
-                       "weights: pass pipecore.SGD(...), pipecore.AdamW(...) or a factory such as "
+                       "weights: pass pipecore.SGD(...), pipecore.AdamW(...), pipecore.NAdam(...) or a factory such as "
                        "lambda params: torch.optim.SGD(params, lr=0.1)")
     with pytest.raises(TypeError, match=r"^optimizer must be pipecore.SGD\(...\), .*; got a str$"):
         Pipeline(model, 2, "gpipe", M, optimizer="sgd", loss_fn=nn.CrossEntropyLoss())

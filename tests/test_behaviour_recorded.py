@@ -59,6 +59,10 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], str, int, int]] = {
     "zb-h1": ("zb-h1", {}, "sgd", 4, 4),
     "zb-v": ("zb-v", {}, "adamw", 4, 4),
     "dualpipe-v": ("dualpipe-v", {}, "sgd", 4, 4),
+    # Recorded after the others (their entries unchanged): the staleness corrections on PipeDream's stash.
+    "pipedream-dc": ("pipedream-dc", {"lam": 0.5}, "sgd", 4, 4),
+    "pipedream-dc-adaptive": ("pipedream-dc", {"adaptive": True}, "adamw", 4, 4),
+    "nesterov-async": ("nesterov-async", {}, "sgd", 4, 4),
 }
 #: Configurations that keep more tensors than when the file was recorded: how many more, per stage in all.
 KEPT_SINCE = {"spectrain-adamw": 4}  # the direction buffer of each of the 4 stages

@@ -389,7 +389,9 @@ def test_single_stage_reduces_to_plain_sgd(algorithm):
         pipe.step(x, y)
     pipe.flush()
     ref = mlp(3)
-    sequential_reference(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5), xs, ys,
+    # The Nesterov method takes the momentum as its look-ahead: without delay, SGD with Nesterov's momentum.
+    nesterov = algorithm == "nesterov-async"
+    sequential_reference(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5, nesterov=nesterov), xs, ys,
                          per_update=pipe.algorithm.update_every)
     got = pipe.state_dict()
     for key, value in ref.state_dict().items():

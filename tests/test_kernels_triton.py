@@ -69,6 +69,10 @@ def test_triton_adamw_step():
     check("adamw")
 
 
+def test_triton_nadam_step():
+    check("nadam")
+
+
 def test_triton_kernels_on_the_inputs_that_failed_on_the_h100_equal_the_reference():
     check("cuda-case")
 
@@ -128,6 +132,7 @@ def _ptx_main() -> int:
         "predict": (fused._predict_kernel, dict(SCAL_PTR=False)),
         "sgd": (fused._sgd_kernel, dict(SCAL_PTR=False, WD=True, MOM=True, NESTEROV=True, FIRST=False, DELTA=True)),
         "adamw": (fused._adamw_kernel, dict(SCAL_PTR=False, LERP_SMALL=True)),
+        "nadam": (fused._nadam_kernel, dict(SCAL_PTR=False, LERP_SMALL=True, L2_DECAY=True, DECOUPLED_DECAY=True)),
     }
     failures = 0
     for name, (kernel, flags) in cases.items():
@@ -141,7 +146,7 @@ def _ptx_main() -> int:
             if off != 0:
                 failures += 1
                 print(f"MISMATCH {name} {storage}: {off} fused multiply-adds with enable_fp_fusion=False")
-            if name in ("sgd", "adamw") and on == 0:
+            if name in ("sgd", "adamw", "nadam") and on == 0:
                 failures += 1
                 print(f"MISMATCH {name} {storage}: no fma.rn even with contraction allowed: the check sees nothing")
     print("ok ptx" if not failures else "failed ptx")
@@ -271,6 +276,37 @@ def _main(argv: list[str]) -> int:
                         compare(label + " out", out, rout)
                         compare(label + " exp_avg", m, rm)
                         compare(label + " exp_avg_sq", s2, rs)
+                elif group == "nadam":
+                    from pipecore.ops._checks import nadam_mu, nadam_scalars
+
+                    # (beta1, weight_decay, decoupled, momentum_decay, step): lerp's two branches, no weight
+                    # decay, L2 and decoupled weight decay, several momentum decays.
+                    for beta1, wd, decoupled, md, step in ((0.9, 0.01, False, 0.004, 1), (0.3, 0.0, False, 0.1, 4),
+                                                           (0.9, 0.1, True, 0.004, 3), (0.8, 0.0, True, 0.0, 2)):
+                        m, s2 = rand(n, sdt(dtype)), rand(n, sdt(dtype), positive=True)
+                        rm, rs = m.clone(), s2.clone()
+                        mu_product = 1.0
+                        for t in range(1, step + 1):
+                            mu_product *= nadam_mu(t, beta1, md)
+                        hp = dict(lr=1e-2, beta1=beta1, beta2=0.999, weight_decay=wd, momentum_decay=md,
+                                  decoupled_weight_decay=decoupled)
+                        scalars = nadam_scalars(step, mu_product, hp["lr"], beta1, hp["beta2"], wd, md, decoupled)
+                        out = torch.empty_like(w)
+                        K.nadam_step(out, w, v, m, s2, beta1=beta1, beta2=0.999, eps=1e-8, **scalars)
+                        rout = ref.nadam_step(w, v, rm, rs, step=step, mu_product=mu_product, eps=1e-8,
+                                              out=torch.empty_like(w), **hp)
+                        label = f"{tag} beta1={beta1} wd={wd} decoupled={decoupled} md={md} step={step}"
+                        compare(label + " out", out, rout)
+                        compare(label + " exp_avg", m, rm)
+                        compare(label + " exp_avg_sq", s2, rs)
+                    x, m1, s1 = w.clone(), torch.zeros(n, dtype=sdt(dtype)), torch.zeros(n, dtype=sdt(dtype))
+                    m2, s2 = m1.clone(), s1.clone()
+                    mu1 = nadam_mu(1, 0.9, 0.004)
+                    K.nadam_step(x, x, v, m1, s1, beta1=0.9, beta2=0.999, eps=1e-8,
+                                 **nadam_scalars(1, mu1, 1e-2, 0.9, 0.999, 0.0, 0.004, False))  # out aliasing w
+                    compare(tag + " in place", x, ref.nadam_step(w, v, m2, s2, step=1, mu_product=mu1, lr=1e-2,
+                                                                 beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                                                                 momentum_decay=0.004, out=torch.empty_like(w)))
                 else:
                     raise SystemExit(f"unknown group {group!r}")
         print(f"ok {group}" if not failures else f"failed {group}")

@@ -315,6 +315,12 @@ def _all_ops(dtype: torch.dtype, n: int, offset: int, in_place: bool) -> list[to
     o = out_buffer()
     results += [ops.adamw_step(o if in_place else w, v, m, s2, step=2, lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8,
                                weight_decay=0.1, out=o), m, s2]
+    for decoupled in (False, True):
+        m, s2 = rand(n, sdt(dtype)), rand(n, sdt(dtype), positive=True)
+        o = out_buffer()
+        results += [ops.nadam_step(o if in_place else w, v, m, s2, step=2, mu_product=0.8, lr=0.01, beta1=0.9,
+                                   beta2=0.99, eps=1e-8, weight_decay=0.1, momentum_decay=0.004,
+                                   decoupled_weight_decay=decoupled, out=o), m, s2]
     return results
 
 

@@ -120,6 +120,8 @@ def test_autocast_must_be_a_floating_dtype():
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 def test_bfloat16_weights_train_with_float32_optimizer_state(algorithm, opt):
+    if algorithm == "nesterov-async" and opt == "adamw":
+        pytest.skip("nesterov-async refuses AdamW (no look-ahead); its adaptive optimizer is NAdam")
     optimizer = SGD(lr=0.05, momentum=0.9) if opt == "sgd" else AdamW(lr=1e-3)
     pipe = Pipeline(mlp(torch.bfloat16), stages(algorithm), algorithm, M, optimizer=optimizer,
                     loss_fn=nn.CrossEntropyLoss())

@@ -125,6 +125,8 @@ def test_the_extension_refuses_overlapping_written_arguments():
         _C.sgd_step(pool[:10], w, grad, pool[5:15], None, 0.1, 0.9, 0.0, 0.0, False, False, 0.0)
     with pytest.raises(ValueError, match="argument 'exp_avg' is written and overlaps argument 'grad'"):
         _C.adamw_step(torch.zeros(10), w, grad, grad, torch.zeros(10), 1.0, 0.9, 0.99, 1e-8, 0.1, 1.0)
+    with pytest.raises(ValueError, match="argument 'out' is written and overlaps argument 'exp_avg_sq'"):
+        _C.nadam_step(pool[:10], w, grad, torch.zeros(10), pool[5:15], 0.0, 1.0, 0.9, 0.99, 1e-8, 0.01, -0.01, -0.09)
     assert torch.count_nonzero(pool) == 0 and torch.equal(grad, torch.ones(10))
     # 'out' being exactly the weights is the in-place update the optimizers use.
     _C.sgd_step(w, w, grad, None, None, 0.5, 0.0, 0.0, 0.0, False, False, 0.0)

@@ -313,3 +313,38 @@ def test_mismatches_are_clear_errors():
     before = adamw.state_dict()
     assert_same(weights(before), weights(Pipeline(mlp(), 2, "1f1b", 4, optimizer=ours("adamw"),
                                                   loss_fn=nn.CrossEntropyLoss()).state_dict()))
+
+
+@pytest.mark.parametrize("same_layout", [True, False], ids=["same-layout", "by-name"])
+def test_a_checkpoint_refused_at_a_later_stage_leaves_every_stage_as_it_was(same_layout):
+    """Every stage's state is checked before any stage loads: a checkpoint whose last stage's optimizer state is
+    wrong (a moment of another size) changes no stage, weights, versions and optimizer state included."""
+    saved = trained_source("adamw").state_dict()
+    last = max(saved["pipecore"]["stages"])
+    entry = saved["pipecore"]["stages"][last]
+    entry["optimizer"]["exp_avg_sq"] = entry["optimizer"]["exp_avg_sq"][:-1].clone()
+    if not same_layout:
+        saved["pipecore"]["algorithm"] = "gpipe"  # another algorithm: loaded by parameter name
+    target = Pipeline(mlp(seed=7), 4, "1f1b", 4, optimizer=ours("adamw"), loss_fn=nn.CrossEntropyLoss())
+    for x, y in data(2, seed=3):
+        target.step(x, y)
+    target.flush()
+    before = target.state_dict()
+    with pytest.raises((ValueError, KeyError), match="exp_avg_sq"):
+        target.load_state_dict(saved)
+    assert_same(target.state_dict(), before)
+
+
+def test_optimizer_state_this_optimizer_does_not_keep_is_dropped_with_a_note():
+    """NAdam's running product of momentum coefficients has no place in AdamW: loaded by name, the moments map
+    and the product is dropped, with a note that names it."""
+    source = Pipeline(mlp(), 4, "1f1b", 4, optimizer=pipecore.NAdam(lr=0.01), loss_fn=nn.CrossEntropyLoss())
+    for x, y in data(2):
+        source.step(x, y)
+    source.flush()
+    target = Pipeline(mlp(seed=7), 2, "1f1b", 4, optimizer=ours("adamw"), loss_fn=nn.CrossEntropyLoss())
+    with pytest.warns(CheckpointNote, match="optimizer state 'mu_product' is dropped"):
+        target.load_state_dict(source.state_dict())
+    for name, (opt, _) in per_name(source.state_dict(), mlp()).items():
+        loaded = per_name(target.state_dict(), mlp())[name][0]
+        assert torch.equal(loaded["exp_avg"], opt["exp_avg"]) and torch.equal(loaded["exp_avg_sq"], opt["exp_avg_sq"])

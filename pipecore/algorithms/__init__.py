@@ -12,7 +12,7 @@ import pkgutil
 from typing import Any
 
 from .base import Algorithm, AlgorithmSpec, ReadContext, ReadRule, WeightRead
-from .state import BufferUpdate, ChangeAverage, StateBuffer
+from .state import BufferUpdate, ChangeAverage, ChangedBeforeStep, GradientTransform, StateBuffer
 
 SPECS: dict[str, AlgorithmSpec] = {}
 ALIASES: dict[str, str] = {}
@@ -70,7 +70,8 @@ def get_algorithm(name: str, num_stages: int, n_microbatches: int, **options: An
 # The built-in algorithms, in the order of the docs; a module of this package defining SPEC or SPECS that this list
 # does not name comes after them, in the order of module names.
 _DOCS_ORDER = ("gpipe", "one_f_one_b", "pipedream", "twobw", "pipemare", "spectrain", "timeprest", "v_timeprest",
-               "i_timeprest", "interleaved", "looped_bfs", "zero_bubble", "dualpipe_v")
+               "i_timeprest", "pipedream_dc", "nesterov_async", "interleaved", "looped_bfs", "zero_bubble",
+               "dualpipe_v")
 
 
 def _register_builtins() -> None:
@@ -85,6 +86,7 @@ def _register_builtins() -> None:
 _register_builtins()
 
 __all__ = [
-    "ALIASES", "Algorithm", "AlgorithmSpec", "BufferUpdate", "ChangeAverage", "ReadContext", "ReadRule", "SPECS",
-    "StateBuffer", "WeightRead", "algorithm_names", "get_algorithm", "get_spec", "register_algorithm",
+    "ALIASES", "Algorithm", "AlgorithmSpec", "BufferUpdate", "ChangeAverage", "ChangedBeforeStep", "GradientTransform",
+    "ReadContext", "ReadRule", "SPECS", "StateBuffer", "WeightRead", "algorithm_names", "get_algorithm", "get_spec",
+    "register_algorithm",
 ]

@@ -20,7 +20,7 @@ from ..schedule.generators import ScheduleFamily
 from ..schedule.ir import B, F
 from ..schedule.periodic import PeriodicForm, periodic_form
 from ..schedule.schedule import Schedule
-from .state import BufferUpdate, StateBuffer, WeightSource
+from .state import BufferUpdate, GradientTransform, StateBuffer, WeightSource
 
 Options = Mapping[str, Any]
 
@@ -326,6 +326,9 @@ class AlgorithmSpec:
     ``buffers`` declares the weight-sized state the algorithm keeps per stage and how each buffer changes after
     an update (PipeMare's velocity, SpecTrain's next-step direction); ``derivations`` says how the derived weights
     its read rules name are computed (see :mod:`pipecore.algorithms.state`).
+    ``gradient_transform(stage, algorithm)`` gives the :class:`~pipecore.algorithms.state.GradientTransform` a stage
+    applies to each update's gradient before the optimizer's step (None: the stage applies it unchanged), such as
+    delay compensation.
     ``schedule_options`` names the options that are passed on to the schedule family as keywords
     (e.g. ``slack`` of the asynchronous 1F1B family).
     """
@@ -341,6 +344,7 @@ class AlgorithmSpec:
     lr_scale: Callable[[int, int, "Algorithm"], float] | None = None
     buffers: tuple[StateBuffer, ...] = ()
     derivations: Mapping[str, Derive] = field(default_factory=dict)
+    gradient_transform: Callable[[int, "Algorithm"], GradientTransform | None] | None = None
     aliases: tuple[str, ...] = ()
     schedule_options: tuple[str, ...] = ()
 
@@ -606,6 +610,11 @@ class Algorithm:
             if update is not None:
                 kept[declared.name] = update
         return kept
+
+    def gradient_transform(self, stage: int) -> GradientTransform | None:
+        """What ``stage`` does to each update's gradient before the optimizer's step (None: nothing)."""
+        declared = self.spec.gradient_transform
+        return None if declared is None else declared(stage, self)
 
     def buffer_label(self, name: str) -> str:
         """How messages name declared buffer ``name``."""

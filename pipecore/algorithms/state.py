@@ -12,13 +12,19 @@ checkpoints) and counts it in the memory account, the planner's memory model and
 A derivation (:data:`pipecore.algorithms.base.Derive`) turns a :class:`~pipecore.algorithms.base.WeightRead` that names it into weights:
 the algorithm declares the derivations its read rules name (``AlgorithmSpec.derivations``), and the stage
 materializes a read through them into its scratch buffer.
+
+A gradient transform (:class:`GradientTransform`, ``AlgorithmSpec.gradient_transform``) changes the gradient an
+update applies just before the optimizer's step: delay compensation corrects it by the weights it was computed at,
+the Nesterov method of asynchronous pipelines rewrites it for the optimizer's momentum. What it reads
+(:class:`BeforeStep`) is the live weights, the weights the gradient was computed at (kept in the ring until the
+update when the transform asks for them), the optimizer and the declared buffers, which it may change.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -48,9 +54,30 @@ class BufferUpdate(ABC):
         """Refuse, with a ``TypeError`` that says what to use, an optimizer that cannot provide what :meth:`apply`
         reads. Called once per stage, when the pipeline is built."""
 
+    def kept_with(self, optimizer: Any) -> bool:
+        """Whether a stage with this optimizer keeps the buffer at all (asked once per stage, after :meth:`check`).
+        A buffer only some optimizers need says no to the others: the stage then allocates, saves and counts none.
+        (The planner, which does not know the optimizer, counts every declared buffer.)"""
+        return True
+
     @abstractmethod
     def apply(self, buffer: torch.Tensor, after: AfterUpdate) -> None:
         """Update ``buffer`` in place."""
+
+
+class ChangedBeforeStep(BufferUpdate):
+    """A buffer only the algorithm's :class:`GradientTransform` changes, before the optimizer's step; nothing
+    changes it after the step. ``optimizers`` (a predicate of the stage's optimizer, None: every one) says with
+    which optimizers a stage keeps it."""
+
+    def __init__(self, optimizers: Callable[[Any], bool] | None = None):
+        self.optimizers = optimizers
+
+    def kept_with(self, optimizer: Any) -> bool:
+        return self.optimizers is None or bool(self.optimizers(optimizer))
+
+    def apply(self, buffer: torch.Tensor, after: AfterUpdate) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -99,6 +126,48 @@ class StateBuffer:
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
             raise ValueError(f"a state buffer's name must be an identifier, got {self.name!r}")
+
+
+class BeforeStep(Protocol):
+    """What a :class:`GradientTransform` reads, just before its stage's optimizer steps."""
+
+    #: The live weights the update applies to (flat).
+    weights: torch.Tensor
+    #: The weights the gradient was computed at (flat: the version its backward read), for a transform that
+    #: reads them (:attr:`GradientTransform.reads_gradient_weights`); None otherwise.
+    gradient_weights: torch.Tensor | None
+    #: The stage's optimizer (a :class:`~pipecore.engine.optim.StageOptimizer`), before its step.
+    optimizer: Any
+    #: ``(start, stop)`` ranges of the flat buffers holding weights tied to copies at other stages. Every owner
+    #: applies the same (summed) gradient to its copy so that the copies stay identical: a transform must change
+    #: these ranges alike on every owner (not by what only this stage holds, such as its stash) or leave them.
+    tied: Sequence[tuple[int, int]]
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """The stage's declared buffer ``name``, which the transform may change."""
+
+
+class GradientTransform(ABC):
+    """How an algorithm changes the gradient an update applies, in place, before the optimizer's step (skipped
+    updates apply none and transform none).
+
+    Declared per stage by ``AlgorithmSpec.gradient_transform`` (``(stage, algorithm) -> GradientTransform | None``).
+    The gradient is the flat gradient buffer after tied sums, the replicas' sum and clipping; the optimizer steps
+    with what the transform leaves there, and the declared buffers' updates after the step read the same.
+    """
+
+    #: Whether :meth:`apply` reads ``before.gradient_weights``: the version book then keeps the version each
+    #: backward read until the update that applies its gradient (one more version in the ring while a gradient
+    #: waits for its update, which the simulator counts), and the update's gradient must come from one version.
+    reads_gradient_weights: bool = False
+
+    def check(self, optimizer: Any) -> None:
+        """Refuse, with a ``TypeError`` that says what to use, an optimizer the transform cannot work with. Called
+        once per stage, when the pipeline is built."""
+
+    @abstractmethod
+    def apply(self, grad: torch.Tensor, before: BeforeStep) -> None:
+        """Transform ``grad`` in place."""
 
 
 class WeightSource(Protocol):

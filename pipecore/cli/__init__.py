@@ -10,9 +10,9 @@ block: the line ends by pointing at ``--help``), and any ``ValueError`` a comman
 ``ValueError`` for input problems, never print tracebacks for them).
 
 Under ``torchrun`` every process runs the same command line, so an error in it, or any
-:class:`~pipecore.cli._args.ConfigurationError` a command raises, would be printed once per rank, and torchrun
-answers any worker that exits non-zero with a traceback of its own. Such an error is printed by rank 0 alone,
-and every rank exits with 0.
+:class:`~pipecore.cli._args.ConfigurationError` a command raises, would be printed once per rank. Such an error is
+printed by rank 0 alone, which exits with 2 (the launch fails); the other ranks exit quietly (see
+:func:`report_error`).
 """
 
 from __future__ import annotations

@@ -47,3 +47,7 @@ def algorithm_option(text: str) -> tuple[str, Any]:
     if not sep or not key.strip() or not value.strip():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. lam=0.5), got {text!r}")
     return key.strip(), parse_option_value(value.strip())
+
+
+#: The optimizers ``--optimizer`` chooses from, with what a run's header says of them (``{lr}``: the rate).
+OPTIMIZERS = {"sgd": "SGD lr {lr:g} momentum 0.9", "adamw": "AdamW lr {lr:g}", "nadam": "NAdam lr {lr:g}"}

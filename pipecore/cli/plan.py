@@ -84,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what the partition optimises (default memory)")
     parser.add_argument("--cuts", choices=("modules", "nodes"), default="modules",
                         help="cut only where a module starts (default, as the pipeline's own partition) or anywhere")
-    parser.add_argument("--optimizer", choices=("sgd", "adamw"),
+    parser.add_argument("--optimizer", choices=("sgd", "adamw", "nadam"),
                         help="its state counts in the memory (default: pipecore train's for the model)")
     add_model_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..algorithms import get_algorithm
-    from ..engine import SGD, AdamW
+    from ..engine import SGD, AdamW, NAdam
     from ..planning import parse_bytes, plan
 
     from ..planning.bandwidth import check_gbps
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     x, y = next(iter(task.batches(0)))
     example, target = x[: args.batch_size // args.microbatches], y[: args.batch_size // args.microbatches]
     example, target = example.to(device), target.to(device)
-    optimizer = AdamW(lr=1e-3) if args.optimizer == "adamw" else SGD(lr=0.05, momentum=0.9)
+    optimizer = {"adamw": AdamW(lr=1e-3), "nadam": NAdam(lr=1e-3)}.get(args.optimizer, SGD(lr=0.05, momentum=0.9))
     print(f"{task.name(model)}; profiling {len(example)} samples per micro-batch")
     if world is not None:
         options.update(world_size=world, allreduce_gbps=args.allreduce_gbps)

@@ -10,6 +10,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from .profile import option_text, rank_path
+from ._args import OPTIMIZERS
 
 if TYPE_CHECKING:  # heavy imports stay inside the functions so that ``pipecore --help`` is fast
     from tqdm import tqdm
@@ -116,7 +117,7 @@ class Report:
 
         args, task, say = self.args, self.task, self.say
         steps_per_epoch = task.steps_per_epoch
-        optimizer = f"SGD lr {args.lr:g} momentum 0.9" if args.optimizer == "sgd" else f"AdamW lr {args.lr:g}"
+        optimizer = OPTIMIZERS[args.optimizer].format(lr=args.lr)
         say(f"{task.describe_data()}; {name}")
         smallest, largest = args.batch_size // args.microbatches, -(-args.batch_size // args.microbatches)
         sizes = f"{smallest}" if smallest == largest else f"{smallest}-{largest}"  # as torch.tensor_split splits

@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 
 #: The models ``--model`` chooses from.
 MODELS = ("mlp", "gpt", "resnet")
-#: Default learning rate per optimizer.
-DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3}
+#: Default learning rate per optimizer (see ``_args.OPTIMIZERS``).
+DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3, "nadam": 1e-3}
 #: Default optimizer, mini-batch size and epochs per model.
 DEFAULT_OPTIMIZER = {"mlp": "sgd", "resnet": "sgd", "gpt": "adamw"}
 DEFAULT_BATCH_SIZE = {"mlp": 64, "resnet": 64, "gpt": 32}

@@ -32,11 +32,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ._args import ConfigurationError, algorithm_option, positive_int
+from ._args import OPTIMIZERS, ConfigurationError, algorithm_option, positive_int
 from .checkpoints import check_resume, read_checkpoint, resume_command, run_settings, write_checkpoint
 from .profile import DEFAULT_PROFILE_STEPS, Profile, check_profile_args, rank_path
 from .report import Report
-from .tasks import DEFAULT_LR, MODELS, WARMUP_EPOCHS, add_model_arguments, resolve_defaults, stages_per_rank, task_for
+from .tasks import (DEFAULT_LR, MODELS, WARMUP_EPOCHS, add_model_arguments, resolve_defaults,
+                    stages_per_rank, task_for)
 
 if TYPE_CHECKING:  # heavy imports stay inside run() so that ``pipecore --help`` is fast
     import torch
@@ -137,7 +138,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="total epochs, counting those of a resumed checkpoint (default 20 for mlp, 10 for "
                              "resnet and gpt)")
     parser.add_argument("--lr", type=_positive_float, metavar="LR",
-                        help=f"learning rate (default {DEFAULT_LR['sgd']} for sgd, {DEFAULT_LR['adamw']} for adamw, "
+                        help=f"learning rate (default {DEFAULT_LR['sgd']} for sgd, {DEFAULT_LR['adamw']} for adamw "
+                             f"and nadam, "
                              "per update of a whole mini-batch; algorithms that update every k of the M "
                              "micro-batches default to that times k/M)")
     parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
@@ -149,8 +151,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bf16", action="store_true",
                         help="run the forwards under torch.autocast in bfloat16 (weights and optimizer state stay "
                              "float32)")
-    parser.add_argument("--optimizer", choices=("sgd", "adamw"),
-                        help="sgd (momentum 0.9) or adamw (default sgd for mlp and resnet, adamw for gpt)")
+    parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS),
+                        help="sgd (momentum 0.9), adamw or nadam (torch.optim.NAdam's defaults; default sgd for mlp "
+                             "and resnet, adamw for gpt)")
     _add_run_arguments(parser, add_model_arguments(parser)["gpt"])
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the split, the weights and the shuffling or sampling (default 0)")
@@ -223,7 +226,9 @@ def train_device(spec: str | None) -> "torch.device":
 def _optimizer(name: str, lr: float) -> Any:
     import pipecore
 
-    return pipecore.SGD(lr=lr, momentum=0.9) if name == "sgd" else pipecore.AdamW(lr=lr)
+    if name == "sgd":
+        return pipecore.SGD(lr=lr, momentum=0.9)
+    return pipecore.NAdam(lr=lr) if name == "nadam" else pipecore.AdamW(lr=lr)
 
 
 # -- the command ------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Universal checkpoints: what each stage's flat buffers hold, mapped back to the model's parameter names.
 
-A stage keeps its weights, its optimizer state (SGD's momentum, AdamW's ``exp_avg``/``exp_avg_sq``) and the
+A stage keeps its weights, its optimizer state (SGD's momentum, AdamW's and NAdam's ``exp_avg``/``exp_avg_sq``) and the
 buffers its algorithm declares (:mod:`pipecore.algorithms.state`) as flat buffers in the order of its
 :class:`~pipecore.engine.flat.FlatLayout`.
 :meth:`Pipeline.state_dict` records that order per stage (``"params"``: names and shapes), so a checkpoint
@@ -160,15 +160,23 @@ def stage_state(stage: int, names: Sequence[str], sizes: Sequence[int], canonica
                 notes.append(f"stage {stage}: the checkpoint's optimizer state {key!r} is dropped (this pipeline "
                              "does not keep it)")
             optimizer[key] = None
-        else:  # per-stage scalars such as the step count: the largest of the source stages
-            found = [sm["optimizer"][key] for sm in source_meta if key in sm["optimizer"]]
-            if not found:
+        else:  # per-stage scalars (the step count, NAdam's mu_product): see _scalar_source
+            holders = [sm for sm in source_meta if key in sm["optimizer"]]
+            if not holders:
                 raise KeyError(f"load_state_dict: the checkpoint's optimizer state has no {key!r}, which this "
                                f"pipeline's optimizer keeps (it was saved with another optimizer)")
-            if len(set(found)) > 1:
+            found = {sm["optimizer"][key] for sm in holders}
+            if len(found) > 1:
                 notes.append(f"stage {stage}: optimizer {key!r} differs between checkpoint stages {sources} "
-                             f"({sorted(set(found))}); it continues from the largest")
-            optimizer[key] = max(found)
+                             f"({sorted(found)}); it continues from the stage that made the most steps")
+            optimizer[key] = _scalar_source(holders)["optimizer"][key]
+    kept_by_target = set(template)
+    dropped = sorted({key for sm in source_meta for key, value in sm["optimizer"].items()
+                      if key not in kept_by_target and value is not None}
+                     | {key for p in mine for key in p.optimizer if key not in kept_by_target})
+    for key in dropped:  # state of another optimizer this one does not keep (NAdam's mu_product into AdamW)
+        notes.append(f"stage {stage}: the checkpoint's optimizer state {key!r} is dropped (this pipeline's optimizer "
+                     "does not keep it)")
     own = {name: _assemble(name, [p.buffers.get(name) for p in mine], like, names, sizes, stage, notes,
                            label=labels.get(name, repr(name)))
            for name, like in buffers.items()}
@@ -178,6 +186,14 @@ def stage_state(stage: int, names: Sequence[str], sizes: Sequence[int], canonica
     versions = [sm["version"] for sm in source_meta]
     return LoadedStage(version=max(versions), updates=max(updates), optimizer=optimizer, buffers=own,
                        lr=first.get("lr"))
+
+
+def _scalar_source(holders: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """The checkpoint stage whose optimizer scalars a target stage takes when its source stages disagree: the one
+    that made the most steps (the first of them). All scalars come from one stage, so that those that go together
+    stay together: NAdam's ``mu_product`` is the product of the momentum coefficients of exactly ``steps`` steps
+    (and shrinks as ``steps`` grows, so the largest of each would not match)."""
+    return max(holders, key=lambda sm: sm["optimizer"].get("steps", 0))
 
 
 def _assemble(key: str, parts: Sequence[torch.Tensor | None], like: torch.Tensor, names: Sequence[str],
@@ -212,7 +228,7 @@ def _torch_state(template: Mapping[str, Any], mine: Sequence[ParameterState], so
     the checkpoint's stage that held the first parameter."""
     if "torch" not in source:
         raise KeyError(f"load_state_dict: stage {stage} uses a torch optimizer, but the checkpoint's optimizer state "
-                       "is pipecore's fused SGD or AdamW; load it with the optimizer it was saved with")
+                       "is pipecore's fused SGD, AdamW or NAdam; load it with the optimizer it was saved with")
     groups = template["param_groups"]
     theirs = source["torch"]["param_groups"]
     if len(groups) != 1 or len(theirs) != 1:

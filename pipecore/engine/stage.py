@@ -152,6 +152,7 @@ class TensorStage(OnDevice, StageWorker):
     def share_ties(self, ties: StageTies) -> None:
         """Exchange the gradients of the tied weights this stage holds with their other owners (``ties``)."""
         self.ties = ties
+        self.state.tied_ranges = [(start, stop) for start, stop, _, _ in ties.ranges(self.state.grad)]
 
     def connect(self, *, gradient_sum: GradientSum | None = None, clip: GradClip | None = None) -> None:
         """Sum each update group's gradients over the stage's replicas (``gradient_sum``, data parallelism) and

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..algorithms.state import BufferUpdate, ChangeAverage
+from ..algorithms.state import BufferUpdate, ChangeAverage, GradientTransform
 from ..ring import WeightRing
 from ..versions import VersionBook
 from .flat import FlatLayout
@@ -43,6 +43,20 @@ class _AfterUpdate:
     weights: torch.Tensor
     grad: torch.Tensor
     optimizer: StageOptimizer
+
+
+@dataclass
+class _BeforeStep:
+    """What a gradient transform reads (:class:`pipecore.algorithms.state.BeforeStep`)."""
+
+    weights: torch.Tensor
+    gradient_weights: torch.Tensor | None
+    optimizer: StageOptimizer
+    tied: list[tuple[int, int]]
+    state: "StageState"
+
+    def buffer(self, name: str) -> torch.Tensor:
+        return self.state.buffer(name)
 
 
 @dataclass
@@ -84,7 +98,11 @@ class StageState:
         optimizer: the stage's optimizer.
         book: the stage's version book (which versions are live and held).
         buffer_updates: the algorithm's declared buffers at this stage, by name, with how each changes after an
-            update; each starts at zero, in the optimizer state's dtype.
+            update; each starts at zero, in the optimizer state's dtype. A buffer whose update is not kept with
+            this optimizer (:meth:`~pipecore.algorithms.state.BufferUpdate.kept_with`) is not allocated.
+
+    The algorithm's gradient transform at this stage, if it declares one, is read from the version book's algorithm
+    (``book.algorithm.gradient_transform(stage)``).
     """
 
     def __init__(self, stage: int, layout: FlatLayout, weights: torch.Tensor, num_slots: int, derived: bool,
@@ -100,7 +118,12 @@ class StageState:
         self.optimizer = optimizer
         for update in buffer_updates.values():
             update.check(optimizer)
-        self.buffer_updates = dict(buffer_updates)
+        self.buffer_updates = {name: u for name, u in buffer_updates.items() if u.kept_with(optimizer)}
+        self.transform: GradientTransform | None = book.algorithm.gradient_transform(stage)
+        if self.transform is not None:
+            self.transform.check(optimizer)
+        # The ranges of the flat buffers that hold weights tied to other stages' copies (set with the stage's ties).
+        self.tied_ranges: list[tuple[int, int]] = []
         dtype = state_dtype(weights.dtype)
         self.buffers = {name: torch.zeros(layout.buffer_numel, dtype=dtype, device=weights.device)
                         for name in self.buffer_updates}
@@ -155,6 +178,8 @@ class StageState:
         """The optimizer's step from weights ``w`` with the gradient buffer into ``out`` (which may be ``w``), then
         every declared buffer's update."""
         grad, optimizer = self.grad, self.optimizer
+        if self.transform is not None:
+            self._transform(w)
         if not self.buffer_updates:
             optimizer.step(w, grad, out, lr_scales)
             return
@@ -170,6 +195,21 @@ class StageState:
             after = _AfterUpdate(previous, out, grad, optimizer)
             for name, update in self._after:
                 update.apply(self.buffers[name], after)
+
+    def _transform(self, w: torch.Tensor) -> None:
+        """The algorithm's gradient transform, on the gradient buffer, before the step from the live weights ``w``."""
+        transform = self.transform
+        assert transform is not None
+        computed_at = None
+        if transform.reads_gradient_weights:
+            versions = set(self.book.update_reads)
+            if len(versions) != 1:
+                raise RuntimeError(
+                    f"stage {self.stage}: the update's gradients were computed at versions {sorted(versions)}; the "
+                    "algorithm's gradient transform reads the one version they were computed at")
+            (version,) = versions
+            computed_at = self.slot_of(version)  # the live slot when it is the live version (``w``)
+        transform.apply(self.grad, _BeforeStep(w, computed_at, self.optimizer, self.tied_ranges, self))
 
     def clear_gradients(self) -> None:
         """Zero the gradient buffer: it holds no micro-batch."""
@@ -189,16 +229,27 @@ class StageState:
         """Start again from a checkpoint: ``weights`` (flat) as version ``version`` after ``updates`` updates, the
         optimizer's state, and every declared buffer (``buffers`` must hold exactly those). The ring is new (its
         storage moves), nothing is pinned, the gradient buffer is zero."""
-        if set(buffers) != set(self.buffers):
-            raise ValueError(f"stage {self.stage}: the checkpoint's buffers {sorted(buffers)} do not match the "
-                             f"algorithm's {sorted(self.buffers)}")
+        self.check_load(optimizer_state, buffers)
+        # Everything checked: nothing below refuses the checkpoint half-way.
         self.ring = WeightRing.from_flat(weights, self.ring.num_slots, version=version)
+        self.optimizer.load_state_dict(dict(optimizer_state))
         self.pinned_versions = set()
         self.book.load(version, updates)
-        self.optimizer.load_state_dict(dict(optimizer_state))
         for name, value in buffers.items():
             self.buffers[name].copy_(value)
         self.clear_gradients()
+
+    def check_load(self, optimizer_state: Mapping[str, Any], buffers: Mapping[str, torch.Tensor]) -> None:
+        """Raise, changing nothing, if :meth:`load` would refuse this optimizer state or these buffers (a pipeline
+        checks every stage before it loads any)."""
+        if set(buffers) != set(self.buffers):
+            raise ValueError(f"stage {self.stage}: the checkpoint's buffers {sorted(buffers)} do not match the "
+                             f"algorithm's {sorted(self.buffers)}")
+        wrong = [name for name, value in buffers.items() if tuple(value.shape) != tuple(self.buffers[name].shape)]
+        if wrong:
+            raise ValueError(f"stage {self.stage}: the checkpoint's buffers {wrong} have another size than this "
+                             "stage's weights")
+        self.optimizer.check_state(dict(optimizer_state))
 
     # -- undo ----------------------------------------------------------------------------------
 

@@ -94,6 +94,8 @@ def load_state_dict(parts: Parts, state: dict[str, Any], in_flight: int) -> None
     if wrong:
         raise ValueError(f"load_state_dict: the checkpoint is of another model: shapes differ for {'; '.join(wrong)}")
     if _same_layout(parts, meta):
+        for s, st in stages.items():  # every stage checked before any changes: an error leaves all as they were
+            st.state.check_load(meta["stages"][s]["optimizer"], meta["stages"][s]["buffers"])
         for s, st in stages.items():
             sm = meta["stages"][s]
             st.load({n: state[n] for n in st.layout.names}, sm["version"], sm["updates"], sm["optimizer"],
@@ -141,7 +143,9 @@ def _load_by_name(parts: Parts, state: dict[str, Any], meta: dict[str, Any]) -> 
         labels = {**meta.get("buffer_labels", {}), **{b.name: b.label for b in parts.algorithm.spec.buffers}}
         loaded[s] = stage_state(s, st.layout.names, sizes, canonical, pieces, meta, st.optimizer.state_dict(),
                                 st.state.buffers, labels, st.layout.buffer_numel, notes)
-    for s, st in parts.stages.items():  # every stage assembled before any changes: an error leaves all as they were
+    for s, st in parts.stages.items():  # every stage assembled and checked before any changes
+        st.state.check_load(loaded[s].optimizer, loaded[s].buffers)
+    for s, st in parts.stages.items():
         got = loaded[s]
         st.load({n: state[n] for n in st.layout.names}, got.version, got.updates, got.optimizer, got.buffers)
         if got.lr is not None and st.lr_schedule is None:

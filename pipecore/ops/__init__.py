@@ -30,9 +30,11 @@ import torch
 
 from . import _checks, reference
 
-__all__ = ["adamw_step", "backend_for", "interpolate", "predict", "reference", "sgd_step", "state_dtype"]
+__all__ = ["adamw_step", "backend_for", "interpolate", "nadam_mu", "nadam_step", "predict", "reference", "sgd_step",
+           "state_dtype"]
 
 state_dtype = _checks.state_dtype
+nadam_mu = _checks.nadam_mu
 
 
 def backend_for(t: torch.Tensor) -> str:
@@ -223,5 +225,56 @@ def adamw_step(w: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
     bias_correction2_sqrt = (1.0 - beta2**step) ** 0.5
     impl.adamw_step(out, w, grad, exp_avg, exp_avg_sq, wd_factor=wd_factor, beta1=beta1, beta2=beta2, eps=eps,
                     step_size=step_size, bias_correction2_sqrt=bias_correction2_sqrt)
+    _bump([out, exp_avg, exp_avg_sq])
+    return out
+
+
+def nadam_step(w: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, step: int,
+               mu_product: float, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+               momentum_decay: float, decoupled_weight_decay: bool = False, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """One ``torch.optim.NAdam`` step (``maximize=False``) from ``w`` into ``out``.
+
+    With ``mu_t = nadam_mu(t, beta1, momentum_decay) = beta1 * (1 - 0.5 * 0.96 ** (t * momentum_decay))``, per
+    element::
+
+        g          = grad + weight_decay * w              (L2 weight decay: decoupled_weight_decay=False)
+        p          = w * (1 - lr * weight_decay)          (decoupled weight decay, as AdamW's)
+        exp_avg    = lerp(exp_avg, g, 1 - beta1)
+        exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g * g
+        denom      = sqrt(exp_avg_sq / (1 - beta2**step)) + eps
+        out        = p - lr * (1 - mu_step) / (1 - mu_product) * g / denom
+                       - lr * mu_{step+1} / (1 - mu_product * mu_{step+1}) * exp_avg / denom
+
+    The scalars depend on the step only; they are computed once per call on the host, so the kernels are
+    element-wise.
+
+    Args:
+        w: current (live) weights.
+        grad: gradient, same dtype as ``w``.
+        exp_avg, exp_avg_sq: first and second moments (state dtype), updated in place; zeros before the first
+            step, as in torch.
+        step: the step number this update makes, counting from 1 (torch's ``state["step"]`` after its increment).
+        mu_product: ``mu_1 * ... * mu_step``, the product of the momentum coefficients with this step's included
+            (torch's ``state["mu_product"]`` after its update): the caller keeps the running product, multiplying
+            it by ``nadam_mu(step, beta1, momentum_decay)`` before each step.
+        lr, beta1, beta2, eps, weight_decay, momentum_decay, decoupled_weight_decay: as in ``torch.optim.NAdam``.
+        out: where the new weights go, e.g. the next ring slot; defaults to ``w`` (in place).
+
+    Returns:
+        ``out``.
+    """
+    (out, step, mu_product, lr, beta1, beta2, eps, weight_decay, momentum_decay, decoupled_weight_decay) = \
+        _checks.nadam_args(w, grad, exp_avg, exp_avg_sq, step, mu_product, lr, beta1, beta2, eps, weight_decay,
+                           momentum_decay, decoupled_weight_decay, out)
+    impl = _impl(w)
+    if impl is None:
+        return reference.nadam_step(w, grad, exp_avg, exp_avg_sq, step=step, mu_product=mu_product, lr=lr,
+                                    beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                                    momentum_decay=momentum_decay, decoupled_weight_decay=decoupled_weight_decay,
+                                    out=out)
+    scalars = _checks.nadam_scalars(step, mu_product, lr, beta1, beta2, weight_decay, momentum_decay,
+                                    decoupled_weight_decay)
+    impl.nadam_step(out, w, grad, exp_avg, exp_avg_sq, beta1=beta1, beta2=beta2, eps=eps, **scalars)
     _bump([out, exp_avg, exp_avg_sq])
     return out

@@ -170,6 +170,8 @@ _SGD = {
 }
 _ADAMW = Signature("adamw_step", ("w", "grad", "out"), ("exp_avg", "exp_avg_sq"),
                    written=("out", "exp_avg", "exp_avg_sq"), out_may_alias=("w",))
+_NADAM = Signature("nadam_step", ("w", "grad", "out"), ("exp_avg", "exp_avg_sq"),
+                   written=("out", "exp_avg", "exp_avg_sq"), out_may_alias=("w",))
 
 
 def interpolate_args(live, stale, alpha, out):
@@ -229,9 +231,7 @@ def adamw_args(w, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight
     """Checks and normalises the arguments of ``adamw_step``; returns (out, step, lr, beta1, beta2,
     eps, weight_decay)."""
     op = "adamw_step"
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
-        raise ValueError(f"{op}: argument 'step' must be an integer >= 1 (the step count after this update), "
-                         f"got {step!r}")
+    step = _step_number(op, step)
     lr = real(op, "lr", lr)
     beta1 = real(op, "beta1", beta1)
     beta2 = real(op, "beta2", beta2)
@@ -251,3 +251,76 @@ def adamw_args(w, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight
         out = w
     _ADAMW.check(w, grad, out, exp_avg, exp_avg_sq)
     return out, int(step), lr, beta1, beta2, eps, weight_decay
+
+
+def _step_number(op: str, step: object) -> int:
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
+        raise ValueError(f"{op}: argument 'step' must be an integer >= 1 (the step count after this update), "
+                         f"got {step!r}")
+    return int(step)
+
+
+def nadam_mu(step: int, beta1: float, momentum_decay: float) -> float:
+    """NAdam's momentum coefficient of step ``step``: ``beta1 * (1 - 0.5 * 0.96 ** (step * momentum_decay))``,
+    computed as ``torch.optim.NAdam`` computes it (Python floats)."""
+    return beta1 * (1.0 - 0.5 * (0.96 ** (step * momentum_decay)))
+
+
+def nadam_args(w, grad, exp_avg, exp_avg_sq, step, mu_product, lr, beta1, beta2, eps, weight_decay, momentum_decay,
+               decoupled_weight_decay, out):
+    """Checks and normalises the arguments of ``nadam_step``; returns (out, step, mu_product, lr, beta1, beta2,
+    eps, weight_decay, momentum_decay, decoupled_weight_decay)."""
+    op = "nadam_step"
+    step = _step_number(op, step)
+    mu_product = real(op, "mu_product", mu_product)
+    lr = real(op, "lr", lr)
+    beta1 = real(op, "beta1", beta1)
+    beta2 = real(op, "beta2", beta2)
+    eps = real(op, "eps", eps)
+    weight_decay = real(op, "weight_decay", weight_decay)
+    momentum_decay = real(op, "momentum_decay", momentum_decay)
+    if not isinstance(decoupled_weight_decay, bool):
+        raise ValueError(f"{op}: argument 'decoupled_weight_decay' must be True or False, got "
+                         f"{type(decoupled_weight_decay).__name__}")
+    if lr < 0.0:
+        raise ValueError(f"{op}: invalid learning rate lr={lr}")
+    if not 0.0 <= beta1 < 1.0:
+        raise ValueError(f"{op}: invalid beta1={beta1}; expected 0 <= beta1 < 1")
+    if not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"{op}: invalid beta2={beta2}; expected 0 <= beta2 < 1")
+    if eps < 0.0:
+        raise ValueError(f"{op}: invalid eps={eps}")
+    if weight_decay < 0.0:
+        raise ValueError(f"{op}: invalid weight_decay={weight_decay}")
+    if not 0.0 <= momentum_decay < float("inf"):
+        raise ValueError(f"{op}: invalid momentum_decay={momentum_decay}; expected a finite value >= 0")
+    # Every mu is at most beta1 < 1, so their product is in [0, 1); 1 - mu_product divides the step.
+    if not 0.0 <= mu_product < 1.0:
+        raise ValueError(f"{op}: invalid mu_product={mu_product}; expected 0 <= mu_product < 1 (the product of "
+                         "NAdam's momentum coefficients mu_1 * ... * mu_step, this step's included)")
+    if out is None:
+        out = w
+    _NADAM.check(w, grad, out, exp_avg, exp_avg_sq)
+    return (out, step, mu_product, lr, beta1, beta2, eps, weight_decay, momentum_decay, decoupled_weight_decay)
+
+
+def nadam_scalars(step: int, mu_product: float, lr: float, beta1: float, beta2: float, weight_decay: float,
+                  momentum_decay: float, decoupled_weight_decay: bool) -> dict[str, float]:
+    """The per-step scalars of a NAdam update, computed once on the host in ``torch.optim.NAdam``'s order (Python
+    floats), so that the kernels are element-wise:
+
+    * ``grad_decay``: added to the gradient times the weights (L2 weight decay; 0 when decoupled),
+    * ``wd_factor``: the weights' factor ``1 - lr * weight_decay`` (decoupled weight decay; 1 otherwise),
+    * ``bias_correction2 = 1 - beta2**step``,
+    * ``grad_step = -lr * (1 - mu_t) / (1 - mu_product)``, the gradient's share of the step,
+    * ``exp_avg_step = -lr * mu_{t+1} / (1 - mu_product * mu_{t+1})``, the first moment's share."""
+    mu = nadam_mu(step, beta1, momentum_decay)
+    mu_next = nadam_mu(step + 1, beta1, momentum_decay)
+    decoupled = decoupled_weight_decay and weight_decay != 0.0
+    return {
+        "grad_decay": weight_decay if not decoupled_weight_decay else 0.0,
+        "wd_factor": 1.0 - lr * weight_decay if decoupled else 1.0,
+        "bias_correction2": 1.0 - beta2**step,
+        "grad_step": -lr * (1.0 - mu) / (1.0 - mu_product),
+        "exp_avg_step": (-lr * mu_next) / (1.0 - mu_product * mu_next),
+    }

@@ -24,7 +24,7 @@ import torch
 
 from . import _checks
 
-__all__ = ["adamw_step", "interpolate", "predict", "sgd_step"]
+__all__ = ["adamw_step", "interpolate", "nadam_step", "predict", "sgd_step"]
 
 
 def _sqrt(t: torch.Tensor) -> torch.Tensor:
@@ -92,6 +92,15 @@ def sgd_step(w: torch.Tensor, grad: torch.Tensor, momentum_buf: torch.Tensor | N
     return out
 
 
+def _lerp_moment(exp_avg: torch.Tensor, g: torch.Tensor, beta1: float, md: torch.dtype) -> torch.Tensor:
+    """``exp_avg.lerp(g, 1 - beta1)`` with torch's two-sided formula, its weight rounded to the math dtype."""
+    weight = torch.tensor(1.0 - beta1, dtype=md)
+    diff = g - exp_avg
+    if abs(float(weight)) < 0.5:
+        return exp_avg + diff * float(weight)
+    return g - diff * float(1.0 - weight)  # 1 - weight rounded in the math dtype, as the kernels do
+
+
 def adamw_step(w: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -104,13 +113,7 @@ def adamw_step(w: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
         g = grad.to(md)
         if weight_decay != 0.0:
             p = p * (1.0 - lr * weight_decay)
-        # exp_avg.lerp(g, 1 - beta1) with torch's two-sided formula, its weight rounded to the math dtype.
-        weight = torch.tensor(1.0 - beta1, dtype=md)
-        diff = g - exp_avg
-        if abs(float(weight)) < 0.5:
-            m = exp_avg + diff * float(weight)
-        else:
-            m = g - diff * float(1.0 - weight)  # 1 - weight rounded in the math dtype, as the kernels do
+        m = _lerp_moment(exp_avg, g, beta1, md)
         v = exp_avg_sq * beta2 + (g * g) * (1.0 - beta2)
         bias_correction1 = 1.0 - beta1**step
         bias_correction2 = 1.0 - beta2**step
@@ -121,4 +124,38 @@ def adamw_step(w: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
         exp_avg.copy_(m)
         exp_avg_sq.copy_(v)
         out.copy_(new)
+    return out
+
+
+def nadam_step(w: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, step: int,
+               mu_product: float, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+               momentum_decay: float, decoupled_weight_decay: bool = False, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """torch.optim.NAdam step written to ``out`` (default: ``w``); see :func:`pipecore.ops.nadam_step`.
+
+    torch's single-tensor update, in its order: ``param.addcdiv_(grad, denom, value=c)`` is
+    ``param + (c * grad) / denom`` (a quotient is never fused into an add), once for the gradient and once for
+    the first moment, each rounded in the math dtype."""
+    (out, step, mu_product, lr, beta1, beta2, eps, weight_decay, momentum_decay, decoupled_weight_decay) = \
+        _checks.nadam_args(w, grad, exp_avg, exp_avg_sq, step, mu_product, lr, beta1, beta2, eps, weight_decay,
+                           momentum_decay, decoupled_weight_decay, out)
+    s = _checks.nadam_scalars(step, mu_product, lr, beta1, beta2, weight_decay, momentum_decay,
+                              decoupled_weight_decay)
+    md = _checks.state_dtype(w.dtype)
+    with torch.no_grad():
+        p = w.to(md)
+        g = grad.to(md)
+        if s["grad_decay"] != 0.0:
+            g = g + p * s["grad_decay"]
+        if s["wd_factor"] != 1.0:
+            p = p * s["wd_factor"]
+        m = _lerp_moment(exp_avg, g, beta1, md)
+        v = exp_avg_sq * beta2 + (g * (1.0 - beta2)) * g
+        bias_correction2 = torch.tensor(s["bias_correction2"], dtype=md, device=v.device)
+        denom = _sqrt(v / bias_correction2) + eps
+        p = p + (g * s["grad_step"]) / denom
+        p = p + (m * s["exp_avg_step"]) / denom
+        exp_avg.copy_(m)
+        exp_avg_sq.copy_(v)
+        out.copy_(p.to(w.dtype))
     return out

@@ -55,7 +55,7 @@ from torch import nn
 
 from ..engine.graph import CapturedModel
 from ..engine.inputs import as_model_inputs
-from ..engine.optim import SGD, AdamW
+from ..engine.optim import SGD, AdamW, NAdam
 from ..engine.buffers import buffer_copies
 from .costs import GraphCosts, TiedParameter
 from .device_timing import host_bandwidth, on_device
@@ -81,7 +81,7 @@ def profile(model: nn.Module, example_input: Any, *, leaf_modules: Sequence[type
         leaf_modules: module types or qualified names kept whole as one node (as for ``Pipeline``).
         optimizer: the optimizer the pipeline will use, for the optimizer-state bytes: ``pipecore.SGD``
             (momentum: one float32 buffer per parameter, float64 for float64 weights; none without momentum),
-            ``pipecore.AdamW`` (two such buffers), a torch optimizer factory (its state is measured after one
+            ``pipecore.AdamW`` and ``pipecore.NAdam`` (two such buffers), a torch optimizer factory (its state is measured after one
             step on a zero parameter of each shape and dtype), or None for the pipeline's default
             (``pipecore.SGD`` without momentum: no state).
         loss_fn, example_target: the pipeline's loss and the targets of ``example_input``; when given, the
@@ -188,9 +188,10 @@ def _check_count(name: str, value: Any, least: int) -> None:
 
 
 def _check_optimizer(spec: Any) -> None:
-    if spec is None or isinstance(spec, (SGD, AdamW)) or callable(spec):
+    if spec is None or isinstance(spec, (SGD, AdamW, NAdam)) or callable(spec):
         return
-    raise TypeError("profile(): optimizer must be None, pipecore.SGD(...), pipecore.AdamW(...) or a factory "
+    raise TypeError("profile(): optimizer must be None, pipecore.SGD(...), pipecore.AdamW(...), pipecore.NAdam(...) "
+                    "or a factory "
                     f"such as functools.partial(torch.optim.RMSprop, lr=1e-3); got {spec!r}")
 
 
@@ -285,8 +286,8 @@ def _state_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _optimizer_state(spec: Any, params: Sequence[torch.Tensor], device: torch.device) -> dict[int, int]:
     """Bytes of optimizer state per parameter (by ``id``) under ``spec`` (see :func:`profile`)."""
-    if spec is None or isinstance(spec, (SGD, AdamW)):
-        buffers = 0 if spec is None else 2 if isinstance(spec, AdamW) else int(spec.momentum != 0.0)
+    if spec is None or isinstance(spec, (SGD, AdamW, NAdam)):
+        buffers = 0 if spec is None else 2 if isinstance(spec, (AdamW, NAdam)) else int(spec.momentum != 0.0)
         return {id(p): buffers * p.numel() * _state_dtype(p.dtype).itemsize for p in params}
     measured: dict[tuple[torch.Size, torch.dtype], int] = {}
     out = {}

@@ -44,8 +44,11 @@ elsewhere (a GPU), as does any ``bench/results/gpu-*.json`` with a ``convergence
 prints its held-out loss curve and the first evaluation after which it improved by less than
 ``FLAT_TOLERANCE`` (relative) over ``FLAT_WINDOW`` evaluations: the number of epochs a task is trained for.
 
-Ablations (``mlp4``, ``mlp8``, ``gpt``): PipeMare without T1 / T2, I-TiMePReSt over ``lam``; SpecTrain beside
-PipeDream on every task. An ablation whose options this pipecore does not accept is skipped and listed.
+Ablations (``mlp4``, ``mlp8``, ``gpt``): PipeMare without T1 / T2, I-TiMePReSt over ``lam``. On every task:
+pipedream-dc's adaptive variant beside its constant ``lam``, and a table of the staleness corrections
+(spectrain, pipedream-dc, nesterov-async) beside PipeDream. An ablation whose options this pipecore does not
+accept, and an algorithm that refuses a task's optimizer (nesterov-async takes its look-ahead from the
+optimizer's momentum: not AdamW; the ``gpt-nadam`` tasks train with NAdam), is skipped and listed.
 
 ``--optimizer TASK=NAME`` trains a task with another pipecore optimizer (``getattr(pipecore, NAME)``, e.g.
 ``gpt-large=NAdam``; a clear error if this pipecore lacks it), keeping the options it accepts.
@@ -86,7 +89,7 @@ from pipecore.cli._args import positive_int  # noqa: E402
 from pipecore.cli.tasks import WARMUP_EPOCHS  # noqa: E402
 
 from convergence_report import (  # noqa: E402
-    ablation_tables, add_gaps, aggregate, aggregates_by_group, plot_task, spectrain_table, task_table,
+    ablation_tables, add_gaps, aggregate, aggregates_by_group, corrections_table, plot_task, task_table,
     task_target,
 )
 from convergence_runs import (  # noqa: E402
@@ -180,11 +183,11 @@ def all_tables(tasks: Sequence[Task], report: dict[str, Any]) -> str:
     by_name = {t.name: t for t in tasks}
     parts += [ttq_table(by_name[e["task"]], e, targets[e["task"]]) for e in report["time_to_quality"]]
     parts += ablation_tables(tasks, groups)
-    pair = spectrain_table(tasks, groups)
-    if pair:
-        parts.append(pair)
+    corrections = corrections_table(tasks, groups)
+    if corrections:
+        parts.append(corrections)
     if report["skipped"]:
-        parts.append("Skipped (options this pipecore does not accept):\n\n" + "\n".join(
+        parts.append("Skipped (options or an optimizer the algorithm does not accept):\n\n" + "\n".join(
             f"* {s['task']} {s['algorithm']} {s['setting']}: {s['reason']}" for s in report["skipped"]))
     return "\n\n".join(parts) + "\n"
 

@@ -47,6 +47,9 @@ PIPEMARE_ABLATIONS = {"no T1 (lr_rescheduling=False)": {"lr_rescheduling": False
 LAMBDAS = (0.0, 0.5, 1.0, 2.0, math.inf)
 #: The tasks that get the ablations (when chosen with --tasks).
 ABLATION_TASKS = ("mlp4", "mlp8", "gpt")
+#: Delay compensation's adaptive variant (DC-ASGD-a), beside the constant ``lam`` of pipedream-dc's main runs,
+#: on every task: at the constant variant's default ``lam`` the correction is tiny where gradients are small.
+DC_ADAPTIVE = ("pipedream-dc", "adaptive", {"adaptive": True})
 #: Seconds per epoch of one run at the full study's sizes, for the time estimate printed at the start:
 #: (sequential, a pipeline algorithm's typical), measured on a 2-core machine with both workers busy (the
 #: algorithms with an update per micro-batch, and mlp8's, vary up to 1.5x around these). GPT tasks scale with
@@ -285,6 +288,20 @@ def accepted(task: Task, algorithm: str, options: dict[str, Any]) -> str | None:
     return None
 
 
+def refuses_optimizer(task: Task, algorithm: str, options: dict[str, Any]) -> str | None:
+    """None if ``algorithm`` trains with the task's optimizer, else the pipeline's reason (nesterov-async takes
+    its look-ahead from the optimizer's momentum and refuses AdamW, whose first moment has none). Asked of a
+    pipeline of single-layer stages, built and dropped: the refusal is the one a run would meet."""
+    stages = nn.Sequential(*(nn.Linear(2, 2) for _ in range(task.stages)))
+    try:
+        pipecore.Pipeline(stages, task.stages, algorithm, task.microbatches, concurrent=False,
+                          optimizer=make_optimizer(task, task.lr, task.optimizer_options), loss_fn=nn.MSELoss(),
+                          **algorithm_options(task, algorithm, options))
+    except TypeError as error:
+        return str(error).splitlines()[0]
+    return None
+
+
 class Plan:
     """The groups of the study and the distinct jobs they need."""
 
@@ -311,8 +328,9 @@ class Plan:
     def group(self, task: Task | str, method: str, setting: str = AT_SEQUENTIAL) -> Group | None:
         return self.groups.get(group_name(getattr(task, "name", task), method, setting))
 
-    def skip(self, task: Task, method: str, setting: str, reason: str) -> None:
-        print(f"SKIPPED {task.name} {method} {setting}: this pipecore does not accept it: {reason}", file=sys.stderr)
+    def skip(self, task: Task, method: str, setting: str, reason: str,
+             why: str = "this pipecore does not accept it") -> None:
+        print(f"SKIPPED {task.name} {method} {setting}: {why}: {reason}", file=sys.stderr)
         self.skipped.append({"task": task.name, "algorithm": method, "setting": setting, "reason": reason})
 
 
@@ -347,12 +365,17 @@ def plan_first_phase(plan: Plan, tasks: Sequence[Task], seeds: Sequence[int]) ->
     jobs: list[Job] = []
     for task in tasks:
         for method in methods(task):
+            refused = None if is_sequential(method) else refuses_optimizer(task, method, {})
+            if refused:
+                plan.skip(task, method, AT_SEQUENTIAL, refused, why=f"not with {task.optimizer}")
+                continue
             jobs += plan.add(task, method, AT_SEQUENTIAL, seeds_for(task, method, seeds), task.lr,
                              task.optimizer_options)
             for lr, opt_options in task.grid:
                 jobs += plan.add(task, method, grid_setting(lr, opt_options), [GRID_SEED], lr, opt_options)
         if task.name in ABLATION_TASKS:
             jobs += plan_ablations(plan, task, seeds)
+        jobs += plan_variant(plan, task, seeds, *DC_ADAPTIVE)
         # An ablation may change an algorithm's update frequency: its matched baseline runs too.
         for group in [g for g in plan.groups.values() if g.task == task.name and not is_sequential(g.method)]:
             baseline = matched_sequential(task, group.method, group.options)
@@ -377,13 +400,21 @@ def plan_ablations(plan: Plan, task: Task, seeds: Sequence[int]) -> list[Job]:
         default_lam = pipecore.get_algorithm("i-timeprest", task.stages, task.microbatches).options["lam"]
         variants += [("i-timeprest", lam_label(lam), {} if lam == default_lam else {"lam": lam}) for lam in LAMBDAS]
     for algorithm, label, opts in variants:
-        setting = f"ablation {label}"
-        problem = accepted(task, algorithm, opts)
-        if problem:
-            plan.skip(task, algorithm, setting, problem)
-            continue
-        jobs += plan.add(task, algorithm, setting, seeds, task.lr, task.optimizer_options, opts)
+        jobs += plan_variant(plan, task, seeds, algorithm, label, opts)
     return jobs
+
+
+def plan_variant(plan: Plan, task: Task, seeds: Sequence[int], algorithm: str, label: str,
+                 options: dict[str, Any]) -> list[Job]:
+    """An algorithm with other options (setting ``ablation <label>``), if this pipecore has it and accepts them."""
+    if algorithm not in algorithms():
+        return []
+    setting = f"ablation {label}"
+    problem = accepted(task, algorithm, options)
+    if problem:
+        plan.skip(task, algorithm, setting, problem)
+        return []
+    return plan.add(task, algorithm, setting, seeds, task.lr, task.optimizer_options, options)
 
 
 def plan_best(plan: Plan, tasks: Sequence[Task], seeds: Sequence[int], records: dict[tuple, dict]) -> list[Job]:
@@ -394,6 +425,8 @@ def plan_best(plan: Plan, tasks: Sequence[Task], seeds: Sequence[int], records: 
         if not task.grid:
             continue
         for method in methods(task):
+            if plan.group(task, method) is None:  # skipped: the algorithm refuses the task's optimizer
+                continue
             lr, opt_options = best_grid_point(plan, task, method, records)
             jobs += plan.add(task, method, BEST, seeds_for(task, method, seeds), lr, opt_options)
     return jobs

@@ -118,6 +118,23 @@ _LARGE = dict(model="gpt", sizes=_GPT_LARGE, microbatches=8, batch_size=32, epoc
               optimizer_options=(("weight_decay", 0.01),), steps_per_epoch=50, target_rule="final",
               target_margin=0.02, exact_seeds=1, cosine_to=0.1)
 
+#: The Nesterov method's recipe (Ajanthan et al.'s code): NAdam with beta1 0.99 and decoupled weight decay.
+NADAM_OPTIONS: Options = (("betas", (0.99, 0.999)), ("momentum_decay", 0.004), ("weight_decay", 0.01),
+                          ("decoupled_weight_decay", True))
+
+
+def _gpt_variants(gpt: Task) -> dict[str, Task]:
+    """The small GPT at P=8 (m=8: one more stage than the model has blocks and embeddings and head can fill
+    evenly, the deepest cut), and both depths with NAdam as the Nesterov method's paper trains (the optimizer
+    whose momentum nesterov-async makes a look-ahead; AdamW has none). """
+    p8 = {"stages": 8, "microbatches": 8}
+    return {
+        "gpt-p8": replace(gpt, name="gpt-p8", **p8),
+        "gpt-nadam": replace(gpt, name="gpt-nadam", optimizer="NAdam", optimizer_options=NADAM_OPTIONS),
+        "gpt-nadam-p8": replace(gpt, name="gpt-nadam-p8", optimizer="NAdam", optimizer_options=NADAM_OPTIONS, **p8),
+    }
+
+
 TASKS: dict[str, Task] = {
     "mlp4": Task("mlp4", "mlp", {"hidden": 96, "depth": 3}, 4, 4, 64, 15, "SGD", 0.05, (("momentum", 0.9),),
                  target=0.9, grid=GRID),
@@ -126,13 +143,15 @@ TASKS: dict[str, Task] = {
     "resnet": Task("resnet", "resnet", {"width": 16, "blocks": 3}, 4, 4, 64, 8, "SGD", 0.05, (("momentum", 0.9),),
                    target=0.95),
     "gpt": Task("gpt", "gpt", _GPT_SMALL, 4, 4, 32, 6, "AdamW", 1e-3, (("weight_decay", 0.01),),
-                steps_per_epoch=20),
-    "gpt-large-p4": Task("gpt-large-p4", stages=4, **_LARGE),
-    "gpt-large-p8": Task("gpt-large-p8", stages=8, **_LARGE),
+                steps_per_epoch=20, exact_seeds=1),
 }
+TASKS.update(_gpt_variants(TASKS["gpt"]))
+TASKS.update({"gpt-large-p4": Task("gpt-large-p4", stages=4, **_LARGE),
+              "gpt-large-p8": Task("gpt-large-p8", stages=8, **_LARGE)})
 
 #: Names that select several tasks on the command line.
-TASK_FAMILIES = {"gpt-large": ("gpt-large-p4", "gpt-large-p8")}
+TASK_FAMILIES = {"gpt-large": ("gpt-large-p4", "gpt-large-p8"), "gpt-small": ("gpt", "gpt-p8", "gpt-nadam",
+                                                                           "gpt-nadam-p8")}
 
 
 def quick_tasks() -> dict[str, Task]:
@@ -143,7 +162,7 @@ def quick_tasks() -> dict[str, Task]:
         "mlp4": replace(TASKS["mlp4"], epochs=5, grid=sgd_grid((0.025, 0.05), (0.9,))),
         "mlp8": replace(TASKS["mlp8"], epochs=3, grid=()),
         "resnet": replace(TASKS["resnet"], epochs=2),
-        "gpt": replace(TASKS["gpt"], epochs=2, steps_per_epoch=10),
+        **{name: replace(TASKS[name], epochs=2, steps_per_epoch=10) for name in TASK_FAMILIES["gpt-small"]},
         "gpt-large-p4": replace(TASKS["gpt-large-p4"], sizes=tiny_large, epochs=3, steps_per_epoch=5),
         "gpt-large-p8": replace(TASKS["gpt-large-p8"], sizes=tiny_large, epochs=3, steps_per_epoch=5),
     }

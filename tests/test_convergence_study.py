@@ -164,6 +164,52 @@ def test_exact_algorithms_run_fewer_seeds_and_sequential_runs_are_shared_across_
     assert plan.group(p4, "sequential/8").keys == plan.group(p8, "sequential/8").keys
 
 
+def test_an_algorithm_that_refuses_the_tasks_optimizer_is_skipped_and_listed(study):
+    """nesterov-async takes its look-ahead from the optimizer's momentum: AdamW has none, SGD's momentum and NAdam
+    do. A refused method runs nothing and is listed with the pipeline's reason."""
+    runs, tasks = study["runs"], study["tasks"]
+    adamw = tasks.with_optimizer(tiny(study), "AdamW")
+    assert "AdamW" in runs.refuses_optimizer(adamw, "nesterov-async", {})
+    assert runs.refuses_optimizer(adamw, "pipedream", {}) is None
+    assert runs.refuses_optimizer(tiny(study), "nesterov-async", {}) is None  # SGD with momentum 0.9
+    plan = runs.Plan()
+    jobs = runs.plan_first_phase(plan, [adamw], [0])
+    assert not any(j.method == "nesterov-async" for j in jobs) and plan.group(adamw, "nesterov-async") is None
+    assert [(s["algorithm"], s["setting"]) for s in plan.skipped] == [("nesterov-async", runs.AT_SEQUENTIAL)]
+    assert any(j.method == "pipedream" for j in jobs)
+
+
+def test_the_small_gpt_variants_differ_only_in_depth_and_optimizer(study):
+    tasks = study["tasks"].TASKS
+    gpt = tasks["gpt"]
+    for name, stages, optimizer in (("gpt-p8", 8, "AdamW"), ("gpt-nadam", 4, "NAdam"), ("gpt-nadam-p8", 8, "NAdam")):
+        task = tasks[name]
+        assert (task.stages, task.microbatches, task.optimizer) == (stages, stages, optimizer)
+        assert (task.sizes, task.batch_size, task.epochs, task.steps_per_epoch, task.lr) == \
+            (gpt.sizes, gpt.batch_size, gpt.epochs, gpt.steps_per_epoch, gpt.lr)
+    nadam = dict(tasks["gpt-nadam"].optimizer_options)
+    assert nadam == {"betas": (0.99, 0.999), "momentum_decay": 0.004, "weight_decay": 0.01,
+                     "decoupled_weight_decay": True}
+    built = study["tasks"].make_optimizer(tasks["gpt-nadam"], 1e-3, tasks["gpt-nadam"].optimizer_options)
+    assert type(built) is pipecore.NAdam
+
+
+def test_the_corrections_table_lists_pipedream_and_each_correction_against_its_baseline(study):
+    runs, report = study["runs"], study["report"]
+    task = replace(tiny(study), name="t")
+    gap = {"gap": 0.005, "min": 0.005, "max": 0.005, "seeds": 1}
+    groups = {f"t|{method}|{setting}": {"final": {"mean": 0.95, "std": 0.0, "min": 0.95, "max": 0.95}, "seeds": 1,
+                                        "diverged": 0, "failed": 0, "gap_to_matched": gap, "epochs_to_target": 2.0,
+                                        "reached_target": 1, "steps_to_target": 20.0, "updates_to_target": 80.0}
+              for method, setting in (("pipedream", runs.AT_SEQUENTIAL), ("pipedream-dc", "ablation adaptive"))}
+    table = report.corrections_table([task], groups)
+    lines = [line for line in table.splitlines() if line.startswith("| t |")]
+    assert len(lines) == 2
+    assert "pipedream (stash, uncorrected)" in lines[0] and "DC-ASGD-a" in lines[1]
+    assert all("+0.5 pt (1 seed)" in line for line in lines)
+    assert report.corrections_table([task], {}) is None
+
+
 def curve(study, values, per_epoch=10, key="accuracy"):
     return [{"epoch": e + 1, "step": per_epoch * (e + 1), "updates": per_epoch * (e + 1), key: v, "loss": 1.0}
             for e, v in enumerate(values)]

@@ -31,8 +31,8 @@ READ_PARSERS = """
     argparse.ArgumentParser.parse_args = argparse.ArgumentParser.parse_known_args = intercept
     found = {}
     for path in sorted(Path('bench').glob('*.py')):
-        if path.name.startswith('_'):
-            continue
+        if path.name.startswith('_') or '__main__' not in path.read_text():
+            continue  # a module the benchmarks import (bench/convergence_tasks.py), not a benchmark
         seen.clear()
         sys.argv = [str(path)]
         try:

@@ -23,13 +23,18 @@ MODULES = ("convergence_tasks", "convergence_runs", "convergence_report", "conve
 @pytest.fixture(scope="module")
 def study():
     """The study's modules, imported as the command imports them (``bench/`` on the path)."""
+    path = list(sys.path)
     sys.path.insert(0, str(BENCH))
+    before = set(sys.modules)
     try:
         yield {name.split("_")[-1]: importlib.import_module(name) for name in MODULES}
     finally:
-        for name in MODULES:
-            sys.modules.pop(name, None)
-        sys.path.remove(str(BENCH))
+        # Every module loaded from bench/ goes (the study's and the helpers they import, such as bench/_ranks.py),
+        # so that a later test's ``import _ranks`` finds its own, tests/_ranks.py.
+        for name in set(sys.modules) - before:
+            if str(getattr(sys.modules[name], "__file__", None) or "").startswith(str(BENCH)):
+                del sys.modules[name]
+        sys.path[:] = path  # bench/convergence.py puts bench/ on the path too
 
 
 def tiny(study, **changes):

@@ -144,3 +144,19 @@ def test_no_shared_module_names_an_algorithms_own_state():
     named = [str(p.relative_to(PACKAGE)) for part in ("engine", "runtime", "planning")
              for p in (PACKAGE / part).rglob("*.py") if re.search(r"velocity|next_direction", p.read_text())]
     assert not named, f"modules that name an algorithm's buffer: {named}"
+
+
+def test_the_kernels_folder_imports_without_triton_when_run_from_the_repository_root():
+    """``python -m`` from the repository's root puts ``kernels/`` on the path as a top-level ``kernels``, and
+    ``transformers`` imports whatever is named ``kernels`` when it probes for Hugging Face's package of that name:
+    that import must not need Triton (the CPU install has none), or GPT-2 fails to import there."""
+    probe = ("import sys, importlib.util\n"
+             "import kernels\n"
+             "assert kernels.__file__.startswith(sys.argv[1]), kernels.__file__\n"
+             "assert 'triton' not in sys.modules, 'importing kernels imported triton'\n"
+             "if importlib.util.find_spec('transformers') is not None:\n"
+             "    from transformers import GPT2LMHeadModel\n")
+    root = PACKAGE.parent
+    proc = subprocess.run([sys.executable, "-c", probe, str(root / "kernels")], cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr

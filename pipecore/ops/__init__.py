@@ -68,7 +68,7 @@ def _triton() -> ModuleType:
     mod = _modules.get("triton")
     if mod is None:
         try:
-            import pipecore.kernels as mod
+            import pipecore.kernels.fused as mod  # (the package itself imports nothing: see its docstring)
         except ModuleNotFoundError as exc:
             if exc.name is None or exc.name.split(".")[0] != "triton":
                 raise

@@ -232,6 +232,16 @@ def adamw_args(w, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight
     eps, weight_decay)."""
     op = "adamw_step"
     step = _step_number(op, step)
+    lr, beta1, beta2, eps, weight_decay = _adam_hyperparameters(op, lr, beta1, beta2, eps, weight_decay)
+    if out is None:
+        out = w
+    _ADAMW.check(w, grad, out, exp_avg, exp_avg_sq)
+    return out, int(step), lr, beta1, beta2, eps, weight_decay
+
+
+def _adam_hyperparameters(op: str, lr: object, beta1: object, beta2: object, eps: object,
+                          weight_decay: object) -> tuple[float, float, float, float, float]:
+    """The hyper-parameters the Adam family shares, as floats, checked as torch's optimizers check them."""
     lr = real(op, "lr", lr)
     beta1 = real(op, "beta1", beta1)
     beta2 = real(op, "beta2", beta2)
@@ -247,10 +257,7 @@ def adamw_args(w, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight
         raise ValueError(f"{op}: invalid eps={eps}")
     if weight_decay < 0.0:
         raise ValueError(f"{op}: invalid weight_decay={weight_decay}")
-    if out is None:
-        out = w
-    _ADAMW.check(w, grad, out, exp_avg, exp_avg_sq)
-    return out, int(step), lr, beta1, beta2, eps, weight_decay
+    return lr, beta1, beta2, eps, weight_decay
 
 
 def _step_number(op: str, step: object) -> int:
@@ -273,25 +280,11 @@ def nadam_args(w, grad, exp_avg, exp_avg_sq, step, mu_product, lr, beta1, beta2,
     op = "nadam_step"
     step = _step_number(op, step)
     mu_product = real(op, "mu_product", mu_product)
-    lr = real(op, "lr", lr)
-    beta1 = real(op, "beta1", beta1)
-    beta2 = real(op, "beta2", beta2)
-    eps = real(op, "eps", eps)
-    weight_decay = real(op, "weight_decay", weight_decay)
+    lr, beta1, beta2, eps, weight_decay = _adam_hyperparameters(op, lr, beta1, beta2, eps, weight_decay)
     momentum_decay = real(op, "momentum_decay", momentum_decay)
     if not isinstance(decoupled_weight_decay, bool):
         raise ValueError(f"{op}: argument 'decoupled_weight_decay' must be True or False, got "
                          f"{type(decoupled_weight_decay).__name__}")
-    if lr < 0.0:
-        raise ValueError(f"{op}: invalid learning rate lr={lr}")
-    if not 0.0 <= beta1 < 1.0:
-        raise ValueError(f"{op}: invalid beta1={beta1}; expected 0 <= beta1 < 1")
-    if not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"{op}: invalid beta2={beta2}; expected 0 <= beta2 < 1")
-    if eps < 0.0:
-        raise ValueError(f"{op}: invalid eps={eps}")
-    if weight_decay < 0.0:
-        raise ValueError(f"{op}: invalid weight_decay={weight_decay}")
     if not 0.0 <= momentum_decay < float("inf"):
         raise ValueError(f"{op}: invalid momentum_decay={momentum_decay}; expected a finite value >= 0")
     # Every mu is at most beta1 < 1, so their product is in [0, 1); 1 - mu_product divides the step.

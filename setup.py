@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
+import platform
 import subprocess
 import sys
 import sysconfig
@@ -99,6 +100,11 @@ def _extension():
     # -fno-math-errno lets sqrt vectorize; -ffp-contract=off keeps a*b+c unfused so results do not
     # depend on which instruction set the loader picks for the multi-versioned kernels.
     cxx_flags = ["-O3", "-fvisibility=hidden", "-fno-math-errno", "-ffp-contract=off"]
+    # 256-bit vectors in the AVX-512 clones too: the kernels are bound by memory bandwidth, and on an Intel
+    # Xeon their 512-bit loads and stores were 10-18% slower than AVX2 once the data left the cache, while
+    # AVX2 was never slower (docs/kernels.md, implementation notes).
+    if platform.machine().lower() in ("x86_64", "amd64") and sys.platform != "win32":
+        cxx_flags.append("-mprefer-vector-width=256")
     # Let the loader find libc10/libtorch even when pipecore._C is imported before torch: next to
     # an installed torch ($ORIGIN/../torch/lib), or the torch this was built against (editable
     # installs, where _C sits in the source tree).

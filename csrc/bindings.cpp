@@ -162,6 +162,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out_index"), py::arg("alias_mask"));
   m.def("_streaming_threshold", &pipecore::cpu::streaming_threshold);
   m.def("_set_streaming_threshold", &pipecore::cpu::set_streaming_threshold, py::arg("bytes"));
+  m.def("_streaming_store_bytes", &pipecore::cpu::streaming_store_bytes);
+  m.def("_set_streaming_store_bytes", &pipecore::cpu::set_streaming_store_bytes, py::arg("bytes"));
   py::class_<pipecore::ThreadState::Guard>(m, "_ThreadStateGuard")
       .def("__enter__", [](pipecore::ThreadState::Guard& g) { return &g; }, py::return_value_policy::reference)
       .def("__exit__", [](pipecore::ThreadState::Guard& g, py::args) { g.exit(); });

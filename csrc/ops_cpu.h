@@ -66,8 +66,13 @@ bool args_ok(const std::vector<at::Tensor>& tensors, int64_t n_weights, int64_t 
              int64_t alias_mask);
 
 // Calls moving at least this many bytes write `out` with non-temporal (cache-bypassing) stores;
-// -1 disables them. Defaults to three times the last-level cache. Results do not depend on it.
+// -1 disables them. Defaults to the size of the last-level cache. Results do not depend on it.
 int64_t streaming_threshold();
 void set_streaming_threshold(int64_t bytes);
+
+// Width of each streaming store: 32 bytes where the CPU has AVX, 16 (SSE2) otherwise, 0 where the
+// build has none. Setting it (16, or 32 on an AVX CPU) is for tests of the narrower path.
+int64_t streaming_store_bytes();
+void set_streaming_store_bytes(int64_t bytes);
 
 }  // namespace pipecore::cpu

@@ -324,22 +324,45 @@ def _all_ops(dtype: torch.dtype, n: int, offset: int, in_place: bool) -> list[to
     return results
 
 
+def _store_widths() -> list[int]:
+    """The streaming store widths this CPU can run: 16 bytes always (x86-64), 32 where it has AVX."""
+    native = _C._streaming_store_bytes()
+    return sorted({16, native}) if native else [0]
+
+
+@pytest.mark.parametrize("width", _store_widths())
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("offset, in_place", [(0, False), (1, False), (3, False), (0, True)])
-def test_streaming_stores_give_identical_results(dtype, offset, in_place):
-    """Large calls write `out` with non-temporal stores through a tile buffer; force that path on
-    small tensors (unaligned starts, several tiles and a tail) and compare with ordinary stores."""
+def test_streaming_stores_give_identical_results(dtype, offset, in_place, width):
+    """Large calls write `out` with non-temporal stores through a small tile buffer; force that path on
+    small tensors (unaligned starts, many tiles and a tail shorter than a store) with each store width this
+    CPU has, and compare with ordinary stores."""
     n = 3 * 8192 + 5
-    old = _C._streaming_threshold()
+    old, old_width = _C._streaming_threshold(), _C._streaming_store_bytes()
     try:
         _C._set_streaming_threshold(-1)
         plain = _all_ops(dtype, n, offset, in_place)
         _C._set_streaming_threshold(0)
+        if width:
+            _C._set_streaming_store_bytes(width)
+        assert _C._streaming_store_bytes() == width
         streamed = _all_ops(dtype, n, offset, in_place)
     finally:
         _C._set_streaming_threshold(old)
+        if old_width:
+            _C._set_streaming_store_bytes(old_width)
     for a, b in zip(plain, streamed):
         assert torch.equal(a, b)
+
+
+def test_a_streaming_store_width_the_cpu_lacks_is_refused():
+    if not _C._streaming_store_bytes():
+        with pytest.raises(ValueError, match="one width, 0 bytes, got 16"):
+            _C._set_streaming_store_bytes(16)
+        return
+    with pytest.raises(ValueError, match="width must be 16.* bytes, got 8"):
+        _C._set_streaming_store_bytes(8)
+    assert _C._streaming_store_bytes() in (16, 32)
 
 
 def test_written_tensors_get_their_autograd_version_bumped():

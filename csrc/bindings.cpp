@@ -9,6 +9,7 @@
 #include "mailbox.h"
 #include "ops_cpu.h"
 #include "ring.h"
+#include "stage_loop.h"
 #include "thread_state.h"
 
 namespace py = pybind11;
@@ -84,7 +85,73 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "Make every current and future take() raise Aborted(reason), until reset(). The first "
            "reason is kept.")
       .def("reset", &pipecore::Mailbox::reset, "Clear the aborted state; stored items stay.")
-      .def("clear", &pipecore::Mailbox::clear, "Drop every stored item.");
+      .def("clear", &pipecore::Mailbox::clear, "Drop every stored item.")
+      .def("put_tensors", &pipecore::Mailbox::put_tensors_py, py::arg("key"), py::arg("tensors"),
+           "Store a list of tensors under key as a native message, one a StageLoop can take: detached aliases "
+           "(the same memory, no autograd history). KeyError if key is already present. take() returns it as a "
+           "list.");
+
+  // The native stage loop (stage_loop.h). A program is a list of tuples: ("take", mailbox, key, [buffers]),
+  // ("replay", graph) and ("post", mailbox, key, [buffers]); pipecore/runtime/native_loop.py builds them.
+  py::class_<pipecore::Replayable, std::shared_ptr<pipecore::Replayable>>(m, "Replayable",
+      "Something a StageLoop replays: a captured graph, or the CPU stand-in.")
+      .def("__repr__", &pipecore::Replayable::describe);
+  py::class_<pipecore::StandInGraph, pipecore::Replayable, std::shared_ptr<pipecore::StandInGraph>>(
+      m, "StandInGraph", "CPU stand-in for a captured graph: outputs[i] = inputs[i] * scale + shift, in place.")
+      .def(py::init<std::string, std::vector<at::Tensor>, std::vector<at::Tensor>, double, double, int64_t>(),
+           py::arg("name"), py::arg("inputs"), py::arg("outputs"), py::arg("scale") = 1.0, py::arg("shift") = 0.0,
+           py::arg("fail_at") = 0)
+      .def_property_readonly("replays", &pipecore::StandInGraph::replays);
+  py::class_<pipecore::StageLoop>(m, "StageLoop", "One stage's program of takes, replays and posts, run by a C++ "
+                                                  "thread without the GIL.")
+      .def(py::init<int64_t, std::vector<std::shared_ptr<pipecore::Replayable>>, std::vector<at::Tensor>,
+                    const std::vector<py::object>&>(),
+           py::arg("stage"), py::arg("graphs"), py::arg("buffers"), py::arg("mailboxes"))
+      .def(
+          "start",
+          [](pipecore::StageLoop& loop, const py::list& program, double timeout) {
+            std::vector<pipecore::Instruction> parsed;
+            parsed.reserve(program.size());
+            for (size_t i = 0; i < program.size(); ++i) {
+              auto bad = [&](const std::string& why) {
+                pipecore::raise(pipecore::ErrorKind::kValue,
+                                "StageLoop.start: stage " + std::to_string(loop.stage()) + ", instruction " +
+                                    std::to_string(i) + ": " + why + "; expected ('take', mailbox, key, [buffers]), "
+                                    "('replay', graph) or ('post', mailbox, key, [buffers])");
+              };
+              py::handle item = program[i];
+              if (!py::isinstance<py::tuple>(item)) bad("not a tuple");
+              auto t = item.cast<py::tuple>();
+              if (t.size() == 0 || !py::isinstance<py::str>(t[0])) bad("the first element is not an instruction name");
+              const auto name = t[0].cast<std::string>();
+              try {
+                if (name == "replay" && t.size() == 2) {
+                  parsed.push_back({pipecore::Instruction::Kind::kReplay, t[1].cast<int64_t>(), 0, {}});
+                } else if ((name == "take" || name == "post") && t.size() == 4) {
+                  parsed.push_back({name == "take" ? pipecore::Instruction::Kind::kTake
+                                                   : pipecore::Instruction::Kind::kPost,
+                                    t[1].cast<int64_t>(), t[2].cast<int64_t>(), t[3].cast<std::vector<int64_t>>()});
+                } else {
+                  bad("'" + name + "' with " + std::to_string(t.size() - 1) + " arguments");
+                }
+              } catch (const py::cast_error&) {
+                bad("an argument of '" + name + "' is not an integer (or a list of them)");
+              }
+            }
+            loop.start(std::move(parsed), timeout);
+          },
+          py::arg("program"), py::arg("timeout") = -1.0,
+          "Check the program and start it on the loop's thread. timeout: seconds each take may wait (negative = "
+          "forever).")
+      .def("join", &pipecore::StageLoop::join, py::arg("timeout") = -1.0,
+           "Wait (GIL released) for the program to end and raise its failure: Aborted, TimeoutError or "
+           "RuntimeError naming the stage and instruction. TimeoutError if it is still running after timeout s.")
+      .def("abort", &pipecore::StageLoop::abort, py::arg("reason"),
+           "Abort the loop's mailboxes: the program stops at its next wait.")
+      .def_property_readonly("running", &pipecore::StageLoop::running)
+      .def_property_readonly("stage", &pipecore::StageLoop::stage)
+      .def("completed", &pipecore::StageLoop::completed,
+           "(instruction index, process-wide sequence number) for each instruction the latest program completed.");
 
   py::class_<pipecore::Progress>(m, "Progress", "One counter per stage, with waiting (GIL released).")
       .def(py::init<int64_t>(), py::arg("n"), "n counters at 0; ValueError if n < 1.")

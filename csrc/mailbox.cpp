@@ -1,5 +1,8 @@
 #include "mailbox.h"
 
+#include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor
+
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <sstream>
@@ -85,68 +88,133 @@ Mailbox::~Mailbox() {
 
 void Mailbox::put(int64_t key, py::object value) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto [it, inserted] = items_.try_emplace(key, nullptr);
-  PIPECORE_CHECK(inserted, ErrorKind::kKey, "Mailbox.put: key ", key, " is already present");
+  PIPECORE_CHECK(!has(key), ErrorKind::kKey, "Mailbox.put: key ", key, " is already present");
   // The map now owns this reference; take() hands it back with reinterpret_steal.
-  it->second = value.release().ptr();
+  items_.emplace(key, value.release().ptr());
   wake(key);
 }
 
+namespace {
+
+py::list to_list(std::vector<at::Tensor>&& tensors) {
+  py::list out;
+  for (auto& t : tensors) out.append(py::cast(std::move(t)));
+  return out;
+}
+
+}  // namespace
+
 py::object Mailbox::take(int64_t key, double timeout) {
   check_timeout("Mailbox.take", timeout);
+  // The reference (or the tensors) leave the maps under the mutex and reach Python only with the GIL
+  // held; a take that fails leaves the item where it is.
+  PyObject* obj = nullptr;
+  std::vector<at::Tensor> tensors;
+  bool native = false;
+  auto extract = [&] {  // mu_ held, has(key)
+    if (auto it = items_.find(key); it != items_.end()) {
+      obj = it->second;
+      items_.erase(it);
+    } else {
+      auto nt = tensors_.find(key);
+      tensors = std::move(nt->second);
+      tensors_.erase(nt);
+      native = true;
+    }
+  };
   // Fast path, GIL kept: the key is usually there already when the pipeline is not stalled.
+  bool found = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     raise_if_aborted();
-    auto it = items_.find(key);
-    if (it != items_.end()) {
-      PyObject* obj = it->second;
-      items_.erase(it);
-      return py::reinterpret_steal<py::object>(obj);
+    if (has(key)) {
+      extract();
+      found = true;
     }
   }
-  // The reference leaves the map under the mutex and reaches Python (reinterpret_steal) only with the
-  // GIL held again; a take that fails leaves the item where it is.
-  PyObject* obj = nullptr;
-  without_gil([&] {
-    // mu_ is unlocked when this lambda returns, before without_gil takes the GIL back (rule 5).
-    std::unique_lock<std::mutex> lock(mu_);
-    Status status = wait(
-        lock, key, timeout, [&] { return items_.count(key) != 0; },
-        [&] { return "Mailbox.take: key " + std::to_string(key) + " was not put"; });
-    if (status.code == Status::Code::kReady) {
-      auto it = items_.find(key);
-      obj = it->second;
-      items_.erase(it);
-    }
-    return status;
-  });
+  if (!found) {
+    without_gil([&] {
+      // mu_ is unlocked when this lambda returns, before without_gil takes the GIL back (rule 5).
+      std::unique_lock<std::mutex> lock(mu_);
+      Status status = wait(
+          lock, key, timeout, [&] { return has(key); },
+          [&] { return "Mailbox.take: key " + std::to_string(key) + " was not put"; });
+      if (status.code == Status::Code::kReady) extract();
+      return status;
+    });
+  }
+  if (native) return to_list(std::move(tensors));
   return py::reinterpret_steal<py::object>(obj);
+}
+
+void Mailbox::put_tensors_py(int64_t key, std::vector<at::Tensor> tensors) {
+  // A native message holds detached aliases (same storage, new tensor objects that no Python object ever
+  // wrapped), never the caller's tensors: when a loop thread drops the last reference to a tensor Python once
+  // held, torch takes the GIL to free its Python object, which would stall the loop behind Python, and while
+  // the interpreter finalizes ends the thread inside a destructor, which terminates the process.
+  for (auto& t : tensors) {
+    if (t.defined()) t = t.detach();
+  }
+  Status status = put_tensors(key, tensors);
+  PIPECORE_CHECK(status.code == Status::Code::kReady, ErrorKind::kKey, status.message);
+}
+
+Status Mailbox::put_tensors(int64_t key, std::vector<at::Tensor>& tensors) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (has(key)) return Status::failed("Mailbox.put_tensors: key " + std::to_string(key) + " is already present");
+  tensors_.emplace(key, std::move(tensors));
+  wake(key);
+  return Status::ready();
+}
+
+Status Mailbox::take_tensors(int64_t key, double timeout, std::vector<at::Tensor>& out) {
+  if (std::isnan(timeout)) return Status::failed("Mailbox.take_tensors: timeout is nan");
+  std::unique_lock<std::mutex> lock(mu_);
+  Status status = Status::ready();
+  if (aborted_) return Status::aborted(reason_);
+  if (!has(key)) {
+    status = wait(
+        lock, key, timeout, [&] { return has(key); },
+        [&] { return "Mailbox.take_tensors: key " + std::to_string(key) + " was not put"; });
+    if (status.code != Status::Code::kReady) return status;
+  }
+  auto it = tensors_.find(key);
+  if (it == tensors_.end()) {
+    return Status::failed("Mailbox.take_tensors: key " + std::to_string(key) +
+                          " holds a Python object, not tensors put by put_tensors");
+  }
+  out = std::move(it->second);  // the caller drops them, after this returns and mu_ is unlocked
+  tensors_.erase(it);
+  return status;
 }
 
 bool Mailbox::contains(int64_t key) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return items_.count(key) != 0;
+  return has(key);
 }
 
 size_t Mailbox::size() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return items_.size();
+  return items_.size() + tensors_.size();
 }
 
 std::vector<int64_t> Mailbox::keys() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<int64_t> out;
-  out.reserve(items_.size());
-  for (const auto& kv : items_) out.push_back(kv.first);  // std::map: already sorted
+  out.reserve(items_.size() + tensors_.size());
+  for (const auto& kv : items_) out.push_back(kv.first);
+  for (const auto& kv : tensors_) out.push_back(kv.first);
+  std::sort(out.begin(), out.end());
   return out;
 }
 
 void Mailbox::clear() {
   std::map<int64_t, PyObject*> dropped;
+  std::map<int64_t, std::vector<at::Tensor>> dropped_tensors;
   {
     std::lock_guard<std::mutex> lock(mu_);
     dropped.swap(items_);
+    dropped_tensors.swap(tensors_);
   }
   // Outside the lock: a decref can run arbitrary Python (__del__), which may use this mailbox.
   for (auto& kv : dropped) Py_DECREF(kv.second);

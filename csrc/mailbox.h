@@ -9,6 +9,7 @@
 // put()/set().
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <pybind11/pybind11.h>
 
 #include <condition_variable>
@@ -53,6 +54,11 @@ class AbortState {
 };
 
 // Thread-safe int64 -> Python object map whose take() blocks until the key is present.
+//
+// A key may instead hold a list of tensors with no Python object around it (a native message): the native
+// stage loop (stage_loop.h) posts and takes those from threads that never hold the GIL, and Python may put
+// and take them too (take() returns a list). The tensors leave the map under the mutex and are dropped only
+// after it is unlocked: dropping the last reference to a tensor Python once held can take the GIL (rule 5).
 class Mailbox : AbortState {
  public:
   Mailbox() = default;
@@ -72,9 +78,21 @@ class Mailbox : AbortState {
   void reset() { clear_abort(); }  // the stored items stay
   void clear();  // GIL held by the caller: drops (decrefs) every stored item
 
+  // Native messages. put_tensors_py: GIL held, raises KeyError if the key is present; stores detached aliases
+  // of the tensors (a message carries values, not autograd history, and no Python object). put_tensors and
+  // take_tensors: any thread, GIL neither needed nor touched, nothing raised: a present key (put), a key
+  // holding a Python object (take), an abort or a timeout come back as the Status. put_tensors moves
+  // from `tensors` only when it succeeds; take_tensors fills `out` only when it is ready.
+  void put_tensors_py(int64_t key, std::vector<at::Tensor> tensors);
+  Status put_tensors(int64_t key, std::vector<at::Tensor>& tensors);
+  Status take_tensors(int64_t key, double timeout, std::vector<at::Tensor>& out);
+
  private:
+  bool has(int64_t key) const { return items_.count(key) != 0 || tensors_.count(key) != 0; }  // mu_ held
+
   // Raw strong references, so that no refcount is touched while the GIL is released.
   std::map<int64_t, PyObject*> items_;
+  std::map<int64_t, std::vector<at::Tensor>> tensors_;  // native messages; a key is in one map at most
 };
 
 // One counter per stage (e.g. actions executed), with waiting for a counter to reach a value.

@@ -345,7 +345,8 @@ def mixed(seconds: float, threads: int) -> Counter:
             count["backwards"] += 1
 
     results: dict[str, Counter] = {}
-    parts = {"mailbox": mailbox, "progress": progress, "kernels": kernels, "thread_state": thread_state}
+    parts = {"mailbox": mailbox, "progress": progress, "kernels": kernels, "thread_state": thread_state,
+             "stage_loops": stage_loops}
 
     def part(name: str) -> Callable[[Counter], None]:
         def body(count: Counter) -> None:
@@ -359,6 +360,66 @@ def mixed(seconds: float, threads: int) -> Counter:
     return counts
 
 
+def stage_loops(seconds: float, threads: int) -> Counter:
+    """Pairs of native stage loops pass messages (the first posts what Python put, after a stand-in replay; the
+    second takes, replays, posts to Python) while Python threads put and take on the same mailboxes, and now and
+    then a round is aborted or its loops are dropped while they run. Every round either delivers every message
+    with its value or ends with the abort's reason; no wait outlives its round."""
+    deadline = time.monotonic() + seconds
+    n = 20
+
+    def pair(p: int) -> Callable[[Counter], None]:
+        def body(count: Counter) -> None:
+            rng = random.Random(p)
+            while time.monotonic() < deadline:
+                inbox, middle, outbox = _C.Mailbox(), _C.Mailbox(), _C.Mailbox()
+                x, y, u, v = (torch.zeros(64) for _ in range(4))
+                first = _C.StageLoop(0, [_C.StandInGraph("F0", [x], [y], 2.0, 0.0, 0)], [x, y], [inbox, middle])
+                second = _C.StageLoop(1, [_C.StandInGraph("F1", [u], [v], 1.0, 1.0, 0)], [u, v], [middle, outbox])
+                first.start([i for k in range(n) for i in (("take", 0, k, [0]), ("replay", 0), ("post", 1, k, [1]))],
+                            JOIN_S)
+                second.start([i for k in range(n) for i in (("take", 0, k, [0]), ("replay", 0), ("post", 1, k, [1]))],
+                             JOIN_S)
+                fate = rng.random()
+                stop_at = rng.randrange(n) if fate < 0.3 else n
+                for k in range(stop_at):
+                    inbox.put_tensors(k, [torch.full((64,), float(k))])  # Python-born: the loop drops them
+                if fate < 0.15:
+                    first.abort(f"stress abort {p}")
+                elif fate < 0.3:
+                    del first, second  # dropped while running: their mailboxes are aborted
+                    with_reason = "its StageLoop was destroyed while its program ran"
+                    try:
+                        outbox.take(n - 1, JOIN_S)
+                    except _C.Aborted as exc:
+                        assert with_reason in str(exc), str(exc)
+                        count["dropped"] += 1
+                    continue
+                outcomes = []
+                for loop in (first, second):
+                    try:
+                        loop.join(JOIN_S)
+                        outcomes.append("ok")
+                    except _C.Aborted as exc:
+                        assert str(exc) == f"stress abort {p}", str(exc)
+                        outcomes.append("aborted")
+                if outcomes == ["ok", "ok"]:
+                    for k in range(n):
+                        [got] = outbox.take(k, JOIN_S)
+                        assert torch.equal(got, torch.full((64,), 2.0 * k + 1.0)), (k, got)
+                    count["delivered"] += n
+                else:
+                    assert fate < 0.15, outcomes
+                    count["aborted"] += 1
+                count["rounds"] += 1
+        return body
+
+    counts = run_threads([pair(p) for p in range(max(2, threads // 2))])
+    for key in ("delivered", "aborted", "dropped"):
+        assert counts[key] > 0, f"the stress never exercised '{key}': {dict(counts)}"
+    return counts
+
+
 def segfault(seconds: float, threads: int) -> Counter:
     """Dies of SIGSEGV (reads address 0): for the test of the harness itself."""
     import ctypes
@@ -367,7 +428,8 @@ def segfault(seconds: float, threads: int) -> Counter:
     raise AssertionError("reading address 0 did not fault")
 
 
-CASES = {"segfault": segfault, "mailbox": mailbox, "progress": progress, "kernels": kernels, "thread_state": thread_state, "mixed": mixed}
+CASES = {"segfault": segfault, "mailbox": mailbox, "progress": progress, "kernels": kernels, "thread_state": thread_state,
+         "stage_loops": stage_loops, "mixed": mixed}
 
 
 def main() -> None:

@@ -41,7 +41,7 @@ def run_case(case: str, seconds: float = SECONDS, threads: int = THREADS) -> sub
                           text=True, timeout=600 + 20 * seconds)
 
 
-@pytest.mark.parametrize("case", ["mailbox", "progress", "kernels", "thread_state", "mixed"])
+@pytest.mark.parametrize("case", ["mailbox", "progress", "kernels", "thread_state", "stage_loops", "mixed"])
 def test_stress_case_survives_and_checks_every_result(case):
     proc = run_case(case)
     why = failure(case, proc)

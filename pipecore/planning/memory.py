@@ -25,6 +25,7 @@ Which terms come from where:
 
 from __future__ import annotations
 
+import bisect
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Sequence
@@ -58,6 +59,10 @@ class Sizing:
             ``(0, 1, ..., P-1)`` for one stage per rank; with ``stages_per_rank`` a rank holds several (looped:
             rank ``r`` of ``R`` holds ``r, r+R, ...``; V-shaped: ``r`` and ``2R-1-r``). None (the default when
             constructing one by hand) means one stage per rank.
+        undo_states, undo_weights, undo_gradients: per stage, the copies of its optimizer state and declared
+            buffers, of its weights and of its gradient buffer that the pipeline keeps to undo a failed step
+            (``Pipeline(recover=True)``, the default; :func:`pipecore.engine.undo.undo_copies`). None (the default
+            when constructing one by hand) means none: a pipeline with ``recover=False``.
     """
 
     algorithm: str
@@ -69,6 +74,9 @@ class Sizing:
     in_flight: tuple[int, ...]
     recompute_all: bool = False
     placement: tuple[int, ...] | None = None
+    undo_states: tuple[int, ...] | None = None
+    undo_weights: tuple[int, ...] | None = None
+    undo_gradients: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_stages < 1 or self.n_microbatches < 1:
@@ -78,12 +86,17 @@ class Sizing:
             object.__setattr__(self, "placement", tuple(range(self.num_stages)))
         else:
             object.__setattr__(self, "placement", tuple(int(r) for r in self.placement))
-        for name in ("versions", "derived", "buffers", "in_flight", "placement"):
+        for name in _UNDO:
+            value = getattr(self, name)
+            object.__setattr__(self, name, (0,) * self.num_stages if value is None else tuple(int(c) for c in value))
+        for name in ("versions", "derived", "buffers", "in_flight", "placement", *_UNDO):
             values = getattr(self, name)
             if len(values) != self.num_stages:
                 raise ValueError(f"Sizing.{name} has {len(values)} entries for {self.num_stages} stages")
         if any(v < 1 for v in self.versions) or any(k < 0 for k in self.in_flight):
             raise ValueError(f"Sizing needs versions >= 1 and in_flight >= 0, got {self.versions} and {self.in_flight}")
+        if any(c < 0 for name in _UNDO for c in getattr(self, name)):
+            raise ValueError(f"Sizing's undo copies must be >= 0, got {[getattr(self, name) for name in _UNDO]}")
         if set(self.placement) != set(range(max(self.placement) + 1)):
             raise ValueError(f"Sizing.placement must give every rank 0..R-1 at least one stage, got {self.placement}")
 
@@ -105,10 +118,15 @@ class Sizing:
 
     @classmethod
     def of(cls, algorithm: str | Algorithm, num_stages: int | None = None, n_microbatches: int | None = None,
-           **options: Any) -> "Sizing":
+           *, recover: bool = True, ties: Sequence[Sequence[int]] = (), **options: Any) -> "Sizing":
         """Simulate ``algorithm`` (a name with ``num_stages``, ``n_microbatches`` and options, or a configured
         :class:`~pipecore.algorithms.Algorithm`) for as many mini-batches as the runtime does when it sizes
-        its weight rings, and read the per-stage figures off the trace."""
+        its weight rings, and read the per-stage figures off the trace.
+
+        ``recover`` is the pipeline's (``Pipeline(recover=...)``, default True): with it, the copies each stage
+        keeps to undo a failed step are counted (:func:`pipecore.engine.undo.undo_copies`). ``ties`` lists, per tied
+        weight, the stages that hold it (they change when a stage takes its undo copies; see
+        :func:`tie_owners`)."""
         if isinstance(algorithm, str):
             if num_stages is None or n_microbatches is None:
                 raise ValueError("Sizing.of(name, ...) needs num_stages and n_microbatches")
@@ -116,8 +134,14 @@ class Sizing:
         elif options or num_stages not in (None, algorithm.num_stages) or \
                 n_microbatches not in (None, algorithm.n_microbatches):
             raise ValueError("pass the shape and options when naming the algorithm, not with a configured Algorithm")
+        if not isinstance(recover, bool):
+            raise TypeError(f"recover must be True or False, got {recover!r}")
         p = algorithm.num_stages
         trace = simulate(algorithm, p, algorithm.n_microbatches, n_minibatches=algorithm.warmup_minibatches)
+        ties = tuple(sorted({tuple(sorted({int(s) for s in owners})) for owners in ties if len(set(owners)) > 1}))
+        if any(not 0 <= s < p for owners in ties for s in owners):
+            raise ValueError(f"ties name stages outside 0..{p - 1}: {ties}")
+        undo = _undo_copies(algorithm, ties) if recover else None
         return cls(
             algorithm.name, p, algorithm.n_microbatches,
             tuple(trace.weight_versions(s) for s in range(p)),
@@ -127,7 +151,39 @@ class Sizing:
             tuple(trace.peak_activations(s) for s in range(p)),
             algorithm.backward_rule == "recompute",
             tuple(trace.schedule.placement),
+            *((None,) * 3 if undo is None else (tuple(c.states for c in undo), tuple(c.weights for c in undo),
+                                                  tuple(c.gradients for c in undo))),
         )
+
+
+_UNDO = ("undo_states", "undo_weights", "undo_gradients")
+_UNDO_CACHE: dict[Any, tuple] = {}
+
+
+def tie_owners(costs: GraphCosts, starts: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """Per tied weight of ``costs`` that more than one stage reads, the stages (cut at ``starts``) that hold it."""
+    owners = []
+    for tied in costs.tied:
+        stages = tuple(sorted({bisect.bisect_right(starts, r) for r in tied.readers}))
+        if len(stages) > 1:
+            owners.append(stages)
+    return tuple(owners)
+
+
+def _undo_copies(algorithm: Algorithm, ties: tuple[tuple[int, ...], ...]) -> tuple:
+    """:func:`pipecore.engine.undo.undo_copies`, kept per algorithm and configuration (it trains a stand-in
+    pipeline: a tenth of a second that planners and tests would otherwise pay at every call)."""
+    from ..engine.undo import undo_copies
+
+    try:
+        key = (algorithm.name, algorithm.num_stages, algorithm.n_microbatches,
+               tuple(sorted(algorithm.options.items())), ties)
+        hash(key)
+    except TypeError:  # an unhashable option (a list, say): not kept
+        return undo_copies(algorithm, ties)
+    if key not in _UNDO_CACHE:
+        _UNDO_CACHE[key] = undo_copies(algorithm, ties)
+    return _UNDO_CACHE[key]
 
 
 @dataclass(frozen=True)
@@ -144,11 +200,14 @@ class StageMemory:
     # segment's prefetch, whichever is more.
     recomputation: int
     boundary: int         # received inputs and sent outputs of the in-flight micro-batches
+    # The copies that undo a failed step (Pipeline(recover=True)): optimizer state and declared buffers, weights
+    # and gradients, as many of each as the stage keeps (Sizing.undo_*).
+    undo: int = 0
 
     @property
     def total(self) -> int:
         return (self.weights + self.gradients + self.scratch + self.buffers + self.optimizer + self.activations
-                + self.recomputation + self.boundary)
+                + self.recomputation + self.boundary + self.undo)
 
 
 @dataclass(frozen=True)
@@ -307,6 +366,9 @@ class StageModel:
 
         * weights ``versions * W``, gradients ``W``, scratch ``W`` if derived weights, ``W`` per buffer the
           algorithm declares, optimizer state as given;
+        * undo (``Pipeline(recover=True)``): per copy of the state the stage keeps to undo a failed step, its
+          optimizer state and ``W`` per declared buffer; ``W`` per copy of the weights and per copy of the
+          gradient buffer (``Sizing.undo_states``, ``undo_weights``, ``undo_gradients``);
         * activations ``k * (S(stage) - freed)``: recomputed and offloaded segments free what only their
           nodes save, unless the stage keeps it anyway: as its input or output, or as a recomputed segment's
           input (the checkpoint keeps those; an offloaded segment keeps nothing). With the graph's values
@@ -358,6 +420,8 @@ class StageModel:
             # Under recomputation of the whole stage its forward saves nothing: both crossings are kept apart.
             boundary=k * (self.crossing(start) + self.crossing(end)) if z.recompute_all else
             k * (self.crossing(start) - self._received_saved[start] + self.crossing(end) - self._sent_saved[end]),
+            undo=(z.undo_states[stage] * (optimizer + z.buffers[stage] * w)
+                  + (z.undo_weights[stage] + z.undo_gradients[stage]) * w),
         )
 
     def _segment_bytes(self, start: int, end: int, recomputed: Sequence[Segment],

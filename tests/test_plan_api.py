@@ -284,7 +284,7 @@ def test_predicted_peak_memory_is_within_10_percent_of_measured(name, algorithm,
     cuts = [a for a, _ in module_units(CapturedModel(model, (), inputs(8)))][1:]
     if recompute:
         with pytest.raises(InfeasibleMemoryLimit) as info:
-            plan_costs(costs, num_stages, algorithm, 32, 4, memory_limit=1, allowed_cuts=cuts)
+            plan_costs(costs, num_stages, algorithm, 32, 4, memory_limit=1, allowed_cuts=cuts, recover=False)
         plan = plan_costs(costs, num_stages, algorithm, 32, 4, memory_limit=info.value.smallest_limit,
                           allowed_cuts=cuts, recover=False)
         assert any(plan.recomputed)

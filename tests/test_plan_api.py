@@ -309,17 +309,18 @@ TOLERANCE = 0.05
 
 
 @pytest.mark.parametrize("objective", ["parameters", "time"])
-@pytest.mark.parametrize("algorithm", [
-    pytest.param(a, marks=pytest.mark.xfail(
-        strict=True, reason="the CPU account releases a micro-batch's saved tensors at its B, while its deferred W "
-                            "keeps the autograd graph (retain_graph) until it runs: it under-counts what the plan "
-                            "predicts from the simulator's in-flight count")) if a == "zb-h1" else a
-    for a in pipecore.algorithm_names()])
+@pytest.mark.parametrize("algorithm", pipecore.algorithm_names())
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_every_algorithms_predicted_peaks_match_the_measured_ones_with_recovery_on(name, algorithm, objective):
+def test_every_algorithms_predicted_peaks_match_the_measured_ones_with_recovery_on(name, algorithm, objective, request):
     """As a new user plans and trains: ``objective`` "parameters" or "time", the pipeline's defaults
     (``recover=True``: the undo copies count), trained until the schedule has settled (its warm-up plus 3
     mini-batches), every stage's peak within TOLERANCE of the plan's."""
+    if (name, algorithm, objective) == ("gpt", "zb-h1", "time"):
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "the plan counts a micro-batch waiting for its deferred W whole, while its B already freed what only "
+            "the nodes above the weights' junctions saved (the loss's log-probabilities) and the boundary tensors "
+            "no node saved: on the time cut's last stage, the head alone, that is most of it (predicted 614416 "
+            "bytes, measured 411652)")))
     default_stages, make, inputs, targets, loss_fn = CASES[name]
     options = TWO_PER_RANK.get(algorithm)
     num_stages = default_stages if options is None else 4

@@ -87,11 +87,14 @@ def test_a_tight_limit_is_met_by_recomputing():
 
 
 def recomputing_plan(model: nn.Module, algorithm: str):
-    """A plan for ``model`` under a limit 10% below what any cut meets without recomputing."""
+    """A plan for ``model`` under a limit 10% below what any cut meets without recomputing, for a pipeline with
+    ``recover=False`` (as its users train): with the undo copies counted, which recomputing cannot shrink,
+    pipedream's stages cannot come 10% below."""
     with pytest.raises(InfeasibleMemoryLimit) as info:
-        pipecore.plan(model, tokens(4), 4, algorithm, batch_size=16, n_microbatches=4, memory_limit=1, objective="time")
+        pipecore.plan(model, tokens(4), 4, algorithm, batch_size=16, n_microbatches=4, memory_limit=1, objective="time",
+                      recover=False)
     plan = pipecore.plan(model, tokens(4), 4, algorithm, batch_size=16, n_microbatches=4,
-                         memory_limit=int(info.value.smallest_limit * 0.9))
+                         memory_limit=int(info.value.smallest_limit * 0.9), recover=False)
     assert any(plan.recomputed)
     return plan
 
@@ -315,12 +318,6 @@ def test_every_algorithms_predicted_peaks_match_the_measured_ones_with_recovery_
     """As a new user plans and trains: ``objective`` "parameters" or "time", the pipeline's defaults
     (``recover=True``: the undo copies count), trained until the schedule has settled (its warm-up plus 3
     mini-batches), every stage's peak within TOLERANCE of the plan's."""
-    if (name, algorithm, objective) == ("gpt", "zb-h1", "time"):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "the plan counts a micro-batch waiting for its deferred W whole, while its B already freed what only "
-            "the nodes above the weights' junctions saved (the loss's log-probabilities) and the boundary tensors "
-            "no node saved: on the time cut's last stage, the head alone, that is most of it (predicted 614416 "
-            "bytes, measured 411652)")))
     default_stages, make, inputs, targets, loss_fn = CASES[name]
     options = TWO_PER_RANK.get(algorithm)
     num_stages = default_stages if options is None else 4
@@ -331,6 +328,13 @@ def test_every_algorithms_predicted_peaks_match_the_measured_ones_with_recovery_
     costs = pipecore.profile(model, inputs(8), optimizer=optimizer, loss_fn=loss_fn, example_target=targets(8))
     cuts = [a for a, _ in module_units(CapturedModel(model, (), inputs(8)))][1:]
     plan = plan_costs(costs, num_stages, algorithm, 32, 4, objective=objective, allowed_cuts=cuts, **options)
+    if name == "gpt" and algorithm == "zb-h1" and plan.starts[-1] == cuts[-1]:
+        # Cut by time, the head alone is the last stage on some profiles (the time cut varies with the timings).
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "the plan counts a micro-batch waiting for its deferred W whole, while its B already freed what only "
+            "the nodes above the weights' junctions saved (the loss's log-probabilities) and the boundary tensors "
+            "no node saved: on a last stage of the head alone that is most of it (predicted 614416 bytes, "
+            "measured 411652)")))
     pipe = pipecore.Pipeline(model, num_stages, algorithm, 4, loss_fn=loss_fn, partition=plan, optimizer=optimizer,
                              track_memory=True, **options)
     steps = pipecore.get_algorithm(algorithm, num_stages, 4, **options).warmup_minibatches + 3

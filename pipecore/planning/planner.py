@@ -9,7 +9,8 @@ from typing import Any, Iterable, Sequence
 
 from ..algorithms import Algorithm
 from .costs import GraphCosts
-from .memory import Segment, Sizing, StageMemory, StageModel, tie_owners
+from .memory import Segment, Sizing, StageMemory, StageModel
+from .sizing import tie_owners
 from .byte_units import format_bytes
 from .partitioners import partition
 from .rank_budgets import rank_sums

@@ -87,11 +87,14 @@ def test_a_tight_limit_is_met_by_recomputing():
 
 
 def recomputing_plan(model: nn.Module, algorithm: str):
-    """A plan for ``model`` under a limit 10% below what any cut meets without recomputing."""
+    """A plan for ``model`` under a limit 10% below what any cut meets without recomputing, for a pipeline with
+    ``recover=False`` (as its users train): with the undo copies counted, which recomputing cannot shrink,
+    pipedream's stages cannot come 10% below."""
     with pytest.raises(InfeasibleMemoryLimit) as info:
-        pipecore.plan(model, tokens(4), 4, algorithm, batch_size=16, n_microbatches=4, memory_limit=1, objective="time")
+        pipecore.plan(model, tokens(4), 4, algorithm, batch_size=16, n_microbatches=4, memory_limit=1, objective="time",
+                      recover=False)
     plan = pipecore.plan(model, tokens(4), 4, algorithm, batch_size=16, n_microbatches=4,
-                         memory_limit=int(info.value.smallest_limit * 0.9))
+                         memory_limit=int(info.value.smallest_limit * 0.9), recover=False)
     assert any(plan.recomputed)
     return plan
 
@@ -284,12 +287,13 @@ def test_predicted_peak_memory_is_within_10_percent_of_measured(name, algorithm,
     cuts = [a for a, _ in module_units(CapturedModel(model, (), inputs(8)))][1:]
     if recompute:
         with pytest.raises(InfeasibleMemoryLimit) as info:
-            plan_costs(costs, num_stages, algorithm, 32, 4, memory_limit=1, allowed_cuts=cuts)
+            plan_costs(costs, num_stages, algorithm, 32, 4, memory_limit=1, allowed_cuts=cuts, recover=False)
         plan = plan_costs(costs, num_stages, algorithm, 32, 4, memory_limit=info.value.smallest_limit,
-                          allowed_cuts=cuts)
+                          allowed_cuts=cuts, recover=False)
         assert any(plan.recomputed)
     else:
-        plan = plan_costs(costs, num_stages, algorithm, 32, 4, objective="parameters", allowed_cuts=cuts, **options)
+        plan = plan_costs(costs, num_stages, algorithm, 32, 4, objective="parameters", allowed_cuts=cuts,
+                          recover=False, **options)
     pipe = pipecore.Pipeline(model, num_stages, algorithm, 4, loss_fn=loss_fn, partition=plan, optimizer=optimizer,
                              recover=False, track_memory=True, **options)
     for _ in range(3):
@@ -297,6 +301,50 @@ def test_predicted_peak_memory_is_within_10_percent_of_measured(name, algorithm,
     measured = [s["peak_bytes"] for s in pipe.stats()]
     for s, (predicted, got) in enumerate(zip(plan.stage_memory, measured)):
         assert abs(predicted - got) <= 0.1 * got, f"stage {s}: predicted {predicted} bytes, measured {got}"
+
+
+# Algorithms placing two stages per rank, with their options; they run 4 stages of either model.
+TWO_PER_RANK = {"interleaved-1f1b": {"stages_per_rank": 2}, "looped-bfs": {"stages_per_rank": 2}, "zb-v": {},
+                "dualpipe-v": {}}
+# bench/memory_cpu.py measures every other stage of these models within 3% of its prediction (the weight ring's
+# padding, on the smallest ResNet stages); 5% leaves room for that padding on other cuts.
+TOLERANCE = 0.05
+
+
+@pytest.mark.parametrize("objective", ["parameters", "time"])
+@pytest.mark.parametrize("algorithm", pipecore.algorithm_names())
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_algorithms_predicted_peaks_match_the_measured_ones_with_recovery_on(name, algorithm, objective, request):
+    """As a new user plans and trains: ``objective`` "parameters" or "time", the pipeline's defaults
+    (``recover=True``: the undo copies count), trained until the schedule has settled (its warm-up plus 3
+    mini-batches), every stage's peak within TOLERANCE of the plan's."""
+    default_stages, make, inputs, targets, loss_fn = CASES[name]
+    options = TWO_PER_RANK.get(algorithm)
+    num_stages = default_stages if options is None else 4
+    options = options or {}
+    torch.manual_seed(0)
+    model = make()
+    optimizer = pipecore.SGD(lr=0.01, momentum=0.9)
+    costs = pipecore.profile(model, inputs(8), optimizer=optimizer, loss_fn=loss_fn, example_target=targets(8))
+    cuts = [a for a, _ in module_units(CapturedModel(model, (), inputs(8)))][1:]
+    plan = plan_costs(costs, num_stages, algorithm, 32, 4, objective=objective, allowed_cuts=cuts, **options)
+    if name == "gpt" and algorithm == "zb-h1" and plan.starts[-1] == cuts[-1]:
+        # Cut by time, the head alone is the last stage on some profiles (the time cut varies with the timings).
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "the plan counts a micro-batch waiting for its deferred W whole, while its B already freed what only "
+            "the nodes above the weights' junctions saved (the loss's log-probabilities) and the boundary tensors "
+            "no node saved: on a last stage of the head alone that is most of it (predicted 614416 bytes, "
+            "measured 411652)")))
+    pipe = pipecore.Pipeline(model, num_stages, algorithm, 4, loss_fn=loss_fn, partition=plan, optimizer=optimizer,
+                             track_memory=True, **options)
+    steps = pipecore.get_algorithm(algorithm, num_stages, 4, **options).warmup_minibatches + 3
+    for _ in range(steps):
+        pipe.step(inputs(32), targets(32))
+    measured = [s["peak_bytes"] for s in pipe.stats()]
+    pipe.close()
+    assert any(m.undo > 0 for m in plan.memory_breakdown())
+    for s, (predicted, got) in enumerate(zip(plan.stage_memory, measured)):
+        assert abs(predicted - got) <= TOLERANCE * got, f"stage {s}: predicted {predicted} bytes, measured {got}"
 
 
 @pytest.mark.parametrize("algorithm", ["gpipe", "1f1b", "pipedream", "2bw"])

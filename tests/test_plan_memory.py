@@ -29,7 +29,9 @@ STAGES = ((0, 3), (3, 4))
 
 
 def sizing(name: str, **options) -> Sizing:
-    return Sizing.of(name, 2, 2, **options)
+    """The hand-computed figures below are of a pipeline without undo copies (``recover=False``); the undo term
+    has its own test."""
+    return Sizing.of(name, 2, 2, recover=False, **options)
 
 
 @pytest.mark.parametrize("name, versions, in_flight", [
@@ -67,6 +69,32 @@ def test_stage_memory_by_hand(name, expected):
     assert got == expected
     assert got == {"gpipe": (13280, 12870), "1f1b": (13280, 12435), "pipedream": (16280, 12435),
                    "2bw": (16280, 15435), "pipemare": (19280, 15435)}[name]
+
+
+@pytest.mark.parametrize("name, num_stages, ties, states, weights, gradients", [
+    # gpipe: one mini-batch in flight, updated in place: one snapshot, with the weights it held.
+    ("gpipe", 2, (), (1, 1), (1, 1), (0, 0)),
+    # pipedream: two mini-batches incomplete somewhere when a step begins, both updated at every stage.
+    ("pipedream", 2, (), (2, 2), (2, 2), (0, 0)),
+    # 2bw: its ring keeps the previous version, so stage 0 never copies weights; the last stage does.
+    ("2bw", 2, (), (1, 2), (0, 2), (0, 0)),
+    # A tied weight between the first and last stages, its gradients applied late (pipedream on 4 stages): the
+    # stages holding it snapshot one update group early, with their gradient buffer (as a GPT's do).
+    ("pipedream", 4, ((0, 3),), (2, 2, 2, 2), (2, 2, 2, 2), (2, 0, 0, 2)),
+])
+def test_sizing_counts_the_copies_that_undo_a_failed_step(name, num_stages, ties, states, weights, gradients):
+    z = Sizing.of(name, num_stages, 2 if num_stages == 2 else 4, ties=ties)
+    assert (z.undo_states, z.undo_weights, z.undo_gradients) == (states, weights, gradients)
+    assert Sizing.of(name, num_stages, 2, recover=False).undo_states == (0,) * num_stages
+
+
+def test_the_undo_term_is_state_weights_and_gradient_copies():
+    z = dataclasses.replace(sizing("pipemare"), undo_states=(2, 1), undo_weights=(1, 0), undo_gradients=(1, 1))
+    first, last = (stage_memory(COSTS, a, b, s, z) for s, (a, b) in enumerate(STAGES))
+    # Per state copy: the optimizer state and the declared buffer (weight-sized); per weight or gradient copy, W.
+    assert first.undo == 2 * (6000 + 3000) + 3000 + 3000
+    assert last.undo == 6000 + 3000 + 3000
+    assert first.total == 19280 + first.undo and last.total == 15435 + last.undo
 
 
 def test_stage_memory_terms_by_hand():

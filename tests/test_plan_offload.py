@@ -43,7 +43,7 @@ GRAPH = GraphCosts(
     ),
     host_bytes_per_s=20.0,
 )
-GPIPE = Sizing.of("gpipe", 2, 2)  # two micro-batches in flight at each stage
+GPIPE = Sizing.of("gpipe", 2, 2, recover=False)  # two micro-batches in flight at each stage
 
 
 @pytest.mark.parametrize("recomputed, offloaded, freed, transient, moved", [
@@ -106,7 +106,7 @@ def test_time_is_the_slower_of_compute_and_link():
 # flight: 9 s of compute, and a link of 20 bytes per second (one node's saved bytes in 5 s).
 LINE = GraphCosts(("a", "b", "c"), (1.0,) * 3, (2.0,) * 3, (10,) * 3, (100,) * 3, (0,) * 3, (0,) * 3, (10, 10),
                   host_bytes_per_s=20.0)
-ONE_STAGE = Sizing.of("gpipe", 1, 2)
+ONE_STAGE = Sizing.of("gpipe", 1, 2, recover=False)
 
 
 def test_the_path_offloads_while_the_link_has_slack_then_recomputes():
@@ -173,7 +173,7 @@ def test_memory_partition_with_offload_is_faster_at_equal_limit():
     n = 16
     costs = GraphCosts(tuple(f"n{i}" for i in range(n)), (1.0,) * n, (2.0,) * n, (100,) * n, (400,) * n,
                        (1000,) * n, (2000,) * n, (100,) * (n - 1), host_bytes_per_s=100.0)
-    z = Sizing.of("pipedream", 4, 4)
+    z = Sizing.of("pipedream", 4, 4, recover=False)
     limit = 0.8 * 34800
     result = partition(costs, 4, "memory", z, limit)
     assert result.starts == (3, 7, 11) and result.slowest == 15.0
@@ -233,7 +233,7 @@ def test_without_a_host_bandwidth_plans_are_as_before(seed):
                            tuple(2 * p for p in params), tuple(rng.randint(0, 500) for _ in range(n - 1)),
                            input_bytes=rng.randint(0, 500))
         assert costs.host_bytes_per_s == 0.0
-        z = Sizing.of(rng.choice(["pipedream", "gpipe", "2bw"]), num_stages, 2 * num_stages)
+        z = Sizing.of(rng.choice(["pipedream", "gpipe", "2bw"]), num_stages, 2 * num_stages, recover=False)
         model = StageModel(costs, z)
         for (a, b), s in itertools.product(itertools.combinations(range(n + 1), 2), (0, num_stages - 1)):
             path = model.memory_path(a, b, s)
@@ -282,7 +282,7 @@ def test_offload_needs_a_bandwidth_and_a_stash_rule():
         with pytest.raises(ValueError, match=r"offload needs GraphCosts.host_bytes_per_s > 0, measured on a CUDA "
                                              r"device; these costs \(device 'synthetic'\) have 0.0"):
             call()
-    recompute = Sizing.of("pipemare", 2, 2, backward_rule="recompute")
+    recompute = Sizing.of("pipemare", 2, 2, backward_rule="recompute", recover=False)
     with pytest.raises(ValueError, match="recomputes every forward in its backward.*recomputed and offloaded "
                                          "segments do not apply"):
         stage_memory(GRAPH, 0, 4, 0, recompute, offloaded=((1, 3),))
@@ -310,7 +310,7 @@ def test_a_host_link_never_makes_a_stage_slower_or_a_limit_unreachable(seed):
                              tuple(max(1, s // 2) for s in saved), tuple(saved), (100,) * n, (200,) * n,
                              tuple(rng.randint(0, 500) for _ in range(n - 1)), input_bytes=rng.randint(0, 500))
         with_link = dataclasses.replace(without, host_bytes_per_s=rng.uniform(100.0, 5000.0))
-        z = Sizing.of(rng.choice(["pipedream", "gpipe", "2bw"]), 2, 4)
+        z = Sizing.of(rng.choice(["pipedream", "gpipe", "2bw"]), 2, 4, recover=False)
         plain, linked = StageModel(without, z), StageModel(with_link, z)
         for (a, b), s in itertools.product(itertools.combinations(range(n + 1), 2), (0, 1)):
             assert linked.smallest_memory(a, b, s) <= plain.smallest_memory(a, b, s)

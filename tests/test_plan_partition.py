@@ -12,9 +12,16 @@ import pytest
 
 from pipecore.planning.cut_search import balanced_by_parameters
 from pipecore.planning import (
-    GraphCosts, InfeasibleMemoryLimit, Plan, Sizing, StageModel, partition, plan_costs, smallest_memory_limit,
-    stage_memory,
+    GraphCosts, InfeasibleMemoryLimit, Plan, Sizing, StageModel, partition, smallest_memory_limit, stage_memory,
 )
+from pipecore.planning import plan_costs as _plan_costs
+
+
+def plan_costs(*args, **kwargs):
+    """:func:`pipecore.planning.plan_costs` for a pipeline without undo copies (``recover=False``): these tests'
+    figures and limits are those of the other terms, and their pipelines train with ``recover=False``."""
+    return _plan_costs(*args, recover=False, **kwargs)
+
 
 _SIZINGS: dict[tuple[str, int, int], Sizing] = {}
 
@@ -22,7 +29,7 @@ _SIZINGS: dict[tuple[str, int, int], Sizing] = {}
 def sizing(name: str, num_stages: int, n_microbatches: int) -> Sizing:
     key = (name, num_stages, n_microbatches)
     if key not in _SIZINGS:
-        _SIZINGS[key] = Sizing.of(name, num_stages, n_microbatches)
+        _SIZINGS[key] = Sizing.of(name, num_stages, n_microbatches, recover=False)
     return _SIZINGS[key]
 
 

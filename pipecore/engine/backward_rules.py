@@ -204,14 +204,16 @@ class Swap(BackwardRule):
             self._unpack_target = None
 
     def _pack(self, t: torch.Tensor) -> Any:
-        self._memory.note(t)
         flat = self._packing
         if flat is not None and t.device == flat.device and t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
             offset = t.storage_offset() - flat.storage_offset()
             if 0 <= offset < flat.numel():
+                self._memory.note(t)
                 return _WeightRef(t.size(), t.stride(), offset)
         self._check_saved(t)
-        return t
+        # Counted, and saved as a detached alias: a node's own output saved as itself would hold its node in a cycle
+        # (see pipecore.engine.memory).
+        return self._memory.pack(t)
 
     def _check_saved(self, t: torch.Tensor) -> None:
         """A saved tensor computed from the weights alone (a cast, a parametrization) would keep the forward's

@@ -119,7 +119,8 @@ class TensorStage(OnDevice, StageWorker):
         self.weight_views = self.flat_parameters.views
         self.weight_leaves = self.flat_parameters.leaves
         # The weights' storages count once. On CUDA the allocator measures, so the account keeps nothing.
-        self.memory = MemoryAccount(self.flat_parameters.stable, module, enabled=track_memory and device.type == "cpu")
+        self.memory = MemoryAccount(self.flat_parameters.stable, module, enabled=track_memory and device.type == "cpu",
+                                    watch=split_backward or weight_actions)  # a W may come after its B
         self.loss_fn = loss_fn
         self.target = target
         self.is_last = stage == algorithm.num_stages - 1
@@ -359,7 +360,7 @@ class TensorStage(OnDevice, StageWorker):
                 defer = self.split_backward or (self.weight_actions and not at_once)
                 if (defer and len(wanted) == 1 and len(inputs) == 1
                         and len(tensors) == 1 and graph.leaves and k == microbatches[-1]):
-                    self._committed(k)
+                    self._committed(k, deferred=True)
                     with rule.reading(graph.weights):
                         dx, pending = input_gradient(tensors[0], None if grads is None else grads[0], wanted[0],
                                                      graph.leaves)
@@ -392,13 +393,13 @@ class TensorStage(OnDevice, StageWorker):
         self._backward_times.add_since(t0)
         return outs
 
-    def _committed(self, k: int) -> None:
+    def _committed(self, k: int, deferred: bool = False) -> None:
         """Micro-batch ``k``'s backward starts adding to the gradient buffer: from here on, a failure cannot be
-        undone by putting the micro-batch back."""
+        undone by putting the micro-batch back. ``deferred``: its weight gradients are left for later."""
         self.mutated = True
         del self.in_flight[k]
         if self.memory.enabled:
-            self.memory.backwarded(k)
+            self.memory.backwarded(k, deferred)
         state = self.state
         span = state.grad_span
         if span is None:
@@ -428,7 +429,7 @@ class TensorStage(OnDevice, StageWorker):
         if self._deferred and not self.weight_actions:
             (k, deferred), = self._deferred.items()
             del self._deferred[k]
-            self._weight_gradients(*deferred)
+            self._weight_gradients(k, *deferred)
 
     def compute_weight(self, action: Action) -> None:
         deferred = self._deferred.pop(action.index, None)
@@ -436,13 +437,15 @@ class TensorStage(OnDevice, StageWorker):
         # inputs or outputs) and computed its weight gradients itself.
         if deferred is not None:
             self.mutated = True
-            self._weight_gradients(*deferred)
+            self._weight_gradients(action.index, *deferred)
         self._gradients_complete(1)  # this micro-batch's gradients are complete only now
 
-    def _weight_gradients(self, pending: PendingWeightGradients, weights: torch.Tensor | None) -> None:
+    def _weight_gradients(self, k: int, pending: PendingWeightGradients, weights: torch.Tensor | None) -> None:
         t0 = time.perf_counter()
         with self.rule.reading(weights):
             self._accumulate(weight_gradients(pending, len(self._grad_views)))
+        if self.memory.enabled:
+            self.memory.weighted(k)  # the graph micro-batch k's B retained goes with its pending gradients
         # The rest of the backward whose input gradient went first: its time adds to that backward's.
         self._backward_times.extend_last(time.perf_counter() - t0)
 

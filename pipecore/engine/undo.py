@@ -106,3 +106,65 @@ def minibatches_in_flight(algorithm: Algorithm, needs: Callable[[Action], Sequen
                 oldest = min(oldest, ((a.index - 1) * every if a.kind is U else a.index) // m)
         deepest = max(deepest, f - oldest)
     return deepest
+
+
+@dataclass(frozen=True)
+class UndoCopies:
+    """What a stage keeps to undo a failed step, in copies of its state's parts (see :func:`undo_copies`)."""
+
+    states: int  # copies of the optimizer state and the declared buffers (one per snapshot)
+    weights: int  # weight-sized copies of the weights (kept, or a pooled snapshot's buffer kept for them)
+    gradients: int  # copies of the gradient buffer
+
+
+class _StandInStage(nn.Module):
+    """One stage of :func:`undo_copies`'s stand-in: its own ``Linear(1, 1)``, then the tied ones it shares."""
+
+    def __init__(self, tied: Sequence[nn.Module]):
+        super().__init__()
+        self.own = nn.Linear(1, 1)
+        self.tied = nn.ModuleList(tied)  # one module registered under several stages: a tied weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.own(x)
+        for module in self.tied:
+            x = module(x)
+        return x
+
+
+def undo_copies(algorithm: Algorithm, ties: Sequence[Sequence[int]] = (), steps: int = 3) -> tuple[UndoCopies, ...]:
+    """Per stage, the undo copies a pipeline running ``algorithm`` (``recover=True``) holds once its schedule has
+    settled: the distinct snapshots of its undo points and its pool, and how many of them hold weights and
+    gradients. ``ties`` lists, per tied weight, the stages that hold it.
+
+    How many there are follows from the schedule (mini-batches in flight, when each stage updates), from when
+    the weight ring reuses the slot of a version a snapshot waits on (the ring's slot choice), from the pool's
+    reuse, and from tied weights (their gradients applied late make a stage snapshot one update group early,
+    with its gradient buffer); rather than restate those rules, this trains a stand-in pipeline, one
+    ``Linear(1, 1)`` per stage plus one shared by the stages of each tie, for the schedule's warm-up plus
+    ``steps`` mini-batches and counts what its stages keep. The counts do not depend on the stages' sizes."""
+    import pipecore  # the stand-in is a Pipeline; imported here, as the pipeline imports this module
+
+    num_stages, m = algorithm.num_stages, algorithm.n_microbatches
+    with torch.random.fork_rng(devices=[]):  # the caller's random stream stays where it was
+        torch.manual_seed(0)
+        shared = [nn.Linear(1, 1) for _ in ties]
+        model = nn.Sequential(*[_StandInStage([t for t, owners in zip(shared, ties) if s in owners])
+                                for s in range(num_stages)])
+        pipe = pipecore.Pipeline(model, num_stages, algorithm.name, m, loss_fn=nn.MSELoss(),
+                                 optimizer=pipecore.SGD(lr=0.0), partition=[f"{s}.own" for s in range(1, num_stages)],
+                                 recover=True, track_memory=False, devices="cpu", **dict(algorithm.options))
+        try:
+            x = torch.zeros(m, 1)
+            for _ in range(algorithm.warmup_minibatches + steps):
+                pipe.step(x, x)
+            copies = []
+            for _, stage in sorted(pipe.stages.items()):
+                kept = {id(p.snapshot): p.snapshot for p in stage.undo_points if p.snapshot is not None}
+                kept.update((id(s), s) for s in stage.snapshot_pool)
+                copies.append(UndoCopies(
+                    len(kept), sum(s.weights is not None or s.spare_weights is not None for s in kept.values()),
+                    sum(s.grad is not None for s in kept.values())))
+        finally:
+            pipe.close()
+    return tuple(copies)

@@ -34,6 +34,7 @@ def plan(
     threads_per_stage: int | None = None,
     world_size: int | None = None,
     allreduce_gbps: float | None = None,
+    recover: bool = True,
     **algorithm_options: Any,
 ) -> Plan:
     """Where to cut ``model`` into ``num_stages`` stages for ``algorithm``, from measured per-node costs.
@@ -53,7 +54,9 @@ def plan(
     (a module's internal values, shape arithmetic included, stay in one stage); ``"nodes"`` anywhere.
     ``optimizer`` is the pipeline's (its state counts: SGD with momentum one weight-sized buffer, AdamW two).
     ``loss_fn`` and ``example_target`` (the pipeline's loss and ``example_input``'s targets) let the last
-    stage's prediction include the loss's time and what it saves.
+    stage's prediction include the loss's time and what it saves. ``recover`` is the pipeline's
+    (``Pipeline(recover=...)``, default True): the copies that undo a failed step count in each stage's
+    predicted peak unless it is False.
 
     ``algorithm_options`` configure the algorithm, e.g. ``stages_per_rank=2`` (interleaved-1f1b, looped-bfs,
     zb-h1; zb-v and dualpipe-v always run two stages per rank): ``num_stages`` stages then run on
@@ -112,7 +115,7 @@ def plan(
             allowed = [a for a, _ in module_units(CapturedModel(model, leaf_modules, example_input))][1:]
         return plan_world(costs, world_size, algorithm, batch_size, n_microbatches, memory_limit=limit,
                           objective=objective, allowed_cuts=allowed, allreduce_gbps=allreduce_gbps,
-                          **algorithm_options)
+                          recover=recover, **algorithm_options)
     if allreduce_gbps is not None:
         raise ValueError("allreduce_gbps is for world_size (data x pipeline planning)")
     if num_stages is None:
@@ -133,4 +136,4 @@ def plan(
     if cuts == "modules":
         allowed = [a for a, _ in module_units(CapturedModel(model, leaf_modules, example_input))][1:]
     return plan_costs(costs, num_stages, algorithm, batch_size, n_microbatches, memory_limit=limit,
-                      objective=objective, allowed_cuts=allowed, **algorithm_options)
+                      objective=objective, allowed_cuts=allowed, recover=recover, **algorithm_options)

@@ -27,107 +27,14 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from ..algorithms import Algorithm, get_algorithm
-from ..simulate import simulate
 from .costs import GraphCosts, ValueCost
+from .sizing import Sizing
 
 Segment = tuple[int, int]
-
-
-@dataclass(frozen=True)
-class Sizing:
-    """What an algorithm makes each stage hold, as measured by the simulator, and which rank holds each stage.
-
-    Attributes:
-        algorithm: the algorithm's name.
-        num_stages, n_microbatches: the pipeline shape the figures are for.
-        versions: weight versions each stage's ring holds (``Trace.weight_versions``).
-        derived: whether the stage computes derived weights into a scratch buffer (``Trace.derived_weights``).
-        buffers: how many weight-sized buffers the algorithm declares at the stage (``Algorithm.buffer_updates``).
-        in_flight: peak micro-batches whose forward ran at the stage and whose backward has not finished
-            (``Trace.peak_activations``; under a split backward, until its W): how many activation sets and
-            boundary buffers it holds.
-        recompute_all: the algorithm's backward rule recomputes every forward in its backward
-            (``backward_rule="recompute"``): stages then keep only their inputs, and recomputed segments do
-            not apply.
-        placement: the rank (device) of every stage, from the algorithm's schedule (``Schedule.placement``):
-            ``(0, 1, ..., P-1)`` for one stage per rank; with ``stages_per_rank`` a rank holds several (looped:
-            rank ``r`` of ``R`` holds ``r, r+R, ...``; V-shaped: ``r`` and ``2R-1-r``). None (the default when
-            constructing one by hand) means one stage per rank.
-    """
-
-    algorithm: str
-    num_stages: int
-    n_microbatches: int
-    versions: tuple[int, ...]
-    derived: tuple[bool, ...]
-    buffers: tuple[int, ...]
-    in_flight: tuple[int, ...]
-    recompute_all: bool = False
-    placement: tuple[int, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if self.num_stages < 1 or self.n_microbatches < 1:
-            raise ValueError(f"Sizing needs num_stages >= 1 and n_microbatches >= 1, got {self.num_stages} and "
-                             f"{self.n_microbatches}")
-        if self.placement is None:
-            object.__setattr__(self, "placement", tuple(range(self.num_stages)))
-        else:
-            object.__setattr__(self, "placement", tuple(int(r) for r in self.placement))
-        for name in ("versions", "derived", "buffers", "in_flight", "placement"):
-            values = getattr(self, name)
-            if len(values) != self.num_stages:
-                raise ValueError(f"Sizing.{name} has {len(values)} entries for {self.num_stages} stages")
-        if any(v < 1 for v in self.versions) or any(k < 0 for k in self.in_flight):
-            raise ValueError(f"Sizing needs versions >= 1 and in_flight >= 0, got {self.versions} and {self.in_flight}")
-        if set(self.placement) != set(range(max(self.placement) + 1)):
-            raise ValueError(f"Sizing.placement must give every rank 0..R-1 at least one stage, got {self.placement}")
-
-    @property
-    def num_ranks(self) -> int:
-        """How many ranks (devices) the stages run on."""
-        return max(self.placement) + 1
-
-    @property
-    def stages_per_rank(self) -> int:
-        """The most stages one rank holds (1: one stage per rank)."""
-        return max(self.placement.count(r) for r in range(self.num_ranks))
-
-    def stages_of(self, rank: int) -> tuple[int, ...]:
-        """The stages rank ``rank`` holds, in increasing order."""
-        if not 0 <= rank < self.num_ranks:
-            raise ValueError(f"rank must lie in 0..{self.num_ranks - 1}, got {rank}")
-        return tuple(s for s, r in enumerate(self.placement) if r == rank)
-
-    @classmethod
-    def of(cls, algorithm: str | Algorithm, num_stages: int | None = None, n_microbatches: int | None = None,
-           **options: Any) -> "Sizing":
-        """Simulate ``algorithm`` (a name with ``num_stages``, ``n_microbatches`` and options, or a configured
-        :class:`~pipecore.algorithms.Algorithm`) for as many mini-batches as the runtime does when it sizes
-        its weight rings, and read the per-stage figures off the trace."""
-        if isinstance(algorithm, str):
-            if num_stages is None or n_microbatches is None:
-                raise ValueError("Sizing.of(name, ...) needs num_stages and n_microbatches")
-            algorithm = get_algorithm(algorithm, num_stages, n_microbatches, **options)
-        elif options or num_stages not in (None, algorithm.num_stages) or \
-                n_microbatches not in (None, algorithm.n_microbatches):
-            raise ValueError("pass the shape and options when naming the algorithm, not with a configured Algorithm")
-        p = algorithm.num_stages
-        trace = simulate(algorithm, p, algorithm.n_microbatches, n_minibatches=algorithm.warmup_minibatches)
-        return cls(
-            algorithm.name, p, algorithm.n_microbatches,
-            tuple(trace.weight_versions(s) for s in range(p)),
-            tuple(trace.derived_weights(s) for s in range(p)),
-            tuple(len(algorithm.buffer_updates(s)) for s in range(p)),
-            # Per stage, split backwards included: a stage holds a micro-batch's activations until its W.
-            tuple(trace.peak_activations(s) for s in range(p)),
-            algorithm.backward_rule == "recompute",
-            tuple(trace.schedule.placement),
-        )
 
 
 @dataclass(frozen=True)
@@ -144,11 +51,14 @@ class StageMemory:
     # segment's prefetch, whichever is more.
     recomputation: int
     boundary: int         # received inputs and sent outputs of the in-flight micro-batches
+    # The copies that undo a failed step (Pipeline(recover=True)): optimizer state and declared buffers, weights
+    # and gradients, as many of each as the stage keeps (Sizing.undo_*).
+    undo: int = 0
 
     @property
     def total(self) -> int:
         return (self.weights + self.gradients + self.scratch + self.buffers + self.optimizer + self.activations
-                + self.recomputation + self.boundary)
+                + self.recomputation + self.boundary + self.undo)
 
 
 @dataclass(frozen=True)
@@ -307,6 +217,9 @@ class StageModel:
 
         * weights ``versions * W``, gradients ``W``, scratch ``W`` if derived weights, ``W`` per buffer the
           algorithm declares, optimizer state as given;
+        * undo (``Pipeline(recover=True)``): per copy of the state the stage keeps to undo a failed step, its
+          optimizer state and ``W`` per declared buffer; ``W`` per copy of the weights and per copy of the
+          gradient buffer (``Sizing.undo_states``, ``undo_weights``, ``undo_gradients``);
         * activations ``k * (S(stage) - freed)``: recomputed and offloaded segments free what only their
           nodes save, unless the stage keeps it anyway: as its input or output, or as a recomputed segment's
           input (the checkpoint keeps those; an offloaded segment keeps nothing). With the graph's values
@@ -358,6 +271,8 @@ class StageModel:
             # Under recomputation of the whole stage its forward saves nothing: both crossings are kept apart.
             boundary=k * (self.crossing(start) + self.crossing(end)) if z.recompute_all else
             k * (self.crossing(start) - self._received_saved[start] + self.crossing(end) - self._sent_saved[end]),
+            undo=(z.undo_states[stage] * (optimizer + z.buffers[stage] * w)
+                  + (z.undo_weights[stage] + z.undo_gradients[stage]) * w),
         )
 
     def _segment_bytes(self, start: int, end: int, recomputed: Sequence[Segment],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -9,6 +10,7 @@ from typing import Any, Iterable, Sequence
 from ..algorithms import Algorithm
 from .costs import GraphCosts
 from .memory import Segment, Sizing, StageMemory, StageModel
+from .sizing import tie_owners
 from .byte_units import format_bytes
 from .partitioners import partition
 from .rank_budgets import rank_sums
@@ -247,6 +249,8 @@ def plan_costs(
     memory_limit: float | None = None,
     objective: str = "memory",
     allowed_cuts: Iterable[int] | None = None,
+    *,
+    recover: bool = True,
     **algorithm_options: Any,
 ) -> Plan:
     """Plan ``num_stages`` stages of ``costs`` for ``algorithm`` at ``batch_size`` samples per mini-batch in
@@ -263,6 +267,10 @@ def plan_costs(
     (``Plan.placement``), and ``memory_limit`` is per rank: the sum of a rank's stages' peaks. The time the
     partitioners minimise is the slowest stage's forward and backward of one micro-batch, as with one stage
     per rank; the step time is not simulated (``Plan.rank_time`` sums each rank's stages).
+
+    ``recover`` is the pipeline's (``Pipeline(recover=...)``, default True): with it, each stage's predicted peak
+    includes the copies it keeps to undo a failed step (``StageMemory.undo``); pass False for a pipeline made
+    with ``recover=False``.
     """
     if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1:
         raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
@@ -272,11 +280,30 @@ def plan_costs(
             raise ValueError(f"the algorithm is configured for {algorithm.num_stages} stages and "
                              f"{algorithm.n_microbatches} micro-batches, the plan asks for {num_stages} and "
                              f"{n_microbatches}")
-        sizing = Sizing.of(algorithm, **algorithm_options)
+
+        def size(ties: tuple) -> Sizing:
+            return Sizing.of(algorithm, recover=recover, ties=ties, **algorithm_options)
     else:
-        sizing = Sizing.of(algorithm, num_stages, n_microbatches, **algorithm_options)
+        def size(ties: tuple) -> Sizing:
+            return Sizing.of(algorithm, num_stages, n_microbatches, recover=recover, ties=ties, **algorithm_options)
     scaled = costs.at_microbatch_size(batch_size // n_microbatches)
+    # Which stages share a tied weight depends on the cuts, and changes the undo copies a stage keeps (see
+    # Sizing.of): partition again with the ties that the cuts found without them make; the plan's figures are those
+    # of the ties its own cuts make.
+    sizing = size(())
     result = partition(scaled, num_stages, objective, sizing, memory_limit, allowed_cuts)
+    ties = tie_owners(costs, result.starts) if recover else ()
+    if ties:
+        sizing = size(ties)
+        result = partition(scaled, num_stages, objective, sizing, memory_limit, allowed_cuts)
+        final = tie_owners(costs, result.starts)
+        if final != ties:
+            sizing = size(final)
+            model = StageModel(scaled, sizing)
+            edges = [0, *result.starts, len(costs)]
+            memory = tuple(model.memory(a, b, s, result.recomputed[s], result.offloaded[s])
+                           for s, (a, b) in enumerate(zip(edges, edges[1:])))
+            result = dataclasses.replace(result, memory=memory, stage_memory=tuple(m.total for m in memory))
     return Plan(result.starts, result.recomputed, result.offloaded, result.stage_time, result.stage_memory, objective,
                 sizing.algorithm, num_stages, n_microbatches, batch_size, memory_limit, costs, sizing)
 

@@ -184,6 +184,7 @@ def plan_world(
     allowed_cuts: Iterable[int] | None = None,
     allreduce_gbps: float | None = None,
     bandwidth: Bandwidth | None = None,
+    recover: bool = True,
     **algorithm_options: Any,
 ):
     """Choose ``(W, P)`` with ``W x P = world_size`` and plan it: the fastest configuration whose every rank fits
@@ -193,8 +194,9 @@ def plan_world(
     ``batch_size`` is the global mini-batch: each of the ``W`` replicas plans and trains on ``batch_size / W``
     samples in ``n_microbatches`` micro-batches. The all-reduce bandwidth is ``allreduce_gbps`` GB/s (10^9 bytes
     per second of bus bandwidth) when given, else ``bandwidth``, else measured (:func:`measure_allreduce`) the
-    first time a configuration with ``W > 1`` is timed. Raises :class:`InfeasibleMemoryLimit` when no
-    configuration fits the limit (naming the smallest limit one meets), ``ValueError`` when none can be planned.
+    first time a configuration with ``W > 1`` is timed. ``recover`` is the pipeline's (see :func:`plan_costs`).
+    Raises :class:`InfeasibleMemoryLimit` when no configuration fits the limit (naming the smallest limit one
+    meets), ``ValueError`` when none can be planned.
     """
     from .planner import check_batch, plan_costs
 
@@ -230,7 +232,7 @@ def plan_world(
         replica_batch = check_batch(batch_size // w, n_microbatches)
         try:
             plan = plan_costs(costs, stages, alg, replica_batch, n_microbatches, memory_limit=memory_limit,
-                              objective=objective, allowed_cuts=allowed_cuts)
+                              objective=objective, allowed_cuts=allowed_cuts, recover=recover)
         except InfeasibleMemoryLimit as exc:
             found.append(dataclasses.replace(
                 base, memory=exc.smallest_limit, status=NO_FIT,

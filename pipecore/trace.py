@@ -125,6 +125,30 @@ class Trace:
         stage that splits backwards: whose weight gradients, W, have not: W still needs the saved inputs)."""
         return self._peak_in_flight(self._stage_events[stage])
 
+    def held_activations(self, stage: int) -> tuple[tuple[int, int], ...]:
+        """The stage's micro-batch activations at its peaks, split in two: ``(pending, waiting)``, the micro-batches
+        whose forward ran and whose backward (B) has not, and those whose B ran and whose W has not (a stage
+        that splits backwards; 0 otherwise). Every pair the trace reaches that no other reached pair exceeds in
+        both counts, by decreasing ``pending``: whichever bytes each kind holds, the stage peaks at one of
+        them. Their largest sum is :meth:`peak_activations`."""
+        split = self.schedule.splits_backward(stage)
+        changes = []
+        for e in self._stage_events[stage]:
+            kind = e.action.kind
+            if kind is F:
+                changes.append((e.start, 1, 1, 0))
+            elif kind is B:
+                changes.append((e.end, 0, -e.action.count, e.action.count if split else 0))
+            elif kind is W and split:
+                changes.append((e.end, 0, 0, -e.action.count))
+        pending = waiting = 0
+        reached = {(0, 0)}
+        for _, _, dp, dw in sorted(changes):
+            pending, waiting = pending + dp, waiting + dw
+            reached.add((pending, waiting))
+        return tuple(sorted((p for p in reached if not any(q != p and q[0] >= p[0] and q[1] >= p[1]
+                                                           for q in reached)), reverse=True))
+
     def rank_peak_activations(self, rank: int) -> int:
         """Peak number of micro-batch activations a rank holds at once, over all its stages (as
         :meth:`peak_activations`; with one stage per rank the two agree)."""

@@ -314,7 +314,7 @@ TOLERANCE = 0.05
 @pytest.mark.parametrize("objective", ["parameters", "time"])
 @pytest.mark.parametrize("algorithm", pipecore.algorithm_names())
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_every_algorithms_predicted_peaks_match_the_measured_ones_with_recovery_on(name, algorithm, objective, request):
+def test_every_algorithms_predicted_peaks_match_the_measured_ones_with_recovery_on(name, algorithm, objective):
     """As a new user plans and trains: ``objective`` "parameters" or "time", the pipeline's defaults
     (``recover=True``: the undo copies count), trained until the schedule has settled (its warm-up plus 3
     mini-batches), every stage's peak within TOLERANCE of the plan's."""
@@ -328,13 +328,6 @@ def test_every_algorithms_predicted_peaks_match_the_measured_ones_with_recovery_
     costs = pipecore.profile(model, inputs(8), optimizer=optimizer, loss_fn=loss_fn, example_target=targets(8))
     cuts = [a for a, _ in module_units(CapturedModel(model, (), inputs(8)))][1:]
     plan = plan_costs(costs, num_stages, algorithm, 32, 4, objective=objective, allowed_cuts=cuts, **options)
-    if name == "gpt" and algorithm == "zb-h1" and plan.starts[-1] == cuts[-1]:
-        # Cut by time, the head alone is the last stage on some profiles (the time cut varies with the timings).
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "the plan counts a micro-batch waiting for its deferred W whole, while its B already freed what only "
-            "the nodes above the weights' junctions saved (the loss's log-probabilities) and the boundary tensors "
-            "no node saved: on a last stage of the head alone that is most of it (predicted 614416 bytes, "
-            "measured 411652)")))
     pipe = pipecore.Pipeline(model, num_stages, algorithm, 4, loss_fn=loss_fn, partition=plan, optimizer=optimizer,
                              track_memory=True, **options)
     steps = pipecore.get_algorithm(algorithm, num_stages, 4, **options).warmup_minibatches + 3
@@ -343,6 +336,32 @@ def test_every_algorithms_predicted_peaks_match_the_measured_ones_with_recovery_
     measured = [s["peak_bytes"] for s in pipe.stats()]
     pipe.close()
     assert any(m.undo > 0 for m in plan.memory_breakdown())
+    for s, (predicted, got) in enumerate(zip(plan.stage_memory, measured)):
+        assert abs(predicted - got) <= TOLERANCE * got, f"stage {s}: predicted {predicted} bytes, measured {got}"
+
+
+def test_a_last_stage_of_the_head_alone_under_zb_h1_peaks_as_predicted_with_micro_batches_waiting_for_their_w():
+    """The GPT cut so that its last stage is the head alone (as a time cut may do), under zb-h1: at its peak one
+    micro-batch is between its F and its B and the others wait for their deferred W, which keeps only what the
+    head's matmul saved (its input), their B having freed the loss's log-probabilities. Every stage's peak is
+    within TOLERANCE of the plan's (the model once counted the waiting micro-batches whole: +49% there)."""
+    num_stages, make, inputs, targets, loss_fn = CASES["gpt"]
+    torch.manual_seed(0)
+    model = make()
+    optimizer = pipecore.SGD(lr=0.01, momentum=0.9)
+    costs = pipecore.profile(model, inputs(8), optimizer=optimizer, loss_fn=loss_fn, example_target=targets(8))
+    cuts = [a for a, _ in module_units(CapturedModel(model, (), inputs(8)))][1:]
+    # Three allowed cuts for four stages: the plan takes them all, the last one leaving the head alone.
+    plan = plan_costs(costs, num_stages, "zb-h1", 32, 4, objective="time", allowed_cuts=[cuts[3], cuts[4], cuts[-1]])
+    assert plan.starts == (cuts[3], cuts[4], cuts[-1])
+    last = plan.memory_breakdown()[-1]
+    assert last.boundary == 0 and plan.sizing.held[-1][0][0] == 1  # one whole micro-batch, the last stage sends none
+    pipe = pipecore.Pipeline(model, num_stages, "zb-h1", 4, loss_fn=loss_fn, partition=plan, optimizer=optimizer,
+                             track_memory=True)
+    for _ in range(pipecore.get_algorithm("zb-h1", num_stages, 4).warmup_minibatches + 3):
+        pipe.step(inputs(32), targets(32))
+    measured = [s["peak_bytes"] for s in pipe.stats()]
+    pipe.close()
     for s, (predicted, got) in enumerate(zip(plan.stage_memory, measured)):
         assert abs(predicted - got) <= TOLERANCE * got, f"stage {s}: predicted {predicted} bytes, measured {got}"
 

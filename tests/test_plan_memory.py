@@ -54,6 +54,45 @@ def test_sizing_of_pipemare_has_scratch_and_its_velocity_buffer():
     assert sizing("pipemare", backward_rule="recompute").recompute_all
 
 
+def test_sizing_of_zb_h1_splits_its_micro_batches_in_flight_into_pending_and_waiting_for_their_w():
+    # 2 stages, 2 micro-batches: stage 0 peaks with both before their B, or one waiting for its W; the last
+    # stage runs each B right after its F, so at most one is before its B, the other waiting (or both waiting).
+    z = sizing("zb-h1")
+    assert z.in_flight == (2, 2) and z.held == (((2, 0), (1, 1)), ((1, 1), (0, 2)))
+    assert sizing("1f1b").held == (((2, 0),), ((1, 0),))  # no split backward: nothing waits for a W
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-v", "dualpipe-v", "1f1b"])
+def test_the_held_pairs_largest_sum_is_the_peak_in_flight_and_none_exceeds_another(name):
+    z = Sizing.of(name, 4, 8, recover=False)
+    for pairs, k in zip(z.held, z.in_flight):
+        assert max(p + w for p, w in pairs) == k
+        assert not any(q != p and q[0] >= p[0] and q[1] >= p[1] for p in pairs for q in pairs)
+
+
+def test_a_micro_batch_waiting_for_its_w_keeps_what_the_nodes_up_to_the_last_weight_save_by_hand():
+    # The last stage [2, 4) of COSTS with node d reading no parameter and a loss saving 50 per micro-batch. A
+    # micro-batch before its B holds saved 300 + 400, the loss's 50 and its received input (crossing at 2: 25); one
+    # waiting for its W keeps only what c (the last node reading a parameter) saves, 300, and the received input,
+    # which without the graph's values is taken as saved by the stage's nodes: 325.
+    costs = dataclasses.replace(COSTS, param_bytes=(1000, 0, 2000, 0), optimizer_bytes=(2000, 0, 4000, 0),
+                                loss_saved_bytes=50)
+    z = sizing("zb-h1")
+    model = StageModel(costs, z)
+    assert model.waiting(2, 4) == 300 + 25 and model.waiting(1, 2) == 0  # b reads no parameter: nothing waits
+    m = model.memory(2, 4, 1)
+    # (1 pending, 1 waiting) holds 775 + 325, more than (0, 2): 2 * 325.
+    assert (m.activations, m.boundary) == (700 + 50 + 325, 25)
+    assert m.total == 2000 + 2000 + 4000 + 1100 == 9100
+    # With the graph's values (VALUES, below): of the two values received at 2, b's output (25, charged to b) is
+    # saved by c and kept; a's output (15) no node of the stage saves, and the B frees it.
+    values = dataclasses.replace(VALUES, param_bytes=costs.param_bytes, optimizer_bytes=costs.optimizer_bytes)
+    assert StageModel(values, z).waiting(2, 4) == 300 + 25
+    # Counted whole, as without a split backward (1f1b's one micro-batch in flight there, 2 here): 8000 + 2 * 775.
+    whole = dataclasses.replace(z, held=(((2, 0),), ((2, 0),)))
+    assert model.memory(2, 4, 1).total < StageModel(costs, whole).memory(2, 4, 1).total == 8000 + 2 * 775
+
+
 @pytest.mark.parametrize("name, expected", [
     # weights x versions + gradients + optimizer + saved x in-flight + boundary x in-flight
     ("gpipe", (3000 + 3000 + 6000 + 2 * 600 + 2 * 40, 3000 + 3000 + 6000 + 2 * 400 + 2 * 35)),
@@ -255,3 +294,5 @@ def test_bad_sizing():
         Sizing("x", 2, 2, (1,), (False, False), (0, 0), (1, 1))
     with pytest.raises(ValueError, match="needs num_stages and n_microbatches"):
         Sizing.of("gpipe")
+    with pytest.raises(ValueError, match="largest sum is in_flight"):
+        Sizing("x", 2, 2, (1, 1), (False, False), (0, 0), (2, 1), held=(((2, 0),), ((1, 1),)))

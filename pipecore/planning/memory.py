@@ -116,6 +116,13 @@ class StageModel:
         self._sent_saved = [*(costs.crossing_saved_before or [0] * n), 0]
         self._received_saved = [*(costs.crossing_saved_after or [0] * n), 0]
         self._paths: dict[tuple[int, int, int, bool], MemoryPath] = {}
+        self._waiting: dict[tuple[int, int], int] = {}
+        # Per position e, the last node before e that reads a parameter (-1: none): a micro-batch waiting for its
+        # W keeps what the nodes up to it save (see memory).
+        readers = {i for i, b in enumerate(costs.param_bytes) if b > 0} | {r for t in costs.tied for r in t.readers}
+        self._last_reader = [-1]
+        for i in range(n):
+            self._last_reader.append(i if i in readers else self._last_reader[-1])
         self._values = _Values(costs.values)
 
     # -- range sums ----------------------------------------------------------------------------------
@@ -136,6 +143,34 @@ class StageModel:
     def crossing(self, position: int) -> int:
         """Bytes crossing a cut placed before node ``position`` (the graph's inputs at 0, nothing at the end)."""
         return self._crossing[position]
+
+    def waiting(self, start: int, end: int) -> int:
+        """Bytes that a micro-batch of stage ``[start, end)`` whose B ran keeps until its deferred W: what the
+        nodes up to the stage's last parameter-reading node save (the graph below the weights' junctions, which
+        B retains for W), the received values they save included (:meth:`_received_kept`). Its B freed the rest: what later nodes and the loss saved, and its boundary tensors
+        that no node saved. 0 for a stage that reads no parameter (its B leaves nothing for a W). Recomputed and
+        offloaded segments that end by the last parameter-reading node free of it what they free of a
+        micro-batch before its B (:meth:`memory`)."""
+        last = self._last_reader[end]
+        if last < start:
+            return 0
+        key = (start, last)
+        if key not in self._waiting:
+            self._waiting[key] = self.saved(start, last + 1) + self._received_kept(start, last)
+        return self._waiting[key]
+
+    def _received_kept(self, start: int, last: int) -> int:
+        """Bytes of the values received at ``start`` that nodes ``[start, last]`` save but that are charged to an
+        earlier stage's node (their first saver): kept with the retained graph, and in no saved bytes of the
+        stage. Without the graph's values, the received bytes that no node of the stage is charged with
+        (inferred: a stage's first nodes read, and most often save, its input)."""
+        if not self.costs.values:
+            return self.crossing(start) - self._received_saved[start]
+        v = self._values
+        pairs = (v.saver_at >= start) & (v.saver_at <= last)
+        values = np.unique(v.saver_of[pairs])
+        values = values[(v.producer[values] < start) & (v.first_saver[values] < start) & (v.first_saver[values] >= 0)]
+        return int(v.nbytes[values].sum())
 
     # -- the model -----------------------------------------------------------------------------------
 
@@ -240,7 +275,11 @@ class StageModel:
           and sent output stay alive until its backward (inferred; the first stage's input is
           ``GraphCosts.input_bytes``, the last stage sends nothing that is kept), less what the stage's nodes
           save of them (``GraphCosts.crossing_saved_after`` at the start, ``crossing_saved_before`` at the end),
-          which is one tensor counted in the activations.
+          which is one tensor counted in the activations;
+        * micro-batches waiting for a deferred W (a split backward, ``Sizing.held``): of the ``k`` in flight,
+          ``w`` have run their B and keep only :meth:`waiting` each, counted in the activations (no loss, no
+          boundary). The stage's ``(k - w, w)`` is the pair of ``Sizing.held`` that holds the most bytes, and
+          the activations and boundary terms above count ``k - w`` micro-batches.
 
         First-order: a value saved before the stage and crossing it to a later one is taken as saved in this
         stage, and transient buffers of one forward or backward are not counted. Offloaded bytes in host
@@ -253,24 +292,36 @@ class StageModel:
         for tied in self.costs.tied:  # held again by a stage with a later reader
             if tied.readers[0] < start and any(start <= r < end for r in tied.readers):
                 w, optimizer = w + tied.param_bytes, optimizer + tied.optimizer_bytes
-        k = z.in_flight[stage]
         loss = self.costs.loss_saved_bytes if end == self.num_nodes else 0
         if z.recompute_all:
             kept, transient = 0, self.saved(start, end) + loss
         else:
             freed, transient, _ = self._segment_bytes(start, end, recomputed, offloaded)
             kept = self.saved(start, end) - freed
+        # Per micro-batch: the activations and boundary buffers of one pending its B, and what one waiting for its
+        # W keeps; the stage peaks at whichever of its held pairs holds the most.
+        activations = kept + (0 if z.recompute_all else loss)
+        boundary = self.crossing(start) + self.crossing(end) if z.recompute_all else \
+            self.crossing(start) - self._received_saved[start] + self.crossing(end) - self._sent_saved[end]
+        # (Only a stage that splits its backward has micro-batches waiting: the others need no waiting bytes.)
+        waiting = 0
+        if max(w for _, w in z.held[stage]):
+            # What the segments up to the last parameter-reading node free, a waiting micro-batch is freed of too.
+            last = self._last_reader[end]
+            early = [[(i, j) for i, j in segments if j <= last + 1] for segments in (recomputed, offloaded)]
+            waiting = max(0, self.waiting(start, end) - (0 if z.recompute_all else
+                                                         self._segment_bytes(start, end, *early)[0]))
+        k, waits = max(z.held[stage], key=lambda pair: (pair[0] * (activations + boundary) + pair[1] * waiting, pair))
         return StageMemory(
             weights=z.versions[stage] * w,
             gradients=w,
             scratch=w if z.derived[stage] else 0,
             buffers=z.buffers[stage] * w,
             optimizer=optimizer,
-            activations=k * (kept + (0 if z.recompute_all else loss)),
+            activations=k * activations + waits * waiting,
             recomputation=transient,
             # Under recomputation of the whole stage its forward saves nothing: both crossings are kept apart.
-            boundary=k * (self.crossing(start) + self.crossing(end)) if z.recompute_all else
-            k * (self.crossing(start) - self._received_saved[start] + self.crossing(end) - self._sent_saved[end]),
+            boundary=k * boundary,
             undo=(z.undo_states[stage] * (optimizer + z.buffers[stage] * w)
                   + (z.undo_weights[stage] + z.undo_gradients[stage]) * w),
         )
@@ -342,8 +393,8 @@ class StageModel:
         as an offloaded one (a run keeps one input however many nodes it spans, so runs free far more than
         single nodes). Each step takes the candidate freeing the most bytes per second of added time. With
         ``T`` the stage's compute seconds so far, ``X`` its offloaded bytes per micro-batch so far, ``bw`` the
-        host bandwidth, ``k`` the micro-batches in flight, and for the run ``S`` its saved bytes, ``I`` its
-        input kept, ``f`` its forward seconds and ``G`` the growth of the largest transient:
+        host bandwidth, ``k`` the micro-batches in flight, and for the run ``S`` its saved bytes, ``I`` its input
+        kept, ``f`` its forward seconds and ``G`` the growth of the largest transient:
 
         * recompute frees ``k * (S - I) - G`` in ``max(T + f, X / bw) - max(T, X / bw)`` seconds (``f`` while
           nothing is offloaded; nothing while the link is the bottleneck);
@@ -445,6 +496,7 @@ class MemoryPath:
     def __init__(self, model: StageModel, start: int, end: int, stage: int, offload: bool = True):
         self.model, self.start, self.end, self.stage = model, start, end, stage
         self.steps: list[Choice] = [Choice((), (), model.memory(start, end, stage), model.time(start, end))]
+        # The micro-batches in flight (those waiting for a W keep less, and segments free less of them: first-order).
         self.k = model.sizing.in_flight[stage]
         self.done = model.sizing.recompute_all or self.k == 0 or model.saved(start, end) == 0
         self.bandwidth = model.costs.host_bytes_per_s if offload else 0.0  # 0: recomputation only

@@ -37,6 +37,12 @@ class Sizing:
             buffers, of its weights and of its gradient buffer that the pipeline keeps to undo a failed step
             (``Pipeline(recover=True)``, the default; :func:`pipecore.engine.undo.undo_copies`). None (the default
             when constructing one by hand) means none: a pipeline with ``recover=False``.
+        held: per stage, the ``(pending, waiting)`` counts of micro-batches at which it may peak
+            (``Trace.held_activations``): ``pending`` between their forward and their backward (B), ``waiting``
+            past their B and waiting for their deferred W (under a split backward), which B has freed of all but
+            what the weights' gradients still need. Every pair reached that no other exceeds in both; the
+            largest sum is ``in_flight``. None (the default when constructing one by hand) means
+            ``((in_flight, 0),)``: every micro-batch in flight held whole.
     """
 
     algorithm: str
@@ -51,6 +57,7 @@ class Sizing:
     undo_states: tuple[int, ...] | None = None
     undo_weights: tuple[int, ...] | None = None
     undo_gradients: tuple[int, ...] | None = None
+    held: tuple[tuple[tuple[int, int], ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_stages < 1 or self.n_microbatches < 1:
@@ -63,12 +70,20 @@ class Sizing:
         for name in _UNDO:
             value = getattr(self, name)
             object.__setattr__(self, name, (0,) * self.num_stages if value is None else tuple(int(c) for c in value))
-        for name in ("versions", "derived", "buffers", "in_flight", "placement", *_UNDO):
+        if self.held is None:
+            object.__setattr__(self, "held", tuple(((int(k), 0),) for k in self.in_flight))
+        else:
+            object.__setattr__(self, "held", tuple(tuple((int(p), int(w)) for p, w in pairs) for pairs in self.held))
+        for name in ("versions", "derived", "buffers", "in_flight", "placement", "held", *_UNDO):
             values = getattr(self, name)
             if len(values) != self.num_stages:
                 raise ValueError(f"Sizing.{name} has {len(values)} entries for {self.num_stages} stages")
         if any(v < 1 for v in self.versions) or any(k < 0 for k in self.in_flight):
             raise ValueError(f"Sizing needs versions >= 1 and in_flight >= 0, got {self.versions} and {self.in_flight}")
+        if any(not pairs or min(min(p, w) for p, w in pairs) < 0 or max(p + w for p, w in pairs) != k
+               for pairs, k in zip(self.held, self.in_flight)):
+            raise ValueError(f"Sizing.held needs, per stage, pairs of counts >= 0 whose largest sum is in_flight, got "
+                             f"{self.held} for in_flight {self.in_flight}")
         if any(c < 0 for name in _UNDO for c in getattr(self, name)):
             raise ValueError(f"Sizing's undo copies must be >= 0, got {[getattr(self, name) for name in _UNDO]}")
         if set(self.placement) != set(range(max(self.placement) + 1)):
@@ -127,6 +142,7 @@ class Sizing:
             tuple(trace.schedule.placement),
             *((None,) * 3 if undo is None else (tuple(c.states for c in undo), tuple(c.weights for c in undo),
                                                   tuple(c.gradients for c in undo))),
+            tuple(trace.held_activations(s) for s in range(p)),
         )
 
 

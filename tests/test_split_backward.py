@@ -128,7 +128,10 @@ def _live_cpu_bytes() -> int:
     for o in gc.get_objects():
         if isinstance(o, torch.Tensor) and o.device.type == "cpu":
             storage = o.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+            try:
+                storages[storage.data_ptr()] = storage.nbytes()
+            except RuntimeError:  # a fake tensor another test's export left for the collector: it has no data
+                continue
     return sum(storages.values())
 
 

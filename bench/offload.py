@@ -15,7 +15,8 @@ measures the link to pinned host memory), then planned three ways at the same ba
 
 Each trains 3 warm-up steps, then ``--steps`` steps timed with the device synchronised; the peak is read over the
 timed steps after ``torch.cuda.reset_peak_memory_stats``. The pipeline is built with the model on the CPU and
-``devices=[cuda]``, so that the device holds nothing but the pipeline's own tensors and the data. Reported per
+``devices=[cuda]``, so that the device holds nothing but the pipeline's own tensors and the data, and with
+``recover=False``, as the plans are made (without the copies that undo a failed step). Reported per
 configuration: predicted and measured peak bytes, predicted seconds per micro-batch and measured seconds per
 step, and the segments chosen; and the measured reductions of the peak against the predicted ones.
 """
@@ -71,13 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     micro = args.batch // M
     costs = profile(gpt().to(device), data[0][0][:micro].to(device), optimizer=optimizer, loss_fn=loss_fn,
                     example_target=data[0][1][:micro].to(device))
-    plain = plan_costs(costs, 1, "gpipe", args.batch, M, None, "parameters")
+    plain = plan_costs(costs, 1, "gpipe", args.batch, M, None, "parameters", recover=False)
     limit = int(args.fraction * plain.stage_memory[0])
     without_link = dataclasses.replace(costs, host_bytes_per_s=0.0)
     plans = {
         "plain": plain,
-        "recompute": plan_costs(without_link, 1, "gpipe", args.batch, M, limit, "memory"),
-        "offload": plan_costs(costs, 1, "gpipe", args.batch, M, limit, "memory"),
+        "recompute": plan_costs(without_link, 1, "gpipe", args.batch, M, limit, "memory", recover=False),
+        "offload": plan_costs(costs, 1, "gpipe", args.batch, M, limit, "memory", recover=False),
     }
     results = {}
     for name, plan in plans.items():

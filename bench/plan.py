@@ -13,8 +13,8 @@ The GPT of ``pipecore train --model gpt`` (4 blocks, width 64, 64-token windows,
 * ``parameters``: the pipeline's default, balanced parameters, likewise.
 
 Each maximum is then verified by training 2 steps at that batch and reading every stage's measured peak
-(``stats()[s]["peak_bytes"]``, the CPU account, with ``recover=False``: the copies that undo a failed step
-are not in the plan's model); where a peak is over the limit, the batch steps down by the micro-batch count
+(``stats()[s]["peak_bytes"]``, the CPU account; planned and trained with ``recover=False``, without the copies
+that undo a failed step); where a peak is over the limit, the batch steps down by the micro-batch count
 until none is (``max_batch``; ``predicted_max_batch`` is the plan's). The profile includes the loss (what it
 saves counts at the last stage). Last, the three partitions train at the largest batch all of them fit, in
 interleaved rounds: the throughput ratio to the time-balanced partition (median of per-round ratios).
@@ -65,7 +65,7 @@ def largest_memory_plan(costs, algorithm: str, limit: int, cuts, ceiling: int):
     """The plan at the largest batch (a multiple of M) for which the memory planner fits the limit."""
     def attempt(batch: int):
         try:
-            return plan_costs(costs, STAGES, algorithm, batch, M, limit, "memory", cuts)
+            return plan_costs(costs, STAGES, algorithm, batch, M, limit, "memory", cuts, recover=False)
         except InfeasibleMemoryLimit:
             return None
 
@@ -101,7 +101,7 @@ def plan_and_verify(costs, cuts, algorithm: str, limit: int, ceiling: int, round
     then their throughput at the largest batch all of them fit."""
     plans = {"memory": largest_memory_plan(costs, algorithm, limit, cuts, ceiling)}
     for objective in ("time", "parameters"):
-        made = plan_costs(costs, STAGES, algorithm, M, M, None, objective, cuts)
+        made = plan_costs(costs, STAGES, algorithm, M, M, None, objective, cuts, recover=False)
         plans[objective] = dataclasses.replace(made, memory_limit=limit)
     row: dict = {"partitions": {}}
     for objective, plan in plans.items():
@@ -111,7 +111,7 @@ def plan_and_verify(costs, cuts, algorithm: str, limit: int, ceiling: int, round
         predicted = plan.batch_size if objective == "memory" else plan.max_batch_size()
         batch = predicted
         while True:  # verified: step down until the measured peaks are under the limit
-            at_batch = plan_costs(costs, STAGES, algorithm, batch, M, limit, objective, cuts)
+            at_batch = plan_costs(costs, STAGES, algorithm, batch, M, limit, objective, cuts, recover=False)
             peaks, _ = train(at_batch, algorithm, batch, steps=2)
             if max(peaks) <= limit or batch <= M:
                 break
@@ -128,7 +128,8 @@ def plan_and_verify(costs, cuts, algorithm: str, limit: int, ceiling: int, round
     common = min(p["max_batch"] for p in row["partitions"].values())
     row["common_batch"] = common
     if common >= M:
-        fitted = {o: plan_costs(costs, STAGES, algorithm, common, M, limit, o, cuts) for o in OBJECTIVES}
+        fitted = {o: plan_costs(costs, STAGES, algorithm, common, M, limit, o, cuts, recover=False)
+                  for o in OBJECTIVES}
         seconds: dict[str, list[float]] = {o: [] for o in OBJECTIVES}
         for r in range(rounds):
             for o in (OBJECTIVES if r % 2 == 0 else tuple(reversed(OBJECTIVES))):

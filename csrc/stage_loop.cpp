@@ -137,12 +137,14 @@ void StageLoop::start(std::vector<Instruction> program, double timeout) {
   PIPECORE_CHECK(!started_, ErrorKind::kRuntime, "StageLoop.start: stage ", stage_,
                  done_ ? ": the previous program ended but was not joined; join() it first"
                        : ": a program is still running; join() it first");
-  started_ = true;
-  done_ = false;
   status_ = Status::ready();
   completed_.clear();
-  // The caller's torch thread-local state (grad mode, autocast, profiler), entered on the loop's thread.
+  // The caller's torch thread-local state (grad mode, autocast, profiler), entered on the loop's thread. The new
+  // thread's finish() waits for mu_, held here, so setting the state after it starts is safe; a thread that
+  // cannot be started (std::system_error, raised with the GIL held) leaves the loop as it was.
   thread_ = std::thread(&StageLoop::run, this, std::move(program), timeout, at::ThreadLocalState());
+  started_ = true;
+  done_ = false;
 }
 
 Status StageLoop::execute(const Instruction& ins, double timeout) {

@@ -131,21 +131,7 @@ class Trace:
         that splits backwards; 0 otherwise). Every pair the trace reaches that no other reached pair exceeds in
         both counts, by decreasing ``pending``: whichever bytes each kind holds, the stage peaks at one of
         them. Their largest sum is :meth:`peak_activations`."""
-        split = self.schedule.splits_backward(stage)
-        changes = []
-        for e in self._stage_events[stage]:
-            kind = e.action.kind
-            if kind is F:
-                changes.append((e.start, 1, 1, 0))
-            elif kind is B:
-                changes.append((e.end, 0, -e.action.count, e.action.count if split else 0))
-            elif kind is W and split:
-                changes.append((e.end, 0, 0, -e.action.count))
-        pending = waiting = 0
-        reached = {(0, 0)}
-        for _, _, dp, dw in sorted(changes):
-            pending, waiting = pending + dp, waiting + dw
-            reached.add((pending, waiting))
+        reached = self._held(self._stage_events[stage])
         return tuple(sorted((p for p in reached if not any(q != p and q[0] >= p[0] and q[1] >= p[1]
                                                            for q in reached)), reverse=True))
 
@@ -158,19 +144,28 @@ class Trace:
     def _peak_in_flight(self, events: Sequence[Event]) -> int:
         """Activations are held from a forward's start to the end of the action that last needs them: the W of a
         stage that splits backwards, else the B (one freed at the moment another is taken does not overlap it)."""
-        ends = {s: W if self.schedule.splits_backward(s) else B for s in {e.action.stage for e in events}}
+        return max(pending + waiting for pending, waiting in self._held(events))
+
+    def _held(self, events: Sequence[Event]) -> set[tuple[int, int]]:
+        """Every ``(pending, waiting)`` pair of micro-batch counts the events reach (see :meth:`held_activations`),
+        over their stages together."""
+        splits = {s: self.schedule.splits_backward(s) for s in {e.action.stage for e in events}}
         changes = []
         for e in events:
             kind = e.action.kind
             if kind is F:
-                changes.append((e.start, 1, 1))
-            elif kind is ends[e.action.stage]:
-                changes.append((e.end, 0, -e.action.count))
-        in_flight = peak = 0
-        for _, _, delta in sorted(changes):
-            in_flight += delta
-            peak = max(peak, in_flight)
-        return peak
+                changes.append((e.start, 1, 1, 0))
+            elif kind is B:
+                moved = e.action.count if splits[e.action.stage] else 0
+                changes.append((e.end, 0, -e.action.count, moved))
+            elif kind is W and splits[e.action.stage]:
+                changes.append((e.end, 0, 0, -e.action.count))
+        pending = waiting = 0
+        reached = {(0, 0)}
+        for _, _, dp, dw in sorted(changes):
+            pending, waiting = pending + dp, waiting + dw
+            reached.add((pending, waiting))
+        return reached
 
     @property
     def makespan(self) -> float:

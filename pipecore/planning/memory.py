@@ -147,10 +147,10 @@ class StageModel:
     def waiting(self, start: int, end: int) -> int:
         """Bytes that a micro-batch of stage ``[start, end)`` whose B ran keeps until its deferred W: what the
         nodes up to the stage's last parameter-reading node save (the graph below the weights' junctions, which
-        B retains for W), the received values they save included (:meth:`_received_kept`). Its B freed the rest: what later nodes and the loss saved, and its boundary tensors
-        that no node saved. 0 for a stage that reads no parameter (its B leaves nothing for a W). Recomputed and
-        offloaded segments that end by the last parameter-reading node free of it what they free of a
-        micro-batch before its B (:meth:`memory`)."""
+        B retains for W), the received values they save included (:meth:`_received_kept`). Its B freed the rest:
+        what later nodes and the loss saved, and its boundary tensors that no node saved. 0 for a stage that reads
+        no parameter (its B leaves nothing for a W). Recomputed and offloaded segments that end by the last
+        parameter-reading node free of it what they free of a micro-batch before its B (:meth:`memory`)."""
         last = self._last_reader[end]
         if last < start:
             return 0

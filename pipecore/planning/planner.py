@@ -12,7 +12,7 @@ from .costs import GraphCosts
 from .memory import Segment, Sizing, StageMemory, StageModel
 from .sizing import tie_owners
 from .byte_units import format_bytes
-from .partitioners import partition
+from .partitioners import InfeasibleMemoryLimit, partition
 from .rank_budgets import rank_sums
 
 # Doubling the micro-batch past this many samples means memory does not grow with the batch.
@@ -240,6 +240,10 @@ class Plan:
         plt.close(fig)
 
 
+# Partitions at most this many more times while the cuts move tied weights between stages (see plan_costs).
+_TIE_ROUNDS = 3
+
+
 def plan_costs(
     costs: GraphCosts,
     num_stages: int,
@@ -288,22 +292,30 @@ def plan_costs(
             return Sizing.of(algorithm, num_stages, n_microbatches, recover=recover, ties=ties, **algorithm_options)
     scaled = costs.at_microbatch_size(batch_size // n_microbatches)
     # Which stages share a tied weight depends on the cuts, and changes the undo copies a stage keeps (see
-    # Sizing.of): partition again with the ties that the cuts found without them make; the plan's figures are those
-    # of the ties its own cuts make.
+    # Sizing.of): partition again with the ties the last cuts make until the cuts make the ties they were made
+    # with. Should that not settle, the plan's figures are those of its own cuts' ties, checked against the limit.
     sizing = size(())
     result = partition(scaled, num_stages, objective, sizing, memory_limit, allowed_cuts)
-    ties = tie_owners(costs, result.starts) if recover else ()
-    if ties:
-        sizing = size(ties)
+    ties: tuple = ()
+    for _ in range(_TIE_ROUNDS):
+        found = tie_owners(costs, result.starts) if recover else ()
+        if found == ties:
+            break
+        ties, sizing = found, size(found)
         result = partition(scaled, num_stages, objective, sizing, memory_limit, allowed_cuts)
-        final = tie_owners(costs, result.starts)
-        if final != ties:
-            sizing = size(final)
-            model = StageModel(scaled, sizing)
-            edges = [0, *result.starts, len(costs)]
-            memory = tuple(model.memory(a, b, s, result.recomputed[s], result.offloaded[s])
-                           for s, (a, b) in enumerate(zip(edges, edges[1:])))
-            result = dataclasses.replace(result, memory=memory, stage_memory=tuple(m.total for m in memory))
+    else:
+        sizing = size(tie_owners(costs, result.starts))
+        model = StageModel(scaled, sizing)
+        edges = [0, *result.starts, len(costs)]
+        memory = tuple(model.memory(a, b, s, result.recomputed[s], result.offloaded[s])
+                       for s, (a, b) in enumerate(zip(edges, edges[1:])))
+        result = dataclasses.replace(result, memory=memory, stage_memory=tuple(m.total for m in memory))
+        fullest = max(rank_sums(result.stage_memory, sizing.placement))
+        if memory_limit is not None and fullest > memory_limit:
+            raise InfeasibleMemoryLimit(
+                f"the cuts that meet memory_limit={int(memory_limit)} bytes move the tied weights between stages, "
+                f"and with the undo copies of where they end up a rank needs {fullest} bytes; plan with a larger "
+                f"limit, or recover=False for a pipeline without undo copies", fullest)
     return Plan(result.starts, result.recomputed, result.offloaded, result.stage_time, result.stage_memory, objective,
                 sizing.algorithm, num_stages, n_microbatches, batch_size, memory_limit, costs, sizing)
 

@@ -131,18 +131,20 @@ class Sizing:
         if any(not 0 <= s < p for owners in ties for s in owners):
             raise ValueError(f"ties name stages outside 0..{p - 1}: {ties}")
         undo = _undo_copies(algorithm, ties) if recover else None
+        held = tuple(trace.held_activations(s) for s in range(p))
         return cls(
             algorithm.name, p, algorithm.n_microbatches,
             tuple(trace.weight_versions(s) for s in range(p)),
             tuple(trace.derived_weights(s) for s in range(p)),
             tuple(len(algorithm.buffer_updates(s)) for s in range(p)),
-            # Per stage, split backwards included: a stage holds a micro-batch's activations until its W.
-            tuple(trace.peak_activations(s) for s in range(p)),
+            # Per stage, split backwards included: a stage holds a micro-batch's activations until its W (the
+            # largest sum of its held pairs is Trace.peak_activations).
+            tuple(max(pending + waiting for pending, waiting in pairs) for pairs in held),
             algorithm.backward_rule == "recompute",
             tuple(trace.schedule.placement),
             *((None,) * 3 if undo is None else (tuple(c.states for c in undo), tuple(c.weights for c in undo),
                                                   tuple(c.gradients for c in undo))),
-            tuple(trace.held_activations(s) for s in range(p)),
+            held,
         )
 
 
